@@ -1,0 +1,66 @@
+"""rlcomm: torch.distributed process groups per parallel mode for distributed RL training.
+
+Torch-free parts (modes, errors, layout planning) import instantly; the rest loads on first use,
+so that planning a layout does not pay for ``import torch``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    BackendError,
+    EnvironmentConfigError,
+    GroupRegistrationError,
+    JoinTimeoutError,
+    LayoutError,
+    ModeNotRegisteredError,
+    RlcommError,
+)
+from .layout import GroupSpec, LayoutPlan, LayoutSpec, format_plan, grid_groups, plan_layout
+from .modes import CommMode, ParallelMode, mode_name
+
+_LAZY = {
+    "CommContext": "context",
+    "GroupInfo": "context",
+    "resolve_backend": "context",
+    "GroupInitializer": "group_initializer",
+    "register_initializer": "group_initializer",
+    "collectives": "collectives",
+    "WeightSender": "weight_transfer",
+    "WeightReceiver": "weight_transfer",
+}
+
+__all__ = [
+    "BackendError",
+    "CommMode",
+    "EnvironmentConfigError",
+    "GroupRegistrationError",
+    "GroupSpec",
+    "JoinTimeoutError",
+    "LayoutError",
+    "LayoutPlan",
+    "LayoutSpec",
+    "ModeNotRegisteredError",
+    "ParallelMode",
+    "RlcommError",
+    "format_plan",
+    "grid_groups",
+    "mode_name",
+    "plan_layout",
+    *_LAZY,
+]
+
+if TYPE_CHECKING:  # noqa: SIM108
+    from . import collectives
+    from .context import CommContext, GroupInfo, resolve_backend
+    from .group_initializer import GroupInitializer, register_initializer
+    from .weight_transfer import WeightReceiver, WeightSender
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'rlcomm' has no attribute {name!r}")
+    module = importlib.import_module(f".{_LAZY[name]}", __name__)
+    return module if name == _LAZY[name] else getattr(module, name)

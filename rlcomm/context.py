@@ -1,0 +1,320 @@
+"""CommContext: the process-wide registry of torch.distributed groups per parallel mode.
+
+The public API is the seed's (same methods, argument names, defaults and meaning). What differs
+is what the seed got wrong: it runs without CUDA, reads the environment with clear errors, passes
+the timeout to every group, agrees with torch on group ranks, refuses to register two groups of
+one mode, names its groups, supports every mode, and can be destroyed and initialised again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import distributed as dist
+from torch.distributed import ProcessGroup
+
+from .errors import (
+    BackendError,
+    EnvironmentConfigError,
+    GroupRegistrationError,
+    ModeNotRegisteredError,
+    RlcommError,
+)
+from .group_initializer import get_initializer, group_description
+from .modes import CommMode, Mode, ParallelMode, mode_name
+from .utils import SingletonMeta, env_int, format_ranks
+
+BACKENDS = ("nccl", "gloo", "auto")
+
+# The seed keeps each parallel size as an attribute; registration keeps them current.
+_SIZE_ATTRIBUTES: dict[str, str] = {
+    ParallelMode.TENSOR_PARALLEL: "_tensor_parallel_size",
+    ParallelMode.TRAIN_DATA_PARALLEL: "_train_data_parallel_size",
+    ParallelMode.DATA_PARALLEL: "_data_parallel_size",
+    ParallelMode.SEQUENCE_PARALLEL: "_sequence_parallel_size",
+}
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> nccl with CUDA devices, else gloo; nccl without CUDA is an error naming gloo."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise BackendError(
+            "backend 'nccl' needs CUDA devices but none are visible on this machine; "
+            "use backend='gloo' (or 'auto')"
+        )
+    if backend not in ("nccl", "gloo", "fake"):
+        raise BackendError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    return backend
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One registered group as plain data (what ``describe`` returns per mode)."""
+
+    local_rank: int
+    world_size: int
+    ranks: list[int]
+    declared_ranks: list[int]
+
+
+class CommContext(metaclass=SingletonMeta):
+    """Singleton communication context for PyTorch distributed.
+
+    Attributes:
+        _local_ranks: Mapping from mode to this rank's rank inside the group.
+        _global_ranks: Mapping from mode to global rank (GLOBAL only).
+        _world_sizes: Mapping from mode to group size.
+        _ranks_in_group: Mapping from mode to the group's global ranks, in torch's (sorted) order.
+        _groups: Mapping from mode to ProcessGroup.
+    """
+
+    def __init__(self) -> None:
+        self._local_ranks: dict[str, int] = {}
+        self._global_ranks: dict[str, int] = {}
+        self._world_sizes: dict[str, int] = {}
+        self._ranks_in_group: dict[str, list[int]] = {}
+        self._declared_ranks: dict[str, list[int]] = {}
+        self._node_cuda_num: int = torch.cuda.device_count()
+        self._groups: dict[str, ProcessGroup] = {}
+        self._backend: str = ""
+        self._timeout: datetime.timedelta | None = None
+        self._tensor_parallel_size: int = 1
+        self._train_data_parallel_size: int = 1
+        self._data_parallel_size: int = 1
+        self._sequence_parallel_size: int = 1
+
+    def is_initialized(self) -> bool:
+        """True once ``init_distributed_env`` registered the global group."""
+        return self._groups.get(CommMode.GLOBAL) is not None
+
+    def init_distributed_env(
+        self,
+        world_size: int | None = None,
+        rank: int | None = None,
+        backend: str = "nccl",
+        dist_url: str = "env://",
+        timeout: int = 1800,
+    ) -> None:
+        """Initialise the default process group and register it as GLOBAL.
+
+        ``world_size``/``rank`` default to WORLD_SIZE/RANK; ``backend`` is nccl, gloo or auto;
+        ``timeout`` (seconds) bounds the rendezvous, init and every group created later. A rank
+        that never arrives fails every other rank after ``timeout`` with the missing ranks named.
+        """
+        if self.is_initialized():
+            raise RlcommError("CommContext is already initialized; call destroy() first")
+        backend = resolve_backend(backend)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        world_size = env_int("WORLD_SIZE") if world_size is None else world_size
+        rank = env_int("RANK") if rank is None else rank
+        if not 0 <= rank < world_size:
+            raise EnvironmentConfigError(f"rank {rank} is out of range for world_size {world_size}")
+        wait = datetime.timedelta(seconds=timeout)
+
+        device_id = None
+        if backend == "nccl":
+            # Bind the device before any collective, or NCCL guesses one ("using GPU 0").
+            device_id = torch.device("cuda", self.get_in_node_rank() % self._node_cuda_num)
+            torch.cuda.set_device(device_id)
+
+        from .rendezvous import join_world
+
+        store = join_world(backend, dist_url, rank, world_size, wait)
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            world_size=world_size,
+            rank=rank,
+            timeout=wait,
+            device_id=device_id,
+        )
+        self._backend = backend
+        self._timeout = wait
+        self._register_group(
+            rank, world_size, dist.GroupMember.WORLD, list(range(world_size)), CommMode.GLOBAL
+        )
+        self._global_ranks[CommMode.GLOBAL] = rank
+
+    def _register_group(
+        self,
+        local_rank: int | None,
+        world_size: int,
+        process_group: ProcessGroup | None,
+        ranks_in_group: list[int],
+        mode: Mode,
+        declared_ranks: list[int] | None = None,
+    ) -> None:
+        """Record this rank's group of ``mode``; a second group of one mode is an error."""
+        if local_rank is None or process_group is None:
+            return
+        key = mode_name(mode)
+        if key in self._groups:
+            raise GroupRegistrationError(
+                f"rank {self._global_ranks.get(CommMode.GLOBAL, '?')} is already in "
+                f"{group_description(key, self._declared_ranks[key])} and cannot also join "
+                f"{group_description(key, declared_ranks or ranks_in_group)}: "
+                f"a rank belongs to at most one group per mode"
+            )
+        self._local_ranks[key] = local_rank
+        self._world_sizes[key] = world_size
+        self._groups[key] = process_group
+        self._ranks_in_group[key] = list(ranks_in_group)
+        self._declared_ranks[key] = list(declared_ranks or ranks_in_group)
+        size_attr = _SIZE_ATTRIBUTES.get(key)
+        if size_attr:
+            setattr(self, size_attr, world_size)
+
+    def _lookup(self, table: dict[str, Any], comm_mode: Mode) -> Any:
+        key = mode_name(comm_mode)
+        if key not in table:
+            rank = self._global_ranks.get(CommMode.GLOBAL)
+            who = f"rank {rank}" if rank is not None else "this process (not initialized)"
+            have = ", ".join(self._groups) or "none"
+            raise ModeNotRegisteredError(
+                f"{who} is not a member of any {key} group; its modes: {have}"
+            )
+        return table[key]
+
+    def get_group(self, comm_mode: Mode) -> ProcessGroup:
+        """The process group of ``comm_mode`` this rank belongs to."""
+        return self._lookup(self._groups, comm_mode)
+
+    def get_world_size(self, comm_mode: Mode) -> int:
+        """Size of this rank's group of ``comm_mode``."""
+        return self._lookup(self._world_sizes, comm_mode)
+
+    def get_global_rank(self) -> int:
+        """This process's rank in the global group."""
+        return self._lookup(self._global_ranks, CommMode.GLOBAL)
+
+    def get_local_rank(self, comm_mode: Mode) -> int:
+        """This rank's position in its ``comm_mode`` group (torch's: sorted by global rank)."""
+        return self._lookup(self._local_ranks, comm_mode)
+
+    def get_in_node_rank(self) -> int:
+        """Rank within this node: LOCAL_RANK, else SLURM_LOCALID, else the INTRA_NODE group."""
+        for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+            if os.environ.get(name):
+                return env_int(name)
+        if CommMode.INTRA_NODE in self._local_ranks:
+            return self._local_ranks[CommMode.INTRA_NODE]
+        raise EnvironmentConfigError(
+            "LOCAL_RANK is not set and cannot be derived: set LOCAL_RANK or register an "
+            "INTRA_NODE group first"
+        )
+
+    def get_ranks_in_group(self, comm_mode: Mode) -> list[int]:
+        """Global ranks of this rank's ``comm_mode`` group, in group-rank order."""
+        return list(self._lookup(self._ranks_in_group, comm_mode))
+
+    def get_local_world_size(self) -> int:
+        """Ranks on this node: LOCAL_WORLD_SIZE, else the INTRA_NODE group's size."""
+        if os.environ.get("LOCAL_WORLD_SIZE"):
+            return env_int("LOCAL_WORLD_SIZE")
+        if CommMode.INTRA_NODE in self._world_sizes:
+            return self._world_sizes[CommMode.INTRA_NODE]
+        raise EnvironmentConfigError(
+            "LOCAL_WORLD_SIZE is not set and cannot be derived: set LOCAL_WORLD_SIZE or register "
+            "an INTRA_NODE group first"
+        )
+
+    def get_intra_node_process_group(self) -> ProcessGroup:
+        return self.get_group(CommMode.INTRA_NODE)
+
+    def get_inter_node_process_group(self) -> ProcessGroup:
+        return self.get_group(CommMode.INTER_NODE)
+
+    def is_main_rank(self) -> bool:
+        """True on global rank 0."""
+        return self.get_global_rank() == 0
+
+    def init_group(
+        self,
+        ranks: list[int] | list[list[int]],
+        mode: Mode | None = None,
+        backend: str = "nccl",
+        use_cpu: bool = False,
+        *,
+        group_size: int | None = None,
+    ) -> None:
+        """Create the group(s) of ``mode`` from ``ranks`` and register the one this rank is in.
+
+        ``ranks`` is one list or several disjoint lists (one group each); every rank must make
+        the same call. For DATA/TENSOR/SEQUENCE_PARALLEL, a flat list plus ``group_size`` builds
+        the Megatron grid (initialise TENSOR_PARALLEL before SEQUENCE_PARALLEL). ``use_cpu``
+        makes a gloo group for CPU tensors whatever ``backend`` says.
+
+        Raises:
+            NotImplementedError: If no initializer is registered for ``mode``.
+        """
+        initializer_cls = get_initializer(mode)
+        group_backend = "gloo" if use_cpu else resolve_backend(backend)
+        if self._backend == "fake":
+            group_backend = "fake"
+        initializer = initializer_cls(
+            self.get_global_rank(),
+            self.get_world_size(CommMode.GLOBAL),
+            ranks,
+            mode=mode,
+            timeout=self._timeout,
+            group_size=group_size,
+            tensor_parallel_size=self._tensor_parallel_size,
+        )
+        self._register_group(*initializer.init_dist_group(group_backend, use_cpu))
+
+    def describe(self) -> dict[str, GroupInfo]:
+        """This rank's registry as data: mode -> local rank, group size, ranks."""
+        return {
+            mode: GroupInfo(
+                self._local_ranks[mode],
+                self._world_sizes[mode],
+                list(self._ranks_in_group[mode]),
+                list(self._declared_ranks[mode]),
+            )
+            for mode in self._groups
+        }
+
+    def get_declared_ranks(self, comm_mode: Mode) -> list[int]:
+        """The group's ranks in the order the layout listed them (the first is its leader,
+        e.g. the trainer of a WEIGHT_TRANSFER group)."""
+        return list(self._lookup(self._declared_ranks, comm_mode))
+
+    def to_global_rank(self, comm_mode: Mode, group_rank: int) -> int:
+        """Global rank of position ``group_rank`` in this rank's ``comm_mode`` group."""
+        ranks = self._lookup(self._ranks_in_group, comm_mode)
+        if not 0 <= group_rank < len(ranks):
+            raise IndexError(
+                f"group rank {group_rank} out of range for {mode_name(comm_mode)}"
+                f"{format_ranks(ranks)}"
+            )
+        return int(ranks[group_rank])
+
+    def to_group_rank(self, comm_mode: Mode, global_rank: int) -> int:
+        """Position of ``global_rank`` in this rank's ``comm_mode`` group."""
+        ranks = self._lookup(self._ranks_in_group, comm_mode)
+        if global_rank not in ranks:
+            raise ValueError(
+                f"global rank {global_rank} is not in {mode_name(comm_mode)}{format_ranks(ranks)}"
+            )
+        return int(ranks.index(global_rank))
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    def destroy(self) -> None:
+        """Tear down every group and reset the context so it can be initialised again."""
+        if self.is_initialized():
+            try:
+                if self._backend != "fake":
+                    dist.barrier()  # nobody tears down while a peer is still sending
+            finally:
+                dist.destroy_process_group()
+        self.__init__()  # type: ignore[misc]

@@ -1,0 +1,35 @@
+"""Errors raised by rlcomm. Each message is one line that names the field and the value."""
+
+from __future__ import annotations
+
+
+class RlcommError(Exception):
+    """Base class of every rlcomm error."""
+
+
+class LayoutError(RlcommError, ValueError):
+    """A layout (world size, rank lists, sizes) that cannot be built."""
+
+
+class BackendError(RlcommError, RuntimeError):
+    """A backend that cannot run here (nccl without CUDA, unknown name)."""
+
+
+class EnvironmentConfigError(RlcommError, RuntimeError):
+    """A distributed environment variable that is missing or malformed."""
+
+
+class GroupRegistrationError(RlcommError, RuntimeError):
+    """A group that would overwrite another of the same mode for this rank."""
+
+
+class JoinTimeoutError(RlcommError, TimeoutError):
+    """Some ranks never arrived at the rendezvous within the timeout."""
+
+
+class ModeNotRegisteredError(RlcommError, KeyError):
+    """This rank is not a member of any group of the requested mode."""
+
+    def __str__(self) -> str:
+        # KeyError's str() would wrap the message in quotes.
+        return str(self.args[0]) if self.args else ""

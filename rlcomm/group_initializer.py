@@ -1,0 +1,161 @@
+"""Group initializers: turn one mode's rank lists into torch process groups.
+
+Every rank calls ``init_dist_group`` for every group of a mode, in the same order, whether or not
+it is a member (torch requires it); the rank registers only the group it belongs to. The set is
+open: ``register_initializer("MY_MODE", MyInitializer)`` adds a mode without editing rlcomm.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .errors import LayoutError
+from .layout import RankLists, grid_groups, validate_rank_lists
+from .modes import CommMode, Mode, ParallelMode, mode_name, register_mode_name
+from .utils import format_ranks
+
+
+class GroupRegistration(NamedTuple):
+    """What ``CommContext._register_group`` takes (the seed's argument order, plus the declared
+    order of the ranks, whose first entry is e.g. the weight-transfer sender)."""
+
+    local_rank: int | None
+    world_size: int
+    process_group: ProcessGroup | None
+    ranks_in_group: list[int]
+    mode: str
+    declared_ranks: list[int]
+
+
+def group_description(mode: str, ranks: Sequence[int]) -> str:
+    """``WEIGHT_TRANSFER[0,2]``: the name torch prints in its logs and timeout messages."""
+    return f"{mode}{format_ranks(list(ranks))}"
+
+
+class GroupInitializer:
+    """Creates one group per rank list of ``ranks`` (a flat list is one group)."""
+
+    mode: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        ranks: Sequence[int] | Sequence[Sequence[int]],
+        *,
+        mode: Mode | None = None,
+        timeout: datetime.timedelta | None = None,
+        **options: Any,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.ranks = ranks
+        self.mode_name = mode_name(mode) if mode is not None else self.mode
+        self.timeout = timeout
+        self.options = options
+
+    def rank_lists(self) -> RankLists:
+        """The groups to create, validated; subclasses may derive them (see size-based ones)."""
+        return validate_rank_lists(self.mode_name, self.ranks, self.world_size)
+
+    def init_dist_group(self, backend: str | None, use_cpu: bool = False) -> GroupRegistration:
+        backend = "gloo" if use_cpu else backend
+        mine = GroupRegistration(None, 0, None, [], self.mode_name, [])
+        for declared in self.rank_lists():
+            ranks = sorted(declared)
+            group = dist.new_group(
+                ranks,
+                timeout=self.timeout,
+                backend=backend,
+                group_desc=group_description(self.mode_name, declared),
+            )
+            if self.rank in declared:
+                # torch orders a group by sorted global rank; ask it rather than assume.
+                mine = GroupRegistration(
+                    dist.get_rank(group), len(ranks), group, ranks, self.mode_name, list(declared)
+                )
+        return mine
+
+
+class TrainDPGroupInitializer(GroupInitializer):
+    """Trainer data parallelism (the DDP group)."""
+
+    mode = ParallelMode.TRAIN_DATA_PARALLEL.value
+
+
+class IntraNodeGroupInitializer(GroupInitializer):
+    mode = CommMode.INTRA_NODE.value
+
+
+class InterNodeGroupInitializer(GroupInitializer):
+    mode = CommMode.INTER_NODE.value
+
+
+class WeightTransferGroupInitializer(GroupInitializer):
+    """Trainer -> rollout workers; list each group with its trainer first."""
+
+    mode = ParallelMode.WEIGHT_TRANSFER.value
+
+
+class SizeGroupInitializer(GroupInitializer):
+    """DATA/TENSOR/SEQUENCE_PARALLEL: explicit rank lists, or a flat list of ranks plus
+    ``group_size`` for the usual Megatron grid (TP contiguous, SP inside TP blocks, DP strided)."""
+
+    def rank_lists(self) -> RankLists:
+        size = self.options.get("group_size")
+        if size is None:
+            return super().rank_lists()
+        flat = validate_rank_lists(self.mode_name, [self.ranks], self.world_size)[0]
+        inner = int(self.options.get("tensor_parallel_size") or 1)
+        return grid_groups(flat, self.mode_name, int(size), inner)
+
+
+class TensorParallelGroupInitializer(SizeGroupInitializer):
+    mode = ParallelMode.TENSOR_PARALLEL.value
+
+
+class SequenceParallelGroupInitializer(SizeGroupInitializer):
+    mode = ParallelMode.SEQUENCE_PARALLEL.value
+
+
+class DataParallelGroupInitializer(SizeGroupInitializer):
+    mode = ParallelMode.DATA_PARALLEL.value
+
+
+_INITIALIZERS: dict[str, type[GroupInitializer]] = {
+    cls.mode: cls
+    for cls in (
+        TrainDPGroupInitializer,
+        IntraNodeGroupInitializer,
+        InterNodeGroupInitializer,
+        WeightTransferGroupInitializer,
+        TensorParallelGroupInitializer,
+        SequenceParallelGroupInitializer,
+        DataParallelGroupInitializer,
+    )
+}
+
+
+def register_initializer(mode: Mode, initializer: type[GroupInitializer]) -> None:
+    """Make ``init_group(ranks, mode)`` use ``initializer`` for ``mode`` (a new name is fine)."""
+    name = mode_name(mode)
+    if name == CommMode.GLOBAL:
+        raise LayoutError("GLOBAL is created by init_distributed_env and cannot be re-registered")
+    register_mode_name(name)
+    _INITIALIZERS[name] = initializer
+
+
+def get_initializer(mode: Mode | None) -> type[GroupInitializer]:
+    name = mode_name(mode) if mode is not None else "None"
+    try:
+        return _INITIALIZERS[name]
+    except KeyError:
+        raise NotImplementedError(
+            f"Parallel mode {name} is not supported for group initialization; known: "
+            f"{', '.join(sorted(_INITIALIZERS))} (add one with rlcomm.register_initializer)"
+        ) from None

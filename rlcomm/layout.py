@@ -1,0 +1,309 @@
+"""Layout planning: which groups every rank must create, validated without any process group.
+
+Pure Python (no torch import) so that ``plan_only`` and the launching process can reject a bad
+layout before a single rank starts, and so that planning 65,536 ranks stays well under a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .errors import LayoutError
+from .modes import ParallelMode, is_known_mode, known_mode_names, mode_name
+from .utils import format_ranks
+
+RankLists = tuple[tuple[int, ...], ...]
+
+# Creation order of derived groups; every rank must call new_group in the same order.
+_DERIVED_ORDER = (
+    ParallelMode.INTRA_NODE,
+    ParallelMode.INTER_NODE,
+    ParallelMode.TRAIN_DATA_PARALLEL,
+    ParallelMode.WEIGHT_TRANSFER,
+    ParallelMode.TENSOR_PARALLEL,
+    ParallelMode.SEQUENCE_PARALLEL,
+    ParallelMode.DATA_PARALLEL,
+)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """All groups of one mode, as declared (torch sorts each list; the declared order is kept
+    so that e.g. a WEIGHT_TRANSFER list names its sender first)."""
+
+    mode: str
+    rank_lists: RankLists
+
+    def group_of(self, rank: int) -> tuple[int, ...] | None:
+        for ranks in self.rank_lists:
+            if rank in ranks:
+                return ranks
+        return None
+
+
+@dataclass
+class LayoutSpec:
+    """What a user declares; everything not given is derived by :func:`plan_layout`."""
+
+    world_size: int
+    ranks_per_node: int | None = None
+    nodes: int | None = None
+    trainers: Sequence[int] | None = None
+    rollouts: Sequence[int] = ()
+    groups: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
+    tensor_parallel_size: int | None = None
+    sequence_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    world_size: int
+    ranks_per_node: int
+    nodes: int
+    trainers: tuple[int, ...]
+    rollouts: tuple[int, ...]
+    groups: tuple[GroupSpec, ...]
+
+    @property
+    def colocated(self) -> bool:
+        """Trainers also step the environments (no separate rollout ranks)."""
+        return not self.rollouts
+
+    def role(self, rank: int) -> str:
+        if rank in self.trainers:
+            return "trainer+rollout" if self.colocated else "trainer"
+        return "rollout" if rank in self.rollouts else "idle"
+
+    def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """Mode -> the declared ranks of the group ``rank`` belongs to."""
+        found = {}
+        for spec in self.groups:
+            ranks = spec.group_of(rank)
+            if ranks is not None:
+                found[spec.mode] = ranks
+        return found
+
+    def group(self, mode: str) -> GroupSpec | None:
+        return next((g for g in self.groups if g.mode == mode_name(mode)), None)
+
+
+def plan_layout(spec: LayoutSpec) -> LayoutPlan:
+    """Validate ``spec`` and return every group to create, in creation order."""
+    world = _check_positive_int("layout.world_size", spec.world_size)
+    per_node, nodes = _node_shape(spec, world)
+    trainers, rollouts = _roles(spec, world)
+
+    explicit = {}
+    for raw_mode, lists in spec.groups.items():
+        name = mode_name(raw_mode)
+        if not is_known_mode(name):
+            raise LayoutError(
+                f"layout.groups: unknown mode {name!r}; known modes: {', '.join(known_mode_names())}"
+            )
+        if name == ParallelMode.GLOBAL:
+            raise LayoutError("layout.groups.GLOBAL: the global group is implicit; remove it")
+        explicit[name] = validate_rank_lists(name, lists, world, f"layout.groups.{name}")
+
+    derived: dict[str, RankLists] = {
+        ParallelMode.INTRA_NODE: tuple(
+            tuple(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)
+        ),
+        ParallelMode.INTER_NODE: tuple(tuple(range(i, world, per_node)) for i in range(per_node)),
+        ParallelMode.TRAIN_DATA_PARALLEL: (trainers,),
+    }
+    if rollouts:
+        derived[ParallelMode.WEIGHT_TRANSFER] = _pair_trainers(trainers, rollouts)
+    derived.update(_size_groups(spec, world))
+
+    ordered = [m.value for m in _DERIVED_ORDER] + [m for m in explicit if m not in _DERIVED_ORDER]
+    groups = tuple(
+        GroupSpec(mode, explicit[mode] if mode in explicit else derived[mode])
+        for mode in ordered
+        if mode in explicit or mode in derived
+    )
+    return LayoutPlan(world, per_node, nodes, trainers, rollouts, groups)
+
+
+def validate_rank_lists(
+    mode: str, lists: object, world_size: int, where: str | None = None
+) -> RankLists:
+    """Check one mode's rank lists: ints in range, no duplicates, disjoint, none empty."""
+    where = where or mode
+    if isinstance(lists, Sequence) and lists and _is_int(lists[0]):
+        lists = [lists]  # a single flat list is one group
+    if not isinstance(lists, Sequence) or isinstance(lists, str) or not lists:
+        raise LayoutError(f"{where}: expected a non-empty list of rank lists, got {lists!r}")
+    owner: dict[int, int] = {}
+    result: list[tuple[int, ...]] = []
+    for index, ranks in enumerate(lists):
+        group = _rank_tuple(f"{where}[{index}]", ranks)
+        if not group:
+            raise LayoutError(f"{where}[{index}]: empty group")
+        for rank in group:
+            if rank < 0 or rank >= world_size:
+                raise LayoutError(
+                    f"{where}: rank {rank} in group {format_ranks(group)} is out of range "
+                    f"for world_size {world_size}"
+                )
+            if rank in owner:
+                other = result[owner[rank]] if owner[rank] < len(result) else group
+                what = "twice in group" if owner[rank] == index else "in two groups of one mode:"
+                raise LayoutError(
+                    f"{where}: rank {rank} appears {what} {format_ranks(other)}"
+                    + ("" if owner[rank] == index else f" and {format_ranks(group)}")
+                )
+            owner[rank] = index
+        result.append(group)
+    return tuple(result)
+
+
+def grid_groups(ranks: Sequence[int], mode: str, size: int, inner_size: int = 1) -> RankLists:
+    """Megatron-style groups over ``ranks``: TENSOR_PARALLEL contiguous blocks of ``size``;
+    SEQUENCE_PARALLEL ``size`` ranks strided by ``inner_size`` (the TP size) inside blocks of
+    ``size * inner_size``; DATA_PARALLEL ``size`` ranks strided by ``len(ranks) // size``."""
+    n = len(ranks)
+    block = size * inner_size if mode == ParallelMode.SEQUENCE_PARALLEL else size
+    if size < 1 or n % block:
+        raise LayoutError(
+            f"{mode}: size {size} does not divide the {n} ranks {format_ranks(list(ranks))}"
+            + (f" in blocks of {block}" if block != size else "")
+        )
+    if mode == ParallelMode.TENSOR_PARALLEL:
+        return tuple(tuple(ranks[i : i + size]) for i in range(0, n, size))
+    if mode == ParallelMode.SEQUENCE_PARALLEL:
+        return tuple(
+            tuple(ranks[start + t : start + block : inner_size])
+            for start in range(0, n, block)
+            for t in range(inner_size)
+        )
+    if mode == ParallelMode.DATA_PARALLEL:
+        stride = n // size
+        return tuple(tuple(ranks[j::stride]) for j in range(stride))
+    raise LayoutError(f"{mode}: not a size-based mode")
+
+
+def format_plan(plan: LayoutPlan, max_ranks: int = 64) -> str:
+    """A table: one row per rank, one column per mode, each cell the ranks of its group."""
+    modes = [g.mode for g in plan.groups]
+    header = ["rank", "node", "role", *modes]
+    rows = [header]
+    shown = range(min(plan.world_size, max_ranks))
+    for rank in shown:
+        mine = plan.groups_of(rank)
+        cells = [format_ranks(mine[m]) if m in mine else "-" for m in modes]
+        rows.append([str(rank), str(rank // plan.ranks_per_node), plan.role(rank), *cells])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if plan.world_size > max_ranks:
+        lines.append(f"... {plan.world_size - max_ranks} more ranks")
+    summary = ", ".join(f"{g.mode}: {len(g.rank_lists)} group(s)" for g in plan.groups)
+    lines.insert(
+        0,
+        f"world_size={plan.world_size} nodes={plan.nodes} ranks_per_node={plan.ranks_per_node}"
+        f" | {summary}",
+    )
+    return "\n".join(lines)
+
+
+def _node_shape(spec: LayoutSpec, world: int) -> tuple[int, int]:
+    per_node = spec.ranks_per_node if spec.ranks_per_node is not None else world
+    per_node = _check_positive_int("layout.ranks_per_node", per_node)
+    if spec.nodes is not None:
+        nodes = _check_positive_int("layout.nodes", spec.nodes)
+        if nodes * per_node != world:
+            raise LayoutError(
+                f"layout.world_size: {world} does not match ranks_per_node {per_node} x nodes {nodes}"
+            )
+        return per_node, nodes
+    if world % per_node:
+        raise LayoutError(
+            f"layout.world_size: {world} is not a multiple of ranks_per_node {per_node}"
+        )
+    return per_node, world // per_node
+
+
+def _roles(spec: LayoutSpec, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if spec.trainers is None or (isinstance(spec.trainers, Sequence) and not spec.trainers):
+        raise LayoutError("layout.trainers: missing or empty; list the ranks that train, e.g. [0]")
+    trainers = validate_rank_lists("layout.trainers", [spec.trainers], world)[0]
+    rollouts: tuple[int, ...] = ()
+    if spec.rollouts:
+        rollouts = validate_rank_lists("layout.rollouts", [spec.rollouts], world)[0]
+    both = sorted(set(trainers) & set(rollouts))
+    if both:
+        raise LayoutError(
+            f"layout.rollouts: ranks {both} are also trainers; roles must not overlap"
+        )
+    idle = world - len(trainers) - len(rollouts)
+    if idle:
+        assigned = set(trainers) | set(rollouts)
+        missing = [r for r in range(world) if r not in assigned]
+        raise LayoutError(
+            f"layout: ranks {format_ranks(missing)} are neither trainers nor rollouts "
+            f"(world_size {world})"
+        )
+    if rollouts and len(rollouts) < len(trainers):
+        raise LayoutError(
+            f"layout.rollouts: {len(rollouts)} rollout ranks cannot serve {len(trainers)} trainers;"
+            " give each trainer at least one, or none for colocated training"
+        )
+    return trainers, rollouts
+
+
+def _pair_trainers(trainers: tuple[int, ...], rollouts: tuple[int, ...]) -> RankLists:
+    """Trainer i with the i-th contiguous share of the rollouts, trainer first."""
+    share, extra = divmod(len(rollouts), len(trainers))
+    groups, start = [], 0
+    for i, trainer in enumerate(trainers):
+        stop = start + share + (1 if i < extra else 0)
+        groups.append((trainer, *rollouts[start:stop]))
+        start = stop
+    return tuple(groups)
+
+
+def _size_groups(spec: LayoutSpec, world: int) -> dict[str, RankLists]:
+    sizes = (spec.tensor_parallel_size, spec.sequence_parallel_size, spec.data_parallel_size)
+    if all(s is None for s in sizes):
+        return {}
+    tp = _check_positive_int("layout.tensor_parallel_size", spec.tensor_parallel_size or 1)
+    sp = _check_positive_int("layout.sequence_parallel_size", spec.sequence_parallel_size or 1)
+    if world % (tp * sp):
+        raise LayoutError(
+            f"layout.tensor_parallel_size x sequence_parallel_size: {tp} x {sp} does not divide "
+            f"world_size {world}"
+        )
+    dp = world // (tp * sp)
+    if spec.data_parallel_size is not None and spec.data_parallel_size != dp:
+        raise LayoutError(
+            f"layout.data_parallel_size: {spec.data_parallel_size} but world_size {world} / "
+            f"(tensor {tp} x sequence {sp}) = {dp}"
+        )
+    ranks = range(world)
+    return {
+        ParallelMode.TENSOR_PARALLEL: grid_groups(ranks, ParallelMode.TENSOR_PARALLEL, tp),
+        ParallelMode.SEQUENCE_PARALLEL: grid_groups(ranks, ParallelMode.SEQUENCE_PARALLEL, sp, tp),
+        ParallelMode.DATA_PARALLEL: grid_groups(ranks, ParallelMode.DATA_PARALLEL, dp),
+    }
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rank_tuple(where: str, ranks: object) -> tuple[int, ...]:
+    if not isinstance(ranks, Iterable) or isinstance(ranks, (str, bytes)):
+        raise LayoutError(f"{where}: expected a list of integer ranks, got {ranks!r}")
+    group = tuple(ranks)
+    for rank in group:
+        if not _is_int(rank):
+            raise LayoutError(f"{where}: rank {rank!r} is not an integer (in {list(group)!r})")
+    return group
+
+
+def _check_positive_int(where: str, value: object) -> int:
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        raise LayoutError(f"{where}: must be a positive integer, got {value!r}")
+    return value  # type: ignore[return-value]

@@ -1,0 +1,154 @@
+"""Pure layout planning: derivations and every validation error (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlcomm import LayoutError, LayoutSpec, ParallelMode, format_plan, grid_groups, plan_layout
+from rlcomm.modes import register_mode_name
+
+
+def groups(spec: LayoutSpec) -> dict[str, tuple[tuple[int, ...], ...]]:
+    return {g.mode: g.rank_lists for g in plan_layout(spec).groups}
+
+
+def test_default_rl_layout_derivations() -> None:
+    plan = groups(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3]))
+    assert plan == {
+        "INTRA_NODE": ((0, 1, 2, 3),),
+        "INTER_NODE": ((0,), (1,), (2,), (3,)),
+        "TRAIN_DATA_PARALLEL": ((0, 1),),
+        "WEIGHT_TRANSFER": ((0, 2), (1, 3)),
+    }
+
+
+def test_two_nodes_and_uneven_rollout_shares() -> None:
+    plan = groups(
+        LayoutSpec(world_size=6, ranks_per_node=3, trainers=[0, 1], rollouts=[2, 3, 4, 5])
+    )
+    assert plan["INTRA_NODE"] == ((0, 1, 2), (3, 4, 5))
+    assert plan["INTER_NODE"] == ((0, 3), (1, 4), (2, 5))
+    plan = groups(LayoutSpec(world_size=5, trainers=[0, 1], rollouts=[2, 3, 4]))
+    assert plan["WEIGHT_TRANSFER"] == ((0, 2, 3), (1, 4))
+
+
+def test_colocated_layout_has_no_weight_transfer() -> None:
+    plan = plan_layout(LayoutSpec(world_size=1, trainers=[0]))
+    assert plan.colocated and plan.role(0) == "trainer+rollout"
+    assert plan.group(ParallelMode.WEIGHT_TRANSFER) is None
+
+
+def test_explicit_groups_override_and_keep_declared_order() -> None:
+    register_mode_name("MY_MODE")
+    plan = plan_layout(
+        LayoutSpec(
+            world_size=4,
+            trainers=[3],
+            rollouts=[0, 1, 2],
+            groups={"WEIGHT_TRANSFER": [[3, 0, 1]], "MY_MODE": [[0, 1]]},
+        )
+    )
+    assert plan.group("WEIGHT_TRANSFER").rank_lists == ((3, 0, 1),)  # type: ignore[union-attr]
+    assert plan.groups_of(3)["WEIGHT_TRANSFER"] == (3, 0, 1)
+    assert [g.mode for g in plan.groups][-1] == "MY_MODE"
+
+
+def test_megatron_grid() -> None:
+    ranks = list(range(8))
+    assert grid_groups(ranks, "TENSOR_PARALLEL", 2) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert grid_groups(ranks, "SEQUENCE_PARALLEL", 2, 2) == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert grid_groups(ranks, "DATA_PARALLEL", 2) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    plan = groups(LayoutSpec(world_size=8, trainers=ranks, tensor_parallel_size=2))
+    assert plan["DATA_PARALLEL"] == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert plan["SEQUENCE_PARALLEL"] == tuple((r,) for r in ranks)
+
+
+def test_plan_table_names_every_rank_and_mode() -> None:
+    text = format_plan(plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3])))
+    assert "WEIGHT_TRANSFER" in text and "rollout" in text
+    assert len([line for line in text.splitlines() if line[:1].isdigit()]) == 4
+
+
+BAD = [
+    (dict(world_size=0, trainers=[0]), "layout.world_size: must be a positive integer, got 0"),
+    (dict(world_size=-2, trainers=[0]), "layout.world_size: must be a positive integer, got -2"),
+    (dict(world_size=4, trainers=[]), "layout.trainers: missing or empty"),
+    (dict(world_size=4, trainers=None), "layout.trainers: missing or empty"),
+    (
+        dict(world_size=4, trainers=[0, 4], rollouts=[1, 2, 3]),
+        "rank 4 in group [0,4] is out of range",
+    ),
+    (
+        dict(world_size=4, trainers=[-1, 0], rollouts=[1, 2, 3]),
+        "rank -1 in group [-1,0] is out of range",
+    ),
+    (
+        dict(world_size=4, trainers=[0, 0], rollouts=[1, 2, 3]),
+        "rank 0 appears twice in group [0,0]",
+    ),
+    (dict(world_size=4, trainers=[0, 1], rollouts=[1, 2, 3]), "ranks [1] are also trainers"),
+    (dict(world_size=4, trainers=[0, "x"], rollouts=[2, 3]), "rank 'x' is not an integer"),
+    (
+        dict(world_size=4, trainers=[0, 1], rollouts=[2]),
+        "ranks [3] are neither trainers nor rollouts",
+    ),
+    (dict(world_size=3, trainers=[0, 1], rollouts=[2]), "1 rollout ranks cannot serve 2 trainers"),
+    (
+        dict(world_size=4, ranks_per_node=3, trainers=[0, 1, 2, 3]),
+        "4 is not a multiple of ranks_per_node 3",
+    ),
+    (
+        dict(world_size=4, ranks_per_node=2, nodes=3, trainers=[0, 1, 2, 3]),
+        "4 does not match ranks_per_node 2 x nodes 3",
+    ),
+    (
+        dict(world_size=4, trainers=[0, 1, 2, 3], tensor_parallel_size=3),
+        "3 x 1 does not divide world_size 4",
+    ),
+    (
+        dict(world_size=4, trainers=[0, 1, 2, 3], tensor_parallel_size=2, data_parallel_size=4),
+        "layout.data_parallel_size: 4 but",
+    ),
+    (dict(world_size=4, trainers=[0, 1, 2, 3], groups={"NOPE": [[0]]}), "unknown mode 'NOPE'"),
+    (
+        dict(world_size=4, trainers=[0, 1, 2, 3], groups={"WEIGHT_TRANSFER": [[0, 1], []]}),
+        "layout.groups.WEIGHT_TRANSFER[1]: empty group",
+    ),
+    (
+        dict(world_size=4, trainers=[0, 1, 2, 3], groups={"WEIGHT_TRANSFER": [[0, 1], [1, 2]]}),
+        "rank 1 appears in two groups of one mode: [0,1] and [1,2]",
+    ),
+    (
+        dict(world_size=4, trainers=[0, 1, 2, 3], groups={"TRAIN_DATA_PARALLEL": "0,1"}),
+        "expected a non-empty list of rank lists",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD, ids=[m for _, m in BAD])
+def test_bad_layouts_fail_with_one_line_naming_field_and_value(fields: dict, message: str) -> None:
+    with pytest.raises(LayoutError) as info:
+        plan_layout(LayoutSpec(**fields))
+    text = str(info.value)
+    assert message in text and "\n" not in text
+    assert text.startswith("layout")
+
+
+def test_65536_ranks_plan_quickly_enough_to_be_pure() -> None:
+    world = 65536
+    plan = plan_layout(
+        LayoutSpec(
+            world_size=world,
+            ranks_per_node=8,
+            trainers=list(range(0, world, 2)),
+            rollouts=list(range(1, world, 2)),
+        )
+    )
+    sizes = {g.mode: len(g.rank_lists) for g in plan.groups}
+    assert sizes == {
+        "INTRA_NODE": 8192,
+        "INTER_NODE": 8,
+        "TRAIN_DATA_PARALLEL": 1,
+        "WEIGHT_TRANSFER": 32768,
+    }
+    assert plan.groups_of(65535)["WEIGHT_TRANSFER"] == (65534, 65535)
