@@ -52,7 +52,7 @@ __all__ = [
     *_LAZY,
 ]
 
-if TYPE_CHECKING:  # noqa: SIM108
+if TYPE_CHECKING:
     from . import collectives
     from .context import CommContext, GroupInfo, resolve_backend
     from .group_initializer import GroupInitializer, register_initializer

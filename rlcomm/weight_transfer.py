@@ -1,0 +1,422 @@
+"""Trainer -> rollout weight transfer over a WEIGHT_TRANSFER group.
+
+The group's first declared rank (the trainer) runs a :class:`WeightSender`, every other member a
+:class:`WeightReceiver`. Tensors are grouped by dtype into one persistent flat buffer per dtype,
+and each dtype goes out as a single ``broadcast`` of the buffer's bytes, so every dtype crosses
+any backend bit-exactly and the buffers are allocated once, not once per transfer.
+
+Wire protocol, per transfer (plain tensors only; nothing is pickled):
+
+1. an int64 header ``[version, metadata_flag, metadata_len]``;
+2. when the flag is ``1`` (the names, dtypes or shapes changed, always on the first transfer):
+   the metadata as UTF-8 JSON in a uint8 tensor, then an all_reduce of one reject flag per group
+   member, so a rejected transfer fails on every member instead of leaving anyone waiting;
+3. one broadcast per dtype buffer, in the order the metadata lists the dtypes.
+
+A flag of ``-1`` means the sender could not pack its state dict: receivers raise, nothing follows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch import distributed as dist
+
+from .context import CommContext
+from .errors import RlcommError
+from .group_initializer import group_description
+from .modes import Mode, ParallelMode, mode_name
+
+__all__ = ["TensorMeta", "WeightReceiver", "WeightSender", "WeightTransferError"]
+
+METADATA_FORMAT = "rlcomm.weights/1"
+
+# Header flags (the header's second entry).
+_SAME_METADATA = 0
+_NEW_METADATA = 1
+_SENDER_ABORTED = -1
+
+# Names accepted on the wire; anything else in received metadata is rejected.
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "complex64",
+        "complex128",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint64",
+        "uint32",
+        "uint16",
+        "uint8",
+        "bool",
+    )
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+class WeightTransferError(RlcommError, RuntimeError):
+    """A weight transfer that cannot proceed: wrong role, bad metadata, rejected or aborted."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver needs to know about one tensor: its name, dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def describe(self) -> str:
+        return f"{list(self.shape)} {_DTYPE_NAMES.get(self.dtype, str(self.dtype))}"
+
+
+Metadata = tuple[TensorMeta, ...]
+
+
+def describe_state_dict(state_dict: Mapping[str, Tensor]) -> Metadata:
+    """The metadata of ``state_dict`` in its order; non-tensors and unknown dtypes are errors."""
+    metas = []
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, Tensor):
+            raise WeightTransferError(
+                f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor"
+            )
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise WeightTransferError(
+                f"state dict entry {name!r} has unsupported dtype {tensor.dtype}; "
+                f"supported: {', '.join(_DTYPES)}"
+            )
+        metas.append(TensorMeta(str(name), tensor.dtype, tuple(tensor.shape)))
+    return tuple(metas)
+
+
+def _buffer_sizes(metadata: Metadata) -> dict[str, int]:
+    """Elements per dtype, in order of first appearance (the order the buffers are sent in)."""
+    sizes: dict[str, int] = {}
+    for meta in metadata:
+        key = _DTYPE_NAMES[meta.dtype]
+        sizes[key] = sizes.get(key, 0) + meta.numel
+    return sizes
+
+
+def encode_metadata(metadata: Metadata) -> bytes:
+    """Metadata as compact JSON; ``buffers`` lets the receiver check that the sizes add up."""
+    document = {
+        "format": METADATA_FORMAT,
+        "tensors": [[m.name, _DTYPE_NAMES[m.dtype], list(m.shape)] for m in metadata],
+        "buffers": _buffer_sizes(metadata),
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def decode_metadata(raw: bytes) -> Metadata:
+    """Parse and validate metadata from the wire; anything malformed is a WeightTransferError."""
+    try:
+        document = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WeightTransferError(f"weights metadata is not valid JSON: {err}") from None
+    if not isinstance(document, dict) or document.get("format") != METADATA_FORMAT:
+        raise WeightTransferError(f"weights metadata is not in the {METADATA_FORMAT} format")
+    entries, sizes = document.get("tensors"), document.get("buffers")
+    if not isinstance(entries, list) or not isinstance(sizes, dict):
+        raise WeightTransferError("weights metadata lacks its 'tensors' list or 'buffers' map")
+    metas: list[TensorMeta] = []
+    seen: set[str] = set()
+    for entry in entries:
+        metas.append(_decode_entry(entry, seen))
+    metadata = tuple(metas)
+    if sizes != _buffer_sizes(metadata):
+        raise WeightTransferError(
+            f"weights metadata buffer sizes {sizes} do not add up to its tensors' "
+            f"{_buffer_sizes(metadata)}"
+        )
+    return metadata
+
+
+def _decode_entry(entry: Any, seen: set[str]) -> TensorMeta:
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+        raise WeightTransferError(f"weights metadata entry {entry!r} is not [name, dtype, shape]")
+    name, dtype, shape = entry
+    if name in seen:
+        raise WeightTransferError(f"weights metadata lists tensor {name!r} twice")
+    seen.add(name)
+    if dtype not in _DTYPES:
+        raise WeightTransferError(f"tensor {name!r} has unknown dtype {dtype!r}")
+    # bool is an int subclass; a shape of [true] is malformed, not [1].
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise WeightTransferError(f"tensor {name!r} has invalid shape {shape!r}")
+    return TensorMeta(name, _DTYPES[dtype], tuple(shape))
+
+
+def metadata_mismatches(metadata: Metadata, expected: Mapping[str, Tensor]) -> list[str]:
+    """One line per difference between received metadata and the expected state dict."""
+    received = {m.name: m for m in metadata}
+    problems = [f"missing tensor {name!r}" for name in expected if name not in received]
+    for meta in metadata:
+        want = expected.get(meta.name)
+        if want is None:
+            problems.append(f"unexpected tensor {meta.name!r} ({meta.describe()})")
+        elif (meta.dtype, meta.shape) != (want.dtype, tuple(want.shape)):
+            wanted = TensorMeta(meta.name, want.dtype, tuple(want.shape))
+            problems.append(
+                f"tensor {meta.name!r} is {meta.describe()} but expected {wanted.describe()}"
+            )
+    return problems
+
+
+class _FlatBuffers:
+    """One persistent flat buffer per dtype, and every tensor's view into it.
+
+    Allocated once per metadata; packing and broadcasting reuse the same memory every transfer.
+    """
+
+    def __init__(self, metadata: Metadata, device: torch.device) -> None:
+        self.buffers = {
+            _DTYPES[key]: torch.empty(numel, dtype=_DTYPES[key], device=device)
+            for key, numel in _buffer_sizes(metadata).items()
+        }
+        self.views: dict[str, Tensor] = {}
+        self._groups: dict[torch.dtype, tuple[list[str], list[Tensor]]] = {
+            dtype: ([], []) for dtype in self.buffers
+        }
+        offsets = dict.fromkeys(self.buffers, 0)
+        for meta in metadata:
+            start = offsets[meta.dtype]
+            view = self.buffers[meta.dtype][start : start + meta.numel].view(meta.shape)
+            offsets[meta.dtype] = start + meta.numel
+            self.views[meta.name] = view
+            names, views = self._groups[meta.dtype]
+            names.append(meta.name)
+            views.append(view)
+        # Bytes on the wire: backends need not know every dtype, and bits survive untouched.
+        # Empty buffers are skipped on both sides (both derive the list from the same metadata).
+        self._wire = [b.view(torch.uint8) for b in self.buffers.values() if b.numel() > 0]
+
+    @torch.no_grad()  # the buffers must not join the autograd graph of the parameters
+    def pack(self, state_dict: Mapping[str, Tensor]) -> None:
+        for names, views in self._groups.values():
+            if views:
+                torch._foreach_copy_(views, [state_dict[name] for name in names])
+
+    def broadcast(self, src: int, group: dist.ProcessGroup) -> list[dist.Work]:
+        """Launch every dtype's broadcast at once; the caller waits on the returned works."""
+        works = [dist.broadcast(wire, src=src, group=group, async_op=True) for wire in self._wire]
+        return [work for work in works if work is not None]
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    """Where the buffers live: the current GPU for an NCCL group, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Endpoint:
+    """What sender and receiver share: the group, its sender, the version and the buffers."""
+
+    _role = ""
+
+    def __init__(self, ctx: CommContext, mode: Mode, device: torch.device | str | None) -> None:
+        self._ctx = ctx
+        self._mode = mode_name(mode)
+        self._group = ctx.get_group(mode)
+        self._declared = ctx.get_declared_ranks(mode)
+        self._src = self._declared[0]
+        self._rank = ctx.get_global_rank()
+        self._device = torch.device(device) if device is not None else _group_device(self._group)
+        self._version = 0
+        self._metadata: Metadata | None = None
+        self._buffers: _FlatBuffers | None = None
+        is_sender = self._rank == self._src
+        if is_sender != (self._role == "sender"):
+            raise WeightTransferError(
+                f"rank {self._rank} cannot be a Weight{self._role.capitalize()} in {self._name}: "
+                f"rank {self._src} (its first declared rank) sends, the others receive"
+            )
+
+    @property
+    def _name(self) -> str:
+        return group_description(self._mode, self._declared)
+
+    @property
+    def version(self) -> int:
+        """The last weights version sent/received; 0 before the first transfer."""
+        return self._version
+
+    def _broadcast(self, tensor: Tensor) -> None:
+        dist.broadcast(tensor, src=self._src, group=self._group)
+
+    def _agree(self, ok: bool) -> list[int]:
+        """All members report whether they accept the metadata; returns the rejecting ranks."""
+        flags = torch.zeros(len(self._declared), dtype=torch.int64, device=self._device)
+        flags[self._ctx.get_local_rank(self._mode)] = 0 if ok else 1
+        dist.all_reduce(flags, group=self._group)
+        ranks = self._ctx.get_ranks_in_group(self._mode)  # the group-rank order of ``flags``
+        return [ranks[i] for i, flag in enumerate(flags.tolist()) if flag]
+
+
+class WeightSender(_Endpoint):
+    """Broadcasts a state dict to the rest of this rank's ``mode`` group (its first rank only)."""
+
+    _role = "sender"
+
+    def __init__(
+        self,
+        ctx: CommContext,
+        mode: Mode = ParallelMode.WEIGHT_TRANSFER,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(ctx, mode, device)
+        self._header = torch.zeros(3, dtype=torch.int64, device=self._device)
+        self._pending: list[dist.Work] = []
+
+    def send(self, state_dict: Mapping[str, Tensor], wait: bool = True) -> int:
+        """Send ``state_dict`` as the next version and return that version.
+
+        The tensors are copied into the send buffers before this returns, so the caller may
+        update them right away. With ``wait=False`` the broadcasts are only launched: call
+        :meth:`wait` (or the next ``send``, which waits first) before relying on delivery.
+        """
+        self.wait()  # the buffers and header are about to be rewritten
+        version = self._version + 1
+        try:
+            metadata = describe_state_dict(state_dict)
+            changed = metadata != self._metadata
+            buffers = _FlatBuffers(metadata, self._device) if changed else self._buffers
+            assert buffers is not None
+            buffers.pack(state_dict)
+        except Exception:
+            # Receivers are waiting for a header; tell them instead of leaving them hanging.
+            self._send_header(version, _SENDER_ABORTED, 0)
+            raise
+        raw = encode_metadata(metadata) if changed else b""
+        self._pending = self._send_header(version, int(changed), len(raw), async_op=True)
+        if changed:
+            self._broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device))
+            rejected = self._agree(ok=True)
+            if rejected:
+                raise WeightTransferError(
+                    f"{self._name}: receiver rank(s) {', '.join(map(str, rejected))} rejected "
+                    f"weights version {version} (see their errors); nothing was sent"
+                )
+            self._metadata, self._buffers = metadata, buffers
+        self._pending += buffers.broadcast(self._src, self._group)
+        self._version = version
+        if wait:
+            self.wait()
+        return version
+
+    def wait(self) -> None:
+        """Block until the last ``send(..., wait=False)`` has been delivered."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
+
+    def _send_header(
+        self, version: int, flag: int, length: int, async_op: bool = False
+    ) -> list[dist.Work]:
+        self._header.copy_(torch.tensor([version, flag, length], dtype=torch.int64))
+        work = dist.broadcast(self._header, src=self._src, group=self._group, async_op=async_op)
+        return [work] if work is not None else []
+
+
+class WeightReceiver(_Endpoint):
+    """Receives the state dicts the first rank of this rank's ``mode`` group sends.
+
+    With ``expected``, metadata that differs from it (names, shapes, dtypes) is rejected before
+    any data moves, and the sender fails too.
+    """
+
+    _role = "receiver"
+
+    def __init__(
+        self,
+        ctx: CommContext,
+        mode: Mode = ParallelMode.WEIGHT_TRANSFER,
+        expected: Mapping[str, Tensor] | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(ctx, mode, device)
+        self._expected = expected
+
+    def receive(self) -> tuple[int, dict[str, Tensor]]:
+        """Wait for the next transfer; returns its version and the state dict.
+
+        The tensors are views into persistent receive buffers: the next ``receive`` overwrites
+        them in place. Clone them (or use :meth:`receive_into`) to keep a version.
+        """
+        header = torch.empty(3, dtype=torch.int64, device=self._device)
+        self._broadcast(header)
+        version, flag, length = header.tolist()
+        if flag == _SENDER_ABORTED:
+            raise WeightTransferError(
+                f"{self._name}: sender rank {self._src} aborted weights version {version} "
+                f"(its state dict could not be packed; see its error)"
+            )
+        if flag not in (_SAME_METADATA, _NEW_METADATA) or length < 0 or version <= self._version:
+            raise WeightTransferError(
+                f"{self._name}: malformed header {header.tolist()} after version {self._version}"
+            )
+        if flag == _NEW_METADATA:
+            self._accept_metadata(version, length)
+        if self._buffers is None:
+            raise WeightTransferError(
+                f"{self._name}: version {version} came without metadata; create the "
+                f"WeightReceiver before the sender's first send and keep using it"
+            )
+        for work in self._buffers.broadcast(self._src, self._group):
+            work.wait()
+        self._version = version
+        return version, dict(self._buffers.views)
+
+    def receive_into(self, module: nn.Module, strict: bool = True) -> int:
+        """Receive the next version and load it into ``module``; returns the version."""
+        version, state_dict = self.receive()
+        module.load_state_dict(state_dict, strict=strict)
+        return version
+
+    def _accept_metadata(self, version: int, length: int) -> None:
+        raw = torch.empty(length, dtype=torch.uint8, device=self._device)
+        self._broadcast(raw)
+        metadata: Metadata | None = None
+        problem = ""
+        try:
+            metadata = decode_metadata(raw.cpu().numpy().tobytes())
+            if self._expected is not None:
+                problem = "; ".join(metadata_mismatches(metadata, self._expected))
+        except WeightTransferError as err:
+            problem = str(err)
+        rejected = self._agree(ok=not problem)  # every member joins, rejecting or not
+        if problem or metadata is None:
+            raise WeightTransferError(
+                f"{self._name}: rank {self._rank} rejected weights version {version} "
+                f"from rank {self._src}: {problem}"
+            )
+        if rejected:
+            raise WeightTransferError(
+                f"{self._name}: weights version {version} was not sent because receiver "
+                f"rank(s) {', '.join(map(str, rejected))} rejected it"
+            )
+        if metadata != self._metadata:
+            self._metadata, self._buffers = metadata, _FlatBuffers(metadata, self._device)
