@@ -98,7 +98,7 @@ def describe_state_dict(state_dict: Mapping[str, Tensor]) -> Metadata:
     for name, tensor in state_dict.items():
         if not isinstance(tensor, Tensor):
             raise WeightTransferError(
-                f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor"
+                f"state dict entry {name!r} is of type {type(tensor).__name__}, not a tensor"
             )
         if tensor.dtype not in _DTYPE_NAMES:
             raise WeightTransferError(

@@ -1,0 +1,61 @@
+"""``python -m app [overrides]``: compose, validate, plan, then launch or join the ranks."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from rlcomm import RlcommError, format_plan
+
+from .config import register_configs
+from .environment import detect_placement, output_subdir, run_id
+from .planning import validate
+
+log = logging.getLogger("app")
+
+OmegaConf.register_new_resolver("rlcomm_run_id", run_id, replace=True)
+OmegaConf.register_new_resolver("rlcomm_output_subdir", output_subdir, replace=True)
+register_configs()
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
+    """The whole job, testable without Hydra's decorator."""
+    plan = validate(cfg)
+    if cfg.plan_only:
+        print(format_plan(plan))
+        return None
+    placement = detect_placement()
+    from rlcomm import resolve_backend
+
+    resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process
+    if placement.kind == "local":
+        from .local_launch import launch_local
+
+        log.info("starting %d local ranks; run dir %s", plan.world_size, run_dir)
+        return launch_local(cfg, plan, run_dir)
+    from .job import run_rank
+
+    return run_rank(OmegaConf.to_container(cfg, resolve=True), str(run_dir))  # type: ignore[arg-type]
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> dict[str, Any] | None:
+    hydra_cfg = HydraConfig.get()
+    try:
+        return run(cfg, Path(hydra_cfg.runtime.output_dir))
+    except RlcommError as err:
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            raise  # Hydra records the job as failed and runs the rest of the sweep
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""What every rank runs: init the context, create the planned groups, run the loop, report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from rlcomm import CommContext, CommMode, LayoutPlan, collectives
+
+from .planning import ConfigError, build_plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What a loop gets besides the group registry."""
+
+    plan: LayoutPlan
+    run_dir: Path
+    seed: int
+    rank: int
+
+
+class Loop(Protocol):
+    """A training loop: ``loop(ctx, job) -> dict`` (JSON-serialisable), called on every rank.
+
+    Build one with ``loop._target_=mypkg.MyLoop`` plus its constructor arguments; it receives the
+    registry explicitly and must not reach for ``CommContext()`` itself.
+    """
+
+    def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]: ...
+
+
+@record
+def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
+    """One rank, from environment to result; returns the run summary on rank 0."""
+    from .logs import setup_rank_logging
+
+    cfg: DictConfig = OmegaConf.create(config)
+    plan = build_plan(cfg)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_rank_logging(Path(run_dir), rank)
+    world_size = int(os.environ.get("WORLD_SIZE", plan.world_size))
+    if world_size != plan.world_size:
+        raise ConfigError(
+            f"layout.world_size: {plan.world_size} but this job has {world_size} ranks "
+            f"(rank {rank}); pick a layout of {world_size} ranks or change the allocation"
+        )
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+    ctx = CommContext()
+    ctx.init_distributed_env(
+        backend=cfg.comm.backend, dist_url=cfg.comm.init_method, timeout=cfg.comm.timeout
+    )
+    for spec in plan.groups:
+        ctx.init_group([list(r) for r in spec.rank_lists], spec.mode, backend=ctx.backend)
+    log.info("rank %d (%s) groups: %s", rank, plan.role(rank), sorted(ctx.describe()))
+
+    _seed_everything(cfg.seed + rank)
+    loop: Loop = instantiate(cfg.loop)
+    job = JobInfo(plan=plan, run_dir=Path(run_dir), seed=cfg.seed, rank=rank)
+    try:
+        result = loop(ctx, job)
+    except BaseException:
+        log.exception("rank %d: loop failed", rank)
+        raise
+    report = {
+        "rank": rank,
+        "role": plan.role(rank),
+        "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},
+        "result": result,
+    }
+    reports = collectives.gather_json(ctx, CommMode.GLOBAL, report, dst=0)
+    ctx.destroy()
+    if reports is None:
+        return None
+    summary = {
+        "status": "ok",
+        "world_size": plan.world_size,
+        "loop": cfg.loop.get("_target_"),
+        "ranks": reports,
+    }
+    (Path(run_dir) / "result.json").write_text(json.dumps(summary, indent=2))
+    log.info("all %d ranks succeeded; summary in %s", plan.world_size, Path(run_dir) / "result.json")
+    return summary
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

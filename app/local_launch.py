@@ -1,0 +1,112 @@
+"""Start ``layout.world_size`` local ranks through torch's elastic agent (torchrun's engine).
+
+The agent's rendezvous store listens on 127.0.0.1 only, on a port the kernel picks, so two runs
+on one machine never collide and nothing is exposed beyond loopback.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from rlcomm import LayoutPlan, RlcommError
+
+from .job import run_rank
+
+LOOPBACK = "127.0.0.1"
+_BACKEND = "rlcomm-loopback"
+
+
+class RankFailedError(RlcommError, RuntimeError):
+    """One or more ranks failed; the message names them and why."""
+
+
+class LoopbackRendezvous(StaticTCPRendezvous):
+    """A single-node static rendezvous whose store binds 127.0.0.1 on a free port."""
+
+    def get_backend(self) -> str:
+        return _BACKEND
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._store is None:
+            self._listener = socket.create_server((LOOPBACK, 0), backlog=1024)
+            self.master_port = self._listener.getsockname()[1]
+            self._store = TCPStore(
+                LOOPBACK,
+                self.master_port,
+                None,
+                True,
+                self.timeout,
+                wait_for_workers=False,
+                master_listen_fd=self._listener.fileno(),
+            )
+        store = PrefixStore(self.run_id, self._store)
+        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(LOOPBACK, self.master_port))
+
+    def shutdown(self) -> bool:
+        self._store = None
+        if getattr(self, "_listener", None) is not None:
+            self._listener.close()
+        return True
+
+
+def _create_handler(params: RendezvousParameters) -> LoopbackRendezvous:
+    return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, int(params.get("timeout", 600)))
+
+
+def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
+    """Run every rank locally; returns rank 0's summary or raises RankFailedError."""
+    if _BACKEND not in rendezvous_handler_registry._registry:
+        rendezvous_handler_registry.register(_BACKEND, _create_handler)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=plan.world_size,
+        run_id=f"rlcomm-{uuid.uuid4().hex[:8]}",
+        rdzv_backend=_BACKEND,
+        rdzv_endpoint=f"{LOOPBACK}:0",
+        rdzv_configs={"timeout": int(cfg.comm.timeout)},
+        max_restarts=cfg.launcher.max_restarts,
+        monitor_interval=cfg.launcher.monitor_interval,
+        start_method="spawn",
+        local_addr=LOOPBACK,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
+    )
+    launch.shutdown_timeout = cfg.launcher.shutdown_timeout  # type: ignore[attr-defined]
+    config = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        results = elastic_launch(launch, run_rank)(config, str(run_dir))
+    except ChildFailedError as err:
+        raise RankFailedError(_describe_failures(err, run_dir)) from None
+    return results[0]  # type: ignore[no-any-return]
+
+
+def _describe_failures(err: ChildFailedError, run_dir: Path) -> str:
+    parts = []
+    for rank, failure in sorted(err.failures.items()):
+        if failure.exitcode < 0:
+            why = f"killed by {failure.signal_name()}"
+        else:
+            message = failure.message
+            if isinstance(message, dict):
+                message = message.get("message", {}).get("message", "") or str(message)
+            why = f"exit code {failure.exitcode}: {str(message).strip().splitlines()[-1] if message else 'no error message'}"
+        parts.append(f"rank {rank} {why} (log: {run_dir / 'logs' / f'rank{rank}.log'})")
+    return "; ".join(parts)

@@ -1,0 +1,82 @@
+"""commcheck: exercise every group this rank belongs to and report what it measured.
+
+The command to run on a new cluster (in the spirit of nccl-tests): known values through
+all_reduce, broadcast and all_gather must come back exact, then a small all_reduce gives the
+latency and a large broadcast the bandwidth of each group.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlcomm import CommContext, collectives
+
+from ..job import JobInfo
+
+
+class CommCheckError(AssertionError):
+    pass
+
+
+@dataclass
+class CommCheck:
+    latency_iters: int = 20
+    bandwidth_bytes: int = 4 * 1024 * 1024
+    bandwidth_iters: int = 3
+
+    def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
+        report = {}
+        for mode, info in ctx.describe().items():
+            self._check(ctx, mode, info.ranks)
+            report[mode] = {
+                "ranks": info.ranks,
+                "checks": "passed",
+                "allreduce_latency_us": self._latency_us(ctx, mode),
+                "broadcast_gbps": self._bandwidth_gbps(ctx, mode),
+            }
+        return report
+
+    def _check(self, ctx: CommContext, mode: str, ranks: list[int]) -> None:
+        device = collectives.group_device(ctx, mode)
+        me = ctx.get_global_rank()
+        total = collectives.all_reduce(ctx, mode, torch.tensor([float(me)], device=device))
+        _expect(mode, "all_reduce", total.item(), float(sum(ranks)))
+        leader = ctx.get_declared_ranks(mode)[0]
+        got = collectives.broadcast(ctx, mode, torch.tensor([me], device=device))
+        _expect(mode, "broadcast", got.item(), leader)
+        gathered = collectives.all_gather(ctx, mode, torch.tensor([me], device=device))
+        _expect(mode, "all_gather", gathered.tolist(), ranks)
+
+    def _latency_us(self, ctx: CommContext, mode: str) -> float:
+        tensor = torch.zeros(1, device=collectives.group_device(ctx, mode))
+        collectives.all_reduce(ctx, mode, tensor)  # warm-up
+        times = []
+        for _ in range(self.latency_iters):
+            start = time.perf_counter()
+            collectives.all_reduce(ctx, mode, tensor)
+            times.append(time.perf_counter() - start)
+        return round(statistics.median(times) * 1e6, 1)
+
+    def _bandwidth_gbps(self, ctx: CommContext, mode: str) -> float:
+        device = collectives.group_device(ctx, mode)
+        payload = torch.empty(self.bandwidth_bytes, dtype=torch.uint8, device=device)
+        collectives.broadcast(ctx, mode, payload)
+        times = []
+        for _ in range(self.bandwidth_iters):
+            collectives.barrier(ctx, mode)
+            start = time.perf_counter()
+            collectives.broadcast(ctx, mode, payload)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return round(self.bandwidth_bytes / statistics.median(times) / 1e9, 3)
+
+
+def _expect(mode: str, what: str, got: Any, want: Any) -> None:
+    if got != want:
+        raise CommCheckError(f"{mode}: {what} returned {got}, expected {want}")

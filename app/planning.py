@@ -1,0 +1,42 @@
+"""Config -> validated layout plan, in the launching process, before any rank starts."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlcomm import LayoutPlan, LayoutSpec, RlcommError, plan_layout
+
+
+class ConfigError(RlcommError, ValueError):
+    """A config value the schema's types cannot catch; the message names field and value."""
+
+
+def build_plan(cfg: DictConfig) -> LayoutPlan:
+    layout: dict[str, Any] = OmegaConf.to_container(cfg.layout, resolve=True)  # type: ignore[assignment]
+    return plan_layout(LayoutSpec(**layout))
+
+
+def validate(cfg: DictConfig) -> LayoutPlan:
+    """Everything that can be checked without starting a process; raises one-line errors."""
+    timeout = cfg.comm.timeout
+    if timeout <= 0:
+        raise ConfigError(f"comm.timeout: must be a positive number of seconds, got {timeout}")
+    if cfg.launcher.max_restarts < 0:
+        raise ConfigError(f"launcher.max_restarts: must be >= 0, got {cfg.launcher.max_restarts}")
+    _check_target(cfg.loop)
+    return build_plan(cfg)
+
+
+def _check_target(loop: Any) -> None:
+    target = loop.get("_target_") if isinstance(loop, DictConfig) else None
+    if not target:
+        raise ConfigError("loop._target_: missing; pick a loop, e.g. loop=commcheck")
+    module_name, _, attr = str(target).rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+        getattr(module, attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"loop._target_: cannot import {target!r} ({err})") from None

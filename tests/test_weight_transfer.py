@@ -1,0 +1,337 @@
+"""Weight transfer between real gloo processes: bit-exact, persistent buffers, no hangs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from rlcomm import CommContext, ParallelMode
+from rlcomm.weight_transfer import (
+    TensorMeta,
+    WeightReceiver,
+    WeightSender,
+    WeightTransferError,
+    decode_metadata,
+    encode_metadata,
+    metadata_mismatches,
+)
+from tests.multiproc import run_ranks
+
+WT = ParallelMode.WEIGHT_TRANSFER
+TIMEOUT_S = 60.0  # a hang fails the test after this, instead of blocking the suite
+
+
+@contextmanager
+def weight_groups(groups: list[list[int]]) -> Iterator[CommContext]:
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=30)
+    try:
+        ctx.init_group(groups, WT, backend="gloo")
+        yield ctx
+    finally:
+        ctx.destroy()
+
+
+def random_bits(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Random bit patterns (NaNs, infs, denormals included): only bit-exact copies survive."""
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def make_weights(step: int, seed: int = 0, extra: bool = False) -> dict[str, Tensor]:
+    """A state dict both ends can rebuild from (step, seed): every dtype and awkward shape."""
+    gen = torch.Generator().manual_seed(1000 * seed + step)
+    weights = {
+        "fp32": random_bits(gen, (7, 13), torch.float32),
+        "bf16": random_bits(gen, (5, 3), torch.bfloat16),
+        "fp16": random_bits(gen, (11,), torch.float16),
+        "int64": random_bits(gen, (3, 2), torch.int64),
+        "int32": random_bits(gen, (3, 3), torch.int32),
+        "uint8": random_bits(gen, (13,), torch.uint8),
+        "bool": random_bits(gen, (4, 5), torch.bool),
+        "transposed": random_bits(gen, (13, 7), torch.float32).t(),  # non-contiguous
+        "empty": torch.empty(0, 4),
+        "scalar": random_bits(gen, (), torch.float64),
+        "bf16_tail": random_bits(gen, (1,), torch.bfloat16),
+    }
+    if extra:
+        weights["added"] = random_bits(gen, (2, 9), torch.float16)
+    return weights
+
+
+def bits(tensor: Tensor) -> Tensor:
+    flat = tensor.reshape(-1)
+    return flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)
+
+
+def mismatches(got: Mapping[str, Tensor], want: Mapping[str, Tensor]) -> list[str]:
+    """Names that differ in key set, dtype, shape or any bit (empty when identical)."""
+    if set(got) != set(want):
+        return [f"keys {sorted(got)} != {sorted(want)}"]
+    return [
+        name
+        for name in want
+        if got[name].dtype != want[name].dtype
+        or got[name].shape != want[name].shape
+        or not torch.equal(bits(got[name]), bits(want[name]))
+    ]
+
+
+def send_or_check(ctx: CommContext, steps: int, seed: int | None = None) -> list[Any]:
+    """Sender sends ``steps`` versions; receivers compare each against the rebuilt original."""
+    sender = ctx.get_declared_ranks(WT)[0]
+    seed = sender if seed is None else seed
+    if ctx.get_global_rank() == sender:
+        out = WeightSender(ctx)
+        return [out.send(make_weights(step, seed)) for step in range(steps)]
+    inp = WeightReceiver(ctx)
+    results = []
+    for step in range(steps):
+        version, state = inp.receive()
+        results.append((version, mismatches(state, make_weights(step, seed))))
+    return results
+
+
+def _round_trip(rank: int, world_size: int, groups: list[list[int]]) -> list[Any] | None:
+    with weight_groups(groups) as ctx:
+        if rank not in {r for group in groups for r in group}:
+            return None
+        return send_or_check(ctx, steps=3)
+
+
+def test_every_dtype_round_trips_bit_exact_over_three_versions() -> None:
+    results = run_ranks(_round_trip, 2, [[0, 1]], timeout=TIMEOUT_S)
+    assert results[0] == [1, 2, 3]
+    assert results[1] == [(1, []), (2, []), (3, [])]
+
+
+def test_one_sender_three_receivers() -> None:
+    results = run_ranks(_round_trip, 4, [[0, 1, 2, 3]], timeout=TIMEOUT_S)
+    assert results[0] == [1, 2, 3]
+    for rank in (1, 2, 3):
+        assert results[rank] == [(1, []), (2, []), (3, [])]
+
+
+def _two_groups(rank: int, world_size: int) -> list[Any]:
+    with weight_groups([[0, 2], [1, 3]]) as ctx:
+        # Each trainer sends different weights (seeded by its rank); receivers check theirs.
+        return send_or_check(ctx, steps=2)
+
+
+def test_two_groups_transfer_at_once() -> None:
+    results = run_ranks(_two_groups, 4, timeout=TIMEOUT_S)
+    assert results[0] == results[1] == [1, 2]
+    assert results[2] == results[3] == [(1, []), (2, [])]
+    assert mismatches(make_weights(0, seed=0), make_weights(0, seed=1))  # really different
+
+
+def test_sender_with_a_higher_global_rank_than_its_receivers() -> None:
+    results = run_ranks(_round_trip, 4, [[3, 0, 1]], timeout=TIMEOUT_S)
+    assert results[3] == [1, 2, 3]
+    assert results[0] == results[1] == [(1, []), (2, []), (3, [])]
+    assert results[2] is None
+
+
+def make_module(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(7, 13), nn.BatchNorm1d(13), nn.Linear(13, 3))
+    module.to(torch.bfloat16)
+    module[0].to(torch.float32)  # mixed dtypes, plus BatchNorm's int64 counter
+    return module
+
+
+def _receive_into(rank: int, world_size: int) -> list[str]:
+    with weight_groups([[0, 1]]) as ctx:
+        if rank == 0:
+            WeightSender(ctx).send(make_module(seed=1).state_dict())
+            return []
+        module = make_module(seed=2)
+        assert WeightReceiver(ctx).receive_into(module) == 1
+        return mismatches(module.state_dict(), make_module(seed=1).state_dict())
+
+
+def test_receive_into_loads_identical_parameters() -> None:
+    assert mismatches(make_module(1).state_dict(), make_module(2).state_dict())
+    assert run_ranks(_receive_into, 2, timeout=TIMEOUT_S)[1] == []
+
+
+def _buffers_reused(rank: int, world_size: int) -> list[Any]:
+    with weight_groups([[0, 1]]) as ctx:
+        if rank == 0:
+            out = WeightSender(ctx)
+            ptrs = []
+            for step in range(3):
+                out.send(make_weights(step))
+                assert out._buffers is not None
+                ptrs.append([b.data_ptr() for b in out._buffers.buffers.values()])
+            return ptrs
+        inp = WeightReceiver(ctx)
+        ptrs = []
+        for _ in range(3):
+            _, state = inp.receive()
+            ptrs.append([state[name].data_ptr() for name in ("fp32", "bf16", "bool")])
+        return ptrs
+
+
+def test_persistent_buffers_are_reused_across_transfers() -> None:
+    results = run_ranks(_buffers_reused, 2, timeout=TIMEOUT_S)
+    for ptrs in results.values():
+        assert ptrs[0] == ptrs[1] == ptrs[2]
+
+
+def _metadata_change(rank: int, world_size: int) -> list[Any]:
+    with weight_groups([[0, 1]]) as ctx:
+        plan = [False, True, True]  # the second send adds a tensor
+        if rank == 0:
+            out = WeightSender(ctx)
+            return [out.send(make_weights(step, extra=extra)) for step, extra in enumerate(plan)]
+        inp = WeightReceiver(ctx)
+        results = []
+        for step, extra in enumerate(plan):
+            version, state = inp.receive()
+            results.append((version, mismatches(state, make_weights(step, extra=extra))))
+        return results
+
+
+def test_metadata_change_is_picked_up_on_the_next_send() -> None:
+    results = run_ranks(_metadata_change, 2, timeout=TIMEOUT_S)
+    assert results[0] == [1, 2, 3]
+    assert results[1] == [(1, []), (2, []), (3, [])]
+
+
+def _rejected(rank: int, world_size: int) -> dict[str, Any]:
+    with weight_groups([[0, 1, 2]]) as ctx:
+        weights = make_weights(0)
+        expected = dict(weights)
+        if rank == 2:
+            expected["fp32"] = torch.zeros(7, 14)
+        try:
+            if rank == 0:
+                WeightSender(ctx).send(weights)
+            else:
+                WeightReceiver(ctx, expected=expected).receive()
+        except WeightTransferError as err:
+            return {"error": str(err)}
+        return {"error": None}
+
+
+def test_expected_mismatch_fails_the_receiver_and_the_sender() -> None:
+    results = run_ranks(_rejected, 3, timeout=TIMEOUT_S)
+    receiver = results[2]["error"]
+    assert "rank 2 rejected" in receiver and "'fp32'" in receiver
+    assert "[7, 13] float32" in receiver and "[7, 14] float32" in receiver
+    assert "receiver rank(s) 2 rejected" in results[0]["error"]
+    assert "rank(s) 2 rejected" in results[1]["error"]  # the accepting receiver is not left waiting
+
+
+def _aborted(rank: int, world_size: int) -> list[str]:
+    with weight_groups([[0, 1]]) as ctx:
+        errors = []
+        if rank == 0:
+            out = WeightSender(ctx)
+            try:
+                out.send({"w": torch.ones(3), "step": 7})  # type: ignore[dict-item]
+            except WeightTransferError as err:
+                errors.append(str(err))
+            errors.append(str(out.send({"w": torch.ones(3)})))  # the group is still usable
+            return errors
+        inp = WeightReceiver(ctx)
+        try:
+            inp.receive()
+        except WeightTransferError as err:
+            errors.append(str(err))
+        version, state = inp.receive()
+        errors.append(f"{version} {state['w'].tolist()}")
+        return errors
+
+
+def test_a_sender_that_cannot_pack_fails_its_receivers_without_a_hang() -> None:
+    results = run_ranks(_aborted, 2, timeout=TIMEOUT_S)
+    assert "'step' is of type int" in results[0][0] and results[0][1] == "1"
+    assert "sender rank 0 aborted" in results[1][0] and results[1][1] == "1 [1.0, 1.0, 1.0]"
+
+
+def _async_send(rank: int, world_size: int) -> list[Any]:
+    with weight_groups([[0, 1]]) as ctx:
+        if rank == 0:
+            out = WeightSender(ctx)
+            versions = [out.send(make_weights(step), wait=False) for step in range(3)]
+            out.wait()
+            return [*versions, out.version]
+        return send_or_check(ctx, steps=3, seed=0)
+
+
+def test_send_without_waiting_then_wait() -> None:
+    results = run_ranks(_async_send, 2, timeout=TIMEOUT_S)
+    assert results[0] == [1, 2, 3, 3]
+    assert results[1] == [(1, []), (2, []), (3, [])]
+
+
+def _wrong_roles(rank: int, world_size: int) -> str:
+    with weight_groups([[1, 0]]) as ctx:
+        role: Callable[[CommContext], object] = WeightReceiver if rank == 1 else WeightSender
+        try:
+            role(ctx)
+        except WeightTransferError as err:
+            return str(err)
+        return "no error"
+
+
+def test_sender_must_be_the_first_declared_rank() -> None:
+    results = run_ranks(_wrong_roles, 2, timeout=TIMEOUT_S)
+    assert "rank 1 cannot be a WeightReceiver in WEIGHT_TRANSFER[1,0]" in results[1]
+    assert "rank 0 cannot be a WeightSender" in results[0]
+    assert "rank 1 (its first declared rank) sends" in results[0]
+
+
+def test_metadata_round_trips_as_json() -> None:
+    metadata = (
+        TensorMeta("a", torch.bfloat16, (2, 3)),
+        TensorMeta("b", torch.bool, ()),
+        TensorMeta("c", torch.bfloat16, (0, 5)),
+    )
+    raw = encode_metadata(metadata)
+    assert raw.startswith(b"{") and decode_metadata(raw) == metadata
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\x80not json", "not valid JSON"),
+        (b'{"format":"pickle","tensors":[],"buffers":{}}', "format"),
+        (b'{"format":"rlcomm.weights/1","tensors":[["a","object",[1]]],"buffers":{}}',
+         "unknown dtype 'object'"),
+        (b'{"format":"rlcomm.weights/1","tensors":[["a","float32",[-1]]],"buffers":{}}',
+         "invalid shape [-1]"),
+        (b'{"format":"rlcomm.weights/1","tensors":[["a","float32",[true]]],"buffers":{}}',
+         "invalid shape [True]"),
+        (b'{"format":"rlcomm.weights/1","tensors":[["a","float32",[2]]],'
+         b'"buffers":{"float32":3}}', "do not add up"),
+        (b'{"format":"rlcomm.weights/1","tensors":[["a","int8",[]],["a","int8",[]]],'
+         b'"buffers":{"int8":2}}', "'a' twice"),
+    ],
+)
+def test_malformed_metadata_is_rejected(raw: bytes, message: str) -> None:
+    with pytest.raises(WeightTransferError, match=message.replace("[", r"\[")):
+        decode_metadata(raw)
+
+
+def test_mismatches_name_the_tensor_and_both_sides() -> None:
+    metadata = (TensorMeta("w", torch.float32, (2, 3)), TensorMeta("extra", torch.int8, (1,)))
+    problems = metadata_mismatches(
+        metadata, {"w": torch.zeros(2, 3, dtype=torch.float16), "gone": torch.zeros(1)}
+    )
+    assert problems == [
+        "missing tensor 'gone'",
+        "tensor 'w' is [2, 3] float32 but expected [2, 3] float16",
+        "unexpected tensor 'extra' ([1] int8)",
+    ]
