@@ -33,6 +33,16 @@ def detect_placement() -> Placement:
     return Placement("local")
 
 
+def export_distributed_env(placement: Placement) -> None:
+    """Make RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe
+    this process, whatever started it (local agent and torchrun set them already)."""
+    if placement.kind != "slurm":
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def run_id() -> str:
     """A run directory name that every rank of one joined run computes alike.
 

@@ -46,8 +46,10 @@ class Loop(Protocol):
 @record
 def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     """One rank, from environment to result; returns the run summary on rank 0."""
+    from .environment import detect_placement, export_distributed_env
     from .logs import setup_rank_logging
 
+    export_distributed_env(detect_placement())
     cfg: DictConfig = OmegaConf.create(config)
     plan = build_plan(cfg)
     rank = int(os.environ.get("RANK", "0"))

@@ -1,0 +1,38 @@
+"""Hydra callbacks: a sweep summary that lists every job, failed ones included."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from .environment import detect_placement
+
+
+class SweepSummary(Callback):
+    """After each sweep job, records its overrides, status and result in
+    ``<sweep dir>/summary.json`` (written per job, so a failing job hides nothing)."""
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN or detect_placement().rank != 0:
+            return
+        job_dir = Path(hydra_cfg.runtime.output_dir)
+        ok = job_return.status == JobStatus.COMPLETED
+        entry = {
+            "job": hydra_cfg.job.num,
+            "overrides": list(hydra_cfg.overrides.task),
+            "status": "ok" if ok else "failed",
+            "result": str(job_dir / "result.json") if ok else None,
+            "error": None if ok else str(job_return._return_value),
+        }
+        path = Path(config.hydra.sweep.dir) / "summary.json"
+        jobs = json.loads(path.read_text())["jobs"] if path.exists() else []
+        jobs = [j for j in jobs if j["job"] != entry["job"]] + [entry]
+        path.write_text(json.dumps({"jobs": sorted(jobs, key=lambda j: j["job"])}, indent=2))

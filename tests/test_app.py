@@ -1,0 +1,201 @@
+"""The Hydra application end to end, run as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from app.planning import validate
+from tests.apprun import REPO, describe, run_app
+
+LAYOUTS = sorted(p.stem for p in (REPO / "conf" / "layout").glob("*.yaml"))
+
+
+def read_result(run_dir: Path) -> dict:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def assert_commcheck_passed(result: dict, world_size: int) -> None:
+    assert result["status"] == "ok" and result["world_size"] == world_size
+    assert sorted(r["rank"] for r in result["ranks"]) == list(range(world_size))
+    for report in result["ranks"]:
+        assert set(report["result"]) == set(report["groups"])  # every group was checked
+        assert all(g["checks"] == "passed" for g in report["result"].values())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_shipped_layout_composes_and_plans(layout: str) -> None:
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"layout={layout}", "loop=commcheck"])
+    plan = validate(cfg)
+    assert plan.world_size == cfg.layout.world_size
+    assert {"INTRA_NODE", "INTER_NODE", "TRAIN_DATA_PARALLEL"} <= {g.mode for g in plan.groups}
+
+
+def test_required_layouts_ship() -> None:
+    assert {"single", "1t1r", "2t2r", "1t3r", "2x2", "tp2dp2"} <= set(LAYOUTS)
+
+
+def test_plan_only_prints_the_table_and_starts_nothing(tmp_path: Path) -> None:
+    proc = run_app("plan_only=true", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, describe(proc)
+    assert "WEIGHT_TRANSFER" in proc.stdout and "rollout" in proc.stdout
+    assert not (tmp_path / "logs").exists()
+
+
+def test_default_layout_runs_four_ranks_and_checks_every_group(tmp_path: Path) -> None:
+    proc = run_app("loop=commcheck", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, describe(proc)
+    result = read_result(tmp_path)
+    assert_commcheck_passed(result, 4)
+    assert sorted(p.name for p in (tmp_path / "logs").glob("rank*.log")) == [
+        f"rank{r}.log" for r in range(4)
+    ]
+    assert "[rank0]" in proc.stderr
+    wt = {r["rank"]: r["groups"]["WEIGHT_TRANSFER"]["ranks"] for r in result["ranks"]}
+    assert wt == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+
+
+@pytest.mark.parametrize("layout", ["2x2", "tp2dp2"])
+def test_other_layouts_with_overrides(layout: str, tmp_path: Path) -> None:
+    proc = run_app(f"layout={layout}", "loop=commcheck", "comm.timeout=60",
+                   "loop.bandwidth_bytes=65536", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, describe(proc)
+    result = read_result(tmp_path)
+    assert_commcheck_passed(result, 4)
+    modes = set(result["ranks"][0]["groups"])
+    if layout == "tp2dp2":
+        assert {"TENSOR_PARALLEL", "DATA_PARALLEL"} <= modes
+    else:
+        assert result["ranks"][3]["groups"]["INTRA_NODE"]["ranks"] == [2, 3]
+
+
+def test_multirun_over_three_layouts_leaves_one_result_per_job(tmp_path: Path) -> None:
+    proc = run_app("--multirun", "layout=1t1r,2t2r,1t3r", "loop=commcheck",
+                   "loop.bandwidth_bytes=65536", f"hydra.sweep.dir={tmp_path}", timeout=600)
+    assert proc.returncode == 0, describe(proc)
+    for job, world in enumerate([2, 4, 4]):
+        assert_commcheck_passed(read_result(tmp_path / str(job)), world)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [j["status"] for j in summary["jobs"]] == ["ok", "ok", "ok"]
+
+
+def test_a_failing_sweep_job_does_not_hide_the_others(tmp_path: Path) -> None:
+    proc = run_app("--multirun", "layout=1t1r", "layout.world_size=3,2", "loop=commcheck",
+                   "loop.bandwidth_bytes=65536", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode != 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [j["status"] for j in summary["jobs"]] == ["failed", "ok"]
+    assert "ranks [2] are neither trainers nor rollouts" in summary["jobs"][0]["error"]
+    assert_commcheck_passed(read_result(tmp_path / "1"), 2)
+
+
+def test_torchrun_join_mode_uses_one_run_dir(tmp_path: Path) -> None:
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "4", "-m", "app")
+    # Without hydra.run.dir every rank resolves the run dir itself: they must agree.
+    proc = run_app("loop=commcheck", "loop.bandwidth_bytes=65536", cwd=tmp_path, module=torchrun,
+                   env={"PYTHONPATH": str(REPO)}, timeout=180)
+    assert proc.returncode == 0, describe(proc)
+    run_dirs = [p.parent for p in tmp_path.glob("outputs/runs/*/result.json")]
+    assert len(run_dirs) == 1, list(tmp_path.rglob("*"))
+    assert_commcheck_passed(read_result(run_dirs[0]), 4)
+    assert len(list(run_dirs[0].glob("logs/rank*.log"))) == 4
+    assert len(list(tmp_path.glob("outputs/runs/*"))) == 1
+
+
+USER_LOOP = '''
+from dataclasses import dataclass
+
+import torch
+
+from rlcomm import collectives
+
+
+@dataclass
+class CountRanks:
+    scale: int = 1
+
+    def __call__(self, ctx, job):
+        total = collectives.all_reduce(ctx, "GLOBAL", torch.tensor([self.scale]))
+        return {"total": int(total.item()), "role": job.plan.role(job.rank)}
+'''
+
+
+def test_user_loop_plugged_from_outside_the_repo(tmp_path: Path) -> None:
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "loops.py").write_text(textwrap.dedent(USER_LOOP))
+    conf = tmp_path / "myconf" / "loop"
+    conf.mkdir(parents=True)
+    (conf / "count.yaml").write_text("_target_: mypkg.loops.CountRanks\nscale: 3\n")
+    env = {"PYTHONPATH": f"{REPO}:{tmp_path}"}
+
+    by_target = tmp_path / "by_target"
+    proc = run_app("layout=1t1r", "loop._target_=mypkg.loops.CountRanks", "+loop.scale=2",
+                   f"hydra.run.dir={by_target}", env=env, cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    assert [r["result"]["total"] for r in read_result(by_target)["ranks"]] == [4, 4]
+
+    by_file = tmp_path / "by_file"
+    proc = run_app("layout=1t3r", "loop=count", f"hydra.searchpath=[file://{tmp_path / 'myconf'}]",
+                   f"hydra.run.dir={by_file}", env=env, cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    ranks = read_result(by_file)["ranks"]
+    assert [r["result"] for r in ranks] == [{"total": 12, "role": "trainer"}] + [
+        {"total": 12, "role": "rollout"}
+    ] * 3
+
+
+BAD_OVERRIDES = [
+    (["comm.timeout=abc"], "comm.timeout"),
+    (["comm.timeout=0"], "comm.timeout: must be a positive number of seconds, got 0"),
+    (["comm.timeout=-5"], "comm.timeout: must be a positive number of seconds, got -5"),
+    (["layout=nosuch"], "Could not find 'layout/nosuch'"),
+    (["nosuchkey=1"], "Key 'nosuchkey' is not in struct"),
+    (["layout.world_size=0"], "layout.world_size: must be a positive integer, got 0"),
+    (["layout.world_size=-4"], "layout.world_size: must be a positive integer, got -4"),
+    (["layout.trainers=[]"], "layout.trainers: missing or empty"),
+    (["layout.trainers=[a,b]"], "layout.trainers"),
+    (["layout.rollouts=[2,9]"], "rank 9 in group [2,9] is out of range for world_size 4"),
+    (["layout.rollouts=[1,3]"], "ranks [1] are also trainers"),
+    (["+layout.groups={NOPE:[[0,1]]}"], "layout.groups: unknown mode 'NOPE'"),
+    (["+layout.groups={WEIGHT_TRANSFER:[[0,2],[2,3]]}"], "rank 2 appears in two groups of one mode"),
+    (["layout.ranks_per_node=3"], "layout.world_size: 4 is not a multiple of ranks_per_node 3"),
+    (["loop._target_=nosuch.module.Loop"], "loop._target_: cannot import 'nosuch.module.Loop'"),
+    (["comm.backend=mpi"], "comm.backend"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_OVERRIDES, ids=[o[0][0] for o in BAD_OVERRIDES])
+def test_bad_overrides_fail_before_any_rank_starts(
+    overrides: list[str], message: str, tmp_path: Path
+) -> None:
+    proc = run_app(*overrides, "loop=commcheck", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0
+    assert message in proc.stderr, describe(proc)
+    assert not (tmp_path / "logs").exists()  # no rank ever started
+
+
+def test_nccl_without_cuda_fails_before_any_rank_starts(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the error is for machines without it")
+    proc = run_app("comm=nccl", "loop=commcheck", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: backend 'nccl' needs CUDA devices but none are visible on this machine; "
+        "use backend='gloo' (or 'auto')"
+    )
+    assert not (tmp_path / "logs").exists()
+    shutil.rmtree(tmp_path)
