@@ -17,12 +17,14 @@ from rlcomm import RlcommError, format_plan
 from .config import register_configs
 from .environment import detect_placement, output_subdir, run_id
 from .planning import validate
+from .slurm import register_launcher_configs
 
 log = logging.getLogger("app")
 
 OmegaConf.register_new_resolver("rlcomm_run_id", run_id, replace=True)
 OmegaConf.register_new_resolver("rlcomm_output_subdir", output_subdir, replace=True)
 register_configs()
+register_launcher_configs()  # hydra/launcher=rlcomm_slurm|rlcomm_local
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -32,6 +34,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         print(format_plan(plan))
         return None
     placement = detect_placement()
+    if placement.note:
+        log.warning(placement.note)
     from rlcomm import resolve_backend
 
     resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process

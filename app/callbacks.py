@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +27,23 @@ class SweepSummary(Callback):
             return
         job_dir = Path(hydra_cfg.runtime.output_dir)
         ok = job_return.status == JobStatus.COMPLETED
-        entry = {
+        record_job(Path(config.hydra.sweep.dir), {
             "job": hydra_cfg.job.num,
             "overrides": list(hydra_cfg.overrides.task),
             "status": "ok" if ok else "failed",
             "result": str(job_dir / "result.json") if ok else None,
             "error": None if ok else str(job_return._return_value),
-        }
-        path = Path(config.hydra.sweep.dir) / "summary.json"
+        })
+
+
+def record_job(sweep_dir: Path, entry: dict[str, Any]) -> None:
+    """Adds or replaces one job's entry in ``<sweep dir>/summary.json``. Jobs of a submitit sweep
+    end at once, in separate processes: a lock file serialises them."""
+    path = sweep_dir / "summary.json"
+    with open(sweep_dir / ".summary.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         jobs = json.loads(path.read_text())["jobs"] if path.exists() else []
         jobs = [j for j in jobs if j["job"] != entry["job"]] + [entry]
-        path.write_text(json.dumps({"jobs": sorted(jobs, key=lambda j: j["job"])}, indent=2))
+        tmp = path.with_name(f".summary.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"jobs": sorted(jobs, key=lambda j: j["job"])}, indent=2))
+        os.replace(tmp, path)

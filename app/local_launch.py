@@ -104,9 +104,14 @@ def _describe_failures(err: ChildFailedError, run_dir: Path) -> str:
         if failure.exitcode < 0:
             why = f"killed by {failure.signal_name()}"
         else:
-            message = failure.message
-            if isinstance(message, dict):
-                message = message.get("message", {}).get("message", "") or str(message)
-            why = f"exit code {failure.exitcode}: {str(message).strip().splitlines()[-1] if message else 'no error message'}"
+            why = f"exit code {failure.exitcode}: {_error_line(failure.message)}"
         parts.append(f"rank {rank} {why} (log: {run_dir / 'logs' / f'rank{rank}.log'})")
     return "; ".join(parts)
+
+
+def _error_line(message: object) -> str:
+    """The exception line of a worker's error record (torch nests it differently by version)."""
+    while isinstance(message, dict):
+        message = message.get("message", "")
+    lines = str(message).strip().splitlines()
+    return lines[-1] if lines else "no error message"

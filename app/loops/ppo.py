@@ -1,0 +1,343 @@
+"""Distributed PPO on CartPole: rollout ranks step envs, trainer ranks update with DDP.
+
+Per update, every rank in lockstep:
+  1. each trainer sends its weights to its rollout ranks (WEIGHT_TRANSFER, bucketed);
+  2. rollout ranks collect a trajectory segment and gather it to their trainer as one tensor;
+  3. finished episodes are all-gathered (GLOBAL), so every rank takes the same stop decision;
+  4. trainers run PPO epochs; DDP averages gradients over TRAIN_DATA_PARALLEL.
+With no rollout ranks (``layout=single``) each trainer collects for itself and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from rlcomm import CommContext, ParallelMode, collectives
+from rlcomm.weight_transfer import WeightReceiver, WeightSender
+
+from ..job import JobInfo
+from ..planning import ConfigError
+from .ppo_core import ActorCritic, PPOHyperParams, Rollout, RolloutWorker, lr_at, ppo_update
+
+log = logging.getLogger(__name__)
+WT, TDP, GLOBAL = (
+    ParallelMode.WEIGHT_TRANSFER,
+    ParallelMode.TRAIN_DATA_PARALLEL,
+    ParallelMode.GLOBAL,
+)
+CHECKPOINT_DIR = "checkpoints"
+LOSSES = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac")
+
+
+@dataclass
+class PPOLoop:
+    total_env_steps: int = 400_000  # budget: stop here if the target is not reached
+    target_return: float = 475.0  # stop once the mean of the last `window` episodes reaches it
+    window: int = 20
+    checkpoint_every: int = 10  # updates; 0 disables checkpoints
+    resume: str | None = None  # a checkpoint file or a run dir holding checkpoints/
+    progress: bool = True
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.hp = PPOHyperParams(**dict(self.hparams))
+
+    def validate(self) -> None:
+        """Checks the launcher runs before starting any rank."""
+        if self.total_env_steps <= 0:
+            raise ConfigError(f"loop.total_env_steps: must be positive, got {self.total_env_steps}")
+        if self.resume is not None:
+            find_checkpoint(self.resume)
+
+    def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
+        return _PPORun(self, ctx, job).run()
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The newest checkpoint at ``path`` (a file, a run dir, or its checkpoints/ dir)."""
+    target = Path(path)
+    if target.is_file():
+        return target
+    if not target.exists():
+        raise ConfigError(f"loop.resume: {str(path)!r} does not exist")
+    found = sorted(target.glob(f"{CHECKPOINT_DIR}/ckpt_*.pt")) + sorted(target.glob("ckpt_*.pt"))
+    if not found:
+        raise ConfigError(f"loop.resume: {str(path)!r} holds no checkpoint (ckpt_*.pt)")
+    return max(found, key=lambda p: p.name)
+
+
+class _PPORun:
+    """One rank's state for one run of the loop."""
+
+    def __init__(self, loop: PPOLoop, ctx: CommContext, job: JobInfo) -> None:
+        self.loop, self.ctx, self.job, self.hp = loop, ctx, job, loop.hp
+        plan = job.plan
+        self.rank = ctx.get_global_rank()
+        self.is_trainer = self.rank in plan.trainers
+        self.collects = plan.colocated or self.rank in plan.rollouts
+        self.split = not plan.colocated
+        self.collectors = len(plan.trainers) if plan.colocated else len(plan.rollouts)
+
+        torch.manual_seed(job.seed)  # same initial weights on every rank
+        self.worker = RolloutWorker.from_hparams(self.hp, seed=job.seed * 10_000 + self.rank)
+        obs_dim = self.worker.obs_dim
+        num_actions = int(self.worker.envs.single_action_space.n)  # type: ignore[attr-defined]
+        self.policy = ActorCritic(obs_dim, num_actions, self.hp.hidden_size)
+        self.flat_size = Rollout.flat_size(self.hp.num_steps, self.hp.num_envs, obs_dim)
+        self.episode_cap = self.hp.num_envs * (self.hp.num_steps // 8 + 1)
+        self.generator = torch.Generator().manual_seed(job.seed * 10_000 + self.rank + 1)
+
+        self.model: torch.nn.Module = self.policy
+        self.optimizer: torch.optim.Optimizer | None = None
+        if self.is_trainer:
+            self.model = DistributedDataParallel(self.policy, process_group=ctx.get_group(TDP))
+            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.hp.lr, eps=1e-5)
+        self.sender = WeightSender(ctx, WT) if self.split and self.is_trainer else None
+        self.receiver = WeightReceiver(ctx, WT) if self.split and not self.is_trainer else None
+
+        self.update = 0
+        self.env_steps = 0
+        self.episodes: list[tuple[float, int]] = []
+        self.transfer_s = 0.0
+        self.trainer_s = 0.0
+        self.metrics: list[dict[str, float]] = []
+
+    # ---- the loop -------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        self._maybe_resume()
+        start = time.perf_counter()
+        reached_at: tuple[float, int] | None = None
+        bar = self._progress_bar()
+        while self.env_steps < self.loop.total_env_steps:
+            tick = time.perf_counter()
+            version = self._sync_weights()
+            rollouts, new_episodes = self._collect()
+            self.episodes.extend(new_episodes)
+            self.env_steps += self.collectors * self.hp.num_envs * self.hp.num_steps
+            losses = self._train(rollouts) if self.is_trainer else {}
+            if self.is_trainer:
+                self.trainer_s += time.perf_counter() - tick
+            self.update += 1
+            row = self._record(version, new_episodes, losses, time.perf_counter() - start)
+            if bar is not None:
+                bar.update(self.env_steps - bar.n)
+                bar.set_postfix(ret=f"{row['mean_return']:.0f}", v=version)
+            if self._should_checkpoint():
+                self._save_checkpoint()
+            if self._recent_return() >= self.loop.target_return:
+                reached_at = (time.perf_counter() - start, self.env_steps)
+                break
+        if bar is not None:
+            bar.close()
+        if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
+            self._save_checkpoint()  # keep the final state too
+        elapsed = time.perf_counter() - start
+        if self.rank == 0:
+            self._write_outputs()
+        self.worker.close()
+        return {
+            "role": self.job.plan.role(self.rank),
+            "updates": self.update,
+            "env_steps": self.env_steps,
+            "episodes": len(self.episodes),
+            "mean_return_last_window": round(self._recent_return(), 2),
+            "reached_target": reached_at is not None,
+            "time_to_target_s": round(reached_at[0], 2) if reached_at else None,
+            "env_steps_to_target": reached_at[1] if reached_at else None,
+            "wall_s": round(elapsed, 2),
+            "env_steps_per_s": round(self.env_steps / elapsed, 1) if elapsed else 0.0,
+            "weights_version": self._version(),
+            "transfer_fraction": round(self.transfer_s / self.trainer_s, 4)
+            if self.trainer_s
+            else 0.0,
+            "param_checksum": float(sum(p.detach().double().sum() for p in self.policy.parameters())),
+        }
+
+    def _sync_weights(self) -> int:
+        if self.sender is not None:
+            tick = time.perf_counter()
+            self.sender.send(self.policy.state_dict())
+            self.transfer_s += time.perf_counter() - tick
+        elif self.receiver is not None:
+            self.receiver.receive_into(self.policy)
+        return self._version()
+
+    def _version(self) -> int:
+        if self.sender is not None:
+            return self.sender.version
+        if self.receiver is not None:
+            return self.receiver.version
+        return self.update
+
+    def _collect(self) -> tuple[list[Rollout], list[tuple[float, int]]]:
+        own: Rollout | None = None
+        mine: list[tuple[float, int]] = []
+        if self.collects:
+            own, mine = self.worker.collect(self.policy, self.hp.num_steps)
+        rollouts = [own] if (own is not None and not self.split) else []
+        if self.split:
+            # Trajectories travel as one float32 tensor per rollout rank: data, not code.
+            flat = own.to_flat_tensor() if own is not None else torch.zeros(self.flat_size)
+            trainer = self.ctx.get_declared_ranks(WT)[0]
+            gathered = collectives.gather(self.ctx, WT, flat, dst=trainer)
+            if gathered is not None:
+                members = self.ctx.get_ranks_in_group(WT)
+                rollouts = [
+                    Rollout.from_flat_tensor(t, self.hp.num_steps, self.hp.num_envs, self.worker.obs_dim)
+                    for r, t in zip(members, gathered)
+                    if r != trainer
+                ]
+        return rollouts, self._share_episodes(mine)
+
+    def _share_episodes(self, mine: list[tuple[float, int]]) -> list[tuple[float, int]]:
+        """Everyone learns every finished episode, so all ranks stop at the same update."""
+        packed = torch.full((self.episode_cap + 1, 2), float("nan"))
+        kept = mine[-self.episode_cap :]
+        packed[0, 0] = len(kept)
+        if kept:
+            packed[1 : len(kept) + 1] = torch.tensor(kept, dtype=torch.float32)
+        everyone = collectives.all_gather(self.ctx, GLOBAL, packed.unsqueeze(0))
+        episodes = []
+        for block in everyone:
+            count = int(block[0, 0].item())
+            episodes += [(float(r), int(n)) for r, n in block[1 : count + 1].tolist()]
+        return episodes
+
+    def _train(self, rollouts: list[Rollout]) -> dict[str, float]:
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.hp, self.update)
+        return ppo_update(self.model, self.policy, self.optimizer, rollouts, self.hp, self.generator)
+
+    def _recent_return(self) -> float:
+        recent = self.episodes[-self.loop.window :]
+        if len(recent) < self.loop.window:
+            return float("-inf")
+        return float(np.mean([r for r, _ in recent]))
+
+    # ---- metrics ---------------------------------------------------------------------------
+    def _record(
+        self, version: int, new: list[tuple[float, int]], losses: dict[str, float], elapsed: float
+    ) -> dict[str, float]:
+        if self.is_trainer:
+            losses = collectives.all_reduce_dict(self.ctx, TDP, losses, average=True)
+        # Same keys on every rank; the first trainer contributes the (DP-averaged) losses.
+        reporter = self.rank == self.job.plan.trainers[0]
+        shared = collectives.all_reduce_dict(
+            self.ctx,
+            GLOBAL,
+            {"transfer_s": self.transfer_s, **{k: losses[k] if reporter else 0.0 for k in LOSSES}},
+        )
+        row = {
+            "update": float(self.update),
+            "env_steps": float(self.env_steps),
+            "mean_return": float(np.mean([r for r, _ in new])) if new else float("nan"),
+            "mean_length": float(np.mean([n for _, n in new])) if new else float("nan"),
+            "episodes": float(len(new)),
+            "env_steps_per_s": self.env_steps / elapsed if elapsed else 0.0,
+            "weights_version": float(version),
+            "transfer_s_total": shared.pop("transfer_s"),
+            **shared,
+        }
+        self.metrics.append(row)
+        return row
+
+    def _progress_bar(self) -> Any:
+        if self.rank != 0 or not self.loop.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.loop.total_env_steps, initial=self.env_steps, unit="step",
+                    desc="[rank0] ppo", mininterval=1.0)
+
+    def _write_outputs(self) -> None:
+        if not self.metrics:
+            return
+        path = self.job.run_dir / "metrics.csv"
+        names = list(self.metrics[0])
+        appending = path.exists()
+        with path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=names)
+            if not appending:
+                writer.writeheader()
+            writer.writerows(self.metrics)
+        plot_learning_curve(path, self.job.run_dir / "learning_curve.png", self.loop.target_return)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _should_checkpoint(self) -> bool:
+        return bool(self.loop.checkpoint_every) and self.update % self.loop.checkpoint_every == 0
+
+    def _save_checkpoint(self) -> None:
+        if self.rank != 0 or not self.is_trainer or self.optimizer is None:
+            return
+        folder = self.job.run_dir / CHECKPOINT_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "update": self.update,
+            "env_steps": self.env_steps,
+            "episodes": self.episodes,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+                "generator": self.generator.get_state(),
+            },
+        }
+        final = folder / f"ckpt_{self.update:06d}.pt"
+        partial = final.with_suffix(".tmp")
+        torch.save(state, partial)
+        os.replace(partial, final)  # never a half-written checkpoint
+        log.info("checkpoint %s (update %d, %d env steps)", final.name, self.update, self.env_steps)
+
+    def _maybe_resume(self) -> None:
+        source: Path | None = None
+        if self.loop.resume:
+            source = find_checkpoint(self.loop.resume)
+        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # Restarted by the agent after a failure: continue from this run's own checkpoints.
+            try:
+                source = find_checkpoint(self.job.run_dir)
+            except ConfigError:
+                source = None
+        if source is None:
+            return
+        state = torch.load(source, weights_only=False)
+        self.policy.load_state_dict(state["policy"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.update, self.env_steps = state["update"], state["env_steps"]
+        self.episodes = [tuple(e) for e in state["episodes"]]  # type: ignore[misc]
+        self.generator.set_state(state["rng"]["generator"])
+        log.info("resumed from %s at update %d (%d env steps)", source, self.update, self.env_steps)
+
+
+def plot_learning_curve(metrics_csv: Path, png: Path, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with metrics_csv.open() as handle:
+        rows = [r for r in csv.DictReader(handle) if r["mean_return"] not in ("", "nan")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([float(r["env_steps"]) for r in rows], [float(r["mean_return"]) for r in rows])
+    ax.axhline(target, linestyle="--", color="grey")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel("episodic return")
+    ax.set_title("PPO CartPole-v1")
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
