@@ -1,7 +1,8 @@
 """Hydra submitit launchers that run one rank per SLURM task (or per local submitit task).
 
 ``hydra/launcher=rlcomm_slurm`` and ``hydra/launcher=rlcomm_local`` (conf/hydra/launcher/) build
-on the plugin's ``submitit_slurm`` and ``submitit_local``. What these launchers add:
+on the plugin's ``submitit_slurm`` and ``submitit_local``; their launcher classes are in
+``hydra_plugins/rlcomm_launcher`` (Hydra's rule for launchers), their logic here. What they add:
 
 - **Shape per job.** ``nodes``, ``tasks_per_node`` and ``mem_gb`` are read from each sweep job's
   own config, so they follow that job's layout; jobs of one shape go into one job array. The plugin
@@ -86,7 +87,7 @@ class RlcommSlurmQueueConf(SlurmQueueConf):
     """The plugin's ``submitit_slurm`` schema plus submitit's ``srun_args`` (the plugin's 1.2
     schema lacks it)."""
 
-    _target_: str = "app.slurm.SlurmLauncher"
+    _target_: str = "hydra_plugins.rlcomm_launcher.SlurmLauncher"
     srun_args: list[str] | None = None
 
 
@@ -110,7 +111,10 @@ register_launcher_configs()
 # --------------------------------------------------------------------------------------------
 
 
-class _RlcommLauncher(BaseSubmititLauncher):
+class RlcommLauncher(BaseSubmititLauncher):
+    """Base of ``hydra_plugins.rlcomm_launcher.SlurmLauncher`` and ``LocalLauncher`` (Hydra only
+    instantiates launchers that live in the ``hydra_plugins`` namespace)."""
+
     results_grace_s = 10.0  # a finished job's result files may show up late on a network FS
     cancel_after_s = 30.0  # a rank failed but its job still runs (no --kill-on-bad-exit): cancel
 
@@ -245,6 +249,8 @@ class _RlcommLauncher(BaseSubmititLauncher):
             time.sleep(0.5)
 
     def _ended(self, job: Any) -> bool:
+        if self._EXECUTOR == "local":
+            return bool(job.done())  # the local job's controller process has exited
         return bool(job.watcher.is_done(job.job_id, mode="force"))
 
     def _failure_message(
@@ -254,10 +260,14 @@ class _RlcommLauncher(BaseSubmititLauncher):
         what = " ".join(filter_overrides(overrides)) or "(no overrides)"
         head = f"sweep job #{num} ({what}) failed ({self._EXECUTOR} job {job.job_id})"
         errors = sorted((o[2], i, o[1]) for i, o in outcomes.items() if o[0] == "error")
+        by_message: dict[str, list[int]] = {}  # in order of failure; equal errors together
+        for _, rank, trace in errors:
+            by_message.setdefault(_error_line(str(trace), rank), []).append(rank)
         lines = [head]
-        for n, (_, rank, trace) in enumerate(errors):
-            first = " (first to fail)" if n == 0 and len(errors) > 1 else ""
-            lines.append(f"  rank {rank}{first}: {_error_line(str(trace), rank)}")
+        for n, (message, ranks) in enumerate(by_message.items()):
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {sorted(ranks)}"
+            first = " (first to fail)" if n == 0 and len(by_message) > 1 else ""
+            lines.append(f"  {who}{first}: {message}")
         silent = [i for i in range(len(tasks)) if i not in outcomes]
         if silent:
             lines.append(
@@ -270,17 +280,6 @@ class _RlcommLauncher(BaseSubmititLauncher):
         if failing:
             lines.append(f"  logs of rank {failing[0]}: {tasks[failing[0]].paths.stderr}")
         return "\n".join(lines)
-
-
-class SlurmLauncher(_RlcommLauncher):
-    _EXECUTOR = "slurm"
-
-
-class LocalLauncher(_RlcommLauncher):
-    _EXECUTOR = "local"
-
-    def _ended(self, job: Any) -> bool:
-        return bool(job.done())
 
 
 def _outcome(task: Any) -> tuple[str, Any, float]:

@@ -9,6 +9,7 @@ wrapped) :class:`ActorCritic`.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -164,15 +165,26 @@ class Rollout:
     ) -> Rollout:
         """Inverse of :meth:`to_flat_tensor`; returned fields are views into ``t``."""
         if t.numel() != cls.flat_size(num_steps, num_envs, obs_dim):
-            raise ValueError(f"flat rollout has {t.numel()} elements, expected "
-                             f"{cls.flat_size(num_steps, num_envs, obs_dim)}")
+            raise ValueError(
+                f"flat rollout has {t.numel()} elements, expected "
+                f"{cls.flat_size(num_steps, num_envs, obs_dim)}"
+            )
         T, N, D = num_steps, num_envs, obs_dim
-        shapes: list[tuple[int, ...]] = [(T, N, D), (T, N), (T, N), (T, N), (T, N), (T, N), (N, D), (N,)]
+        shapes: list[tuple[int, ...]] = [
+            (T, N, D),
+            (T, N),
+            (T, N),
+            (T, N),
+            (T, N),
+            (T, N),
+            (N, D),
+            (N,),
+        ]
         parts: list[torch.Tensor] = []
         offset = 0
         for shape in shapes:
             n = int(np.prod(shape))
-            parts.append(t[offset:offset + n].view(shape))
+            parts.append(t[offset : offset + n].view(shape))
             offset += n
         obs, actions, logprobs, rewards, dones, values, next_obs, next_done = parts
         return cls(obs, actions.long(), logprobs, rewards, dones, values, next_obs, next_done)
@@ -181,8 +193,9 @@ class Rollout:
 class RolloutWorker:
     """Owns seeded envs and the running env state between successive rollouts."""
 
-    def __init__(self, num_envs: int, seed: int, gamma: float = 0.99,
-                 bootstrap_truncated: bool = True) -> None:
+    def __init__(
+        self, num_envs: int, seed: int, gamma: float = 0.99, bootstrap_truncated: bool = True
+    ) -> None:
         self.envs = make_envs(num_envs, seed)
         self.num_envs = num_envs
         self.gamma = gamma
@@ -234,12 +247,21 @@ class RolloutWorker:
                     episodes.append((float(info["episode"]["r"][i]), int(info["episode"]["l"][i])))
 
         self.env_steps += T * N
-        rollout = Rollout(obs, actions, logprobs, rewards, dones, values,
-                          self.next_obs.clone(), self.next_done.clone())
+        rollout = Rollout(
+            obs,
+            actions,
+            logprobs,
+            rewards,
+            dones,
+            values,
+            self.next_obs.clone(),
+            self.next_done.clone(),
+        )
         return rollout, episodes
 
-    def _truncation_bootstrap(self, policy: ActorCritic, term: np.ndarray, trunc: np.ndarray,
-                              info: dict[str, np.ndarray]) -> torch.Tensor:
+    def _truncation_bootstrap(
+        self, policy: ActorCritic, term: np.ndarray, trunc: np.ndarray, info: dict[str, Any]
+    ) -> torch.Tensor:
         """gamma * V(final_obs) for envs cut by the time limit, else 0.
 
         With SAME_STEP autoreset the returned obs is already the reset one, so
@@ -248,7 +270,7 @@ class RolloutWorker:
         extra = torch.zeros(self.num_envs)
         idx = np.flatnonzero(trunc & ~term)
         if idx.size:
-            final_obs = torch.as_tensor(np.stack(info["final_obs"][idx]), dtype=torch.float32)
+            final_obs = torch.as_tensor(np.stack(list(info["final_obs"][idx])), dtype=torch.float32)
             extra[idx] = self.gamma * policy.get_value(final_obs)
         return extra
 
@@ -314,6 +336,8 @@ def ppo_update(
     bootstrap uses ``policy`` directly. The step count depends only on ``hp``,
     so all DDP ranks stay in lockstep (hence no KL early stopping).
     """
+    if not rollouts:
+        raise ValueError("ppo_update needs at least one rollout")
     obs_l, act_l, logp_l, adv_l, ret_l, val_l = [], [], [], [], [], []
     with torch.no_grad():
         for r in rollouts:
@@ -333,7 +357,7 @@ def ppo_update(
     for _ in range(hp.update_epochs):
         perm = torch.randperm(batch_size, generator=generator)
         for k in range(hp.num_minibatches):
-            mb = perm[k * minibatch_size:(k + 1) * minibatch_size]
+            mb = perm[k * minibatch_size : (k + 1) * minibatch_size]
             newlogprob, entropy, newvalue = model(b_obs[mb], b_actions[mb])
             logratio = newlogprob - b_logprobs[mb]
             ratio = logratio.exp()
@@ -346,7 +370,9 @@ def ppo_update(
 
             v_unclipped = (newvalue - b_returns[mb]) ** 2
             if hp.clip_vloss:
-                v_clipped = b_values[mb] + (newvalue - b_values[mb]).clamp(-hp.clip_coef, hp.clip_coef)
+                v_clipped = b_values[mb] + (newvalue - b_values[mb]).clamp(
+                    -hp.clip_coef, hp.clip_coef
+                )
                 v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
             else:
                 v_loss = 0.5 * v_unclipped.mean()
