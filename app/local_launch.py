@@ -89,13 +89,13 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
         local_addr=LOOPBACK,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
     )
-    launch.shutdown_timeout = cfg.launcher.shutdown_timeout  # type: ignore[attr-defined]
+    launch.shutdown_timeout = cfg.launcher.shutdown_timeout
     config = OmegaConf.to_container(cfg, resolve=True)
     try:
         results = elastic_launch(launch, run_rank)(config, str(run_dir))
     except ChildFailedError as err:
         raise RankFailedError(_describe_failures(err, run_dir)) from None
-    return results[0]  # type: ignore[no-any-return]
+    return results[0]
 
 
 def _describe_failures(err: ChildFailedError, run_dir: Path) -> str:

@@ -319,7 +319,7 @@ class _PPORun:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.update, self.env_steps = state["update"], state["env_steps"]
-        self.episodes = [tuple(e) for e in state["episodes"]]  # type: ignore[misc]
+        self.episodes = [tuple(e) for e in state["episodes"]]
         self.generator.set_state(state["rng"]["generator"])
         log.info("resumed from %s at update %d (%d env steps)", source, self.update, self.env_steps)
 
