@@ -12,13 +12,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 
-from .planning import ConfigError, build_plan
+from .planning import ConfigError, build_loop, build_plan
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     log.info("rank %d (%s) groups: %s", rank, plan.role(rank), sorted(ctx.describe()))
 
     _seed_everything(cfg.seed + rank)
-    loop: Loop = instantiate(cfg.loop)
+    loop: Loop = build_loop(cfg.loop)
     job = JobInfo(plan=plan, run_dir=Path(run_dir), seed=cfg.seed, rank=rank)
     try:
         result = loop(ctx, job)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -31,13 +32,32 @@ def validate(cfg: DictConfig) -> LayoutPlan:
     return build_plan(cfg)
 
 
+def build_loop(loop: DictConfig) -> Any:
+    """``instantiate(loop)``, keeping only the arguments the target accepts.
+
+    ``loop._target_=mypkg.MyLoop`` on top of the default ``loop=ppo`` would otherwise hand
+    PPO's settings to a class that has none of them; typos cannot slip through this way, since
+    Hydra rejects unknown keys when composing.
+    """
+    from hydra.utils import get_object, instantiate
+
+    target = get_object(str(loop._target_))
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return instantiate(loop)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return instantiate(loop)
+    accepted = {p.name for p in params}
+    kept = {k: v for k, v in loop.items() if str(k).startswith("_") or k in accepted}
+    return instantiate(OmegaConf.create(kept))
+
+
 def _check_loop(loop: DictConfig) -> None:
     """Build the loop once here so bad arguments fail before any rank starts; a loop may add
     its own checks in a ``validate()`` method (e.g. that a resume path holds a checkpoint)."""
-    from hydra.utils import instantiate
-
     try:
-        built = instantiate(loop)
+        built = build_loop(loop)
     except Exception as err:
         raise ConfigError(f"loop: cannot build {loop.get('_target_')!r}: {err}") from None
     check = getattr(built, "validate", None)
