@@ -53,6 +53,7 @@ def run_ranks(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
     expect_failure: bool = False,
+    start_method: str = "fork",
 ) -> dict[int, Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` forked processes.
 
@@ -60,7 +61,7 @@ def run_ranks(
     (unless ``expect_failure``, then ``{rank: "error text"}`` for the ranks that raised); a run
     that exceeds ``timeout`` kills every rank and fails.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)  # "spawn" where CUDA must start fresh in each rank
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
