@@ -55,10 +55,12 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     try:
         return run(cfg, Path(hydra_cfg.runtime.output_dir))
     except RlcommError as err:
-        if hydra_cfg.mode == RunMode.MULTIRUN:
+        # An interrupt (exit_code 128 + signal) ends a sweep too; other errors fail one job.
+        exit_code = getattr(err, "exit_code", 2)
+        if hydra_cfg.mode == RunMode.MULTIRUN and exit_code == 2:
             raise  # Hydra records the job as failed and runs the rest of the sweep
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from rlcomm import RlcommError
 
@@ -116,7 +116,12 @@ class RlcommLauncher(BaseSubmititLauncher):
     instantiates launchers that live in the ``hydra_plugins`` namespace)."""
 
     results_grace_s = 10.0  # a finished job's result files may show up late on a network FS
-    cancel_after_s = 30.0  # a rank failed but its job still runs (no --kill-on-bad-exit): cancel
+
+    @property
+    def cancel_after_s(self) -> float:
+        """A rank failed and its job still runs this long after: cancel the job. The local
+        executor has no --kill-on-bad-exit; on SLURM this only acts when srun_args lack it."""
+        return 3.0 if self._EXECUTOR == "local" else 30.0
 
     def __call__(
         self,
@@ -150,8 +155,9 @@ class RlcommLauncher(BaseSubmititLauncher):
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
 
         planned = []  # (job num, overrides, shape)
+        job_dirs: dict[int, Path | None] = {}
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):
-            shape = self._job_shape(overrides)
+            shape, job_dirs[num] = self._job_shape(num, overrides)
             tasks = f"{shape['nodes']} node(s) x {shape['tasks_per_node']} task(s)"
             log.info(f"\t#{num} : {' '.join(filter_overrides(overrides))}  [{tasks}]")
             planned.append((num, list(overrides), shape))
@@ -171,18 +177,28 @@ class RlcommLauncher(BaseSubmititLauncher):
                 for pos, job in zip(positions, executor.map_array(self, *zip(*args))):
                     jobs[pos] = job
         return [
-            self._job_return(job, num, overrides, sweep_dir)
+            self._job_return(job, num, overrides, sweep_dir, job_dirs[num])
             for job, (num, overrides, _) in zip(jobs, planned)
         ]
 
     # ---- submission -----------------------------------------------------------------------
 
-    def _job_shape(self, overrides: Sequence[str]) -> dict[str, Any]:
-        """nodes / tasks_per_node / mem_gb as this job's own config resolves them."""
+    def _job_shape(
+        self, num: int, overrides: Sequence[str]
+    ) -> tuple[dict[str, Any], Path | None]:
+        """nodes / tasks_per_node / mem_gb as this job's own config resolves them, and the job's
+        output folder (None when it cannot be known before the job runs)."""
         assert self.config is not None and self.hydra_context is not None
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
         launcher = cfg.hydra.launcher
-        return {key: launcher.get(key, self.params.get(key)) for key in _SHAPE_KEYS}
+        shape = {key: launcher.get(key, self.params.get(key)) for key in _SHAPE_KEYS}
+        try:
+            with open_dict(cfg.hydra.job):
+                cfg.hydra.job.num = num
+            job_dir: Path | None = Path(str(cfg.hydra.sweep.dir)) / str(cfg.hydra.sweep.subdir)
+        except Exception:  # e.g. a subdir named after ${hydra.job.id}, known in the job only
+            job_dir = None
+        return shape, job_dir
 
     def _executor(self, shape: dict[str, Any]) -> Any:
         import submitit
@@ -201,7 +217,7 @@ class RlcommLauncher(BaseSubmititLauncher):
     # ---- results --------------------------------------------------------------------------
 
     def _job_return(
-        self, job: Any, num: int, overrides: list[str], sweep_dir: Path
+        self, job: Any, num: int, overrides: list[str], sweep_dir: Path, job_dir: Path | None
     ) -> JobReturn:
         tasks = [job.task(i) for i in range(job.num_tasks)]
         self._wait(job, tasks)
@@ -215,7 +231,9 @@ class RlcommLauncher(BaseSubmititLauncher):
             ret: JobReturn = outcomes[0][1]
             return ret
 
-        error = JobFailedError(self._failure_message(job, num, overrides, tasks, outcomes))
+        error = JobFailedError(
+            self._failure_message(job, num, overrides, tasks, outcomes, job_dir)
+        )
         from .callbacks import record_job
 
         record_job(sweep_dir, {
@@ -225,7 +243,10 @@ class RlcommLauncher(BaseSubmititLauncher):
             "result": None,
             "error": str(error),
         })
-        return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=error)
+        return JobReturn(
+            overrides=overrides, status=JobStatus.FAILED, _return_value=error,
+            working_dir=str(job_dir) if job_dir else None,
+        )
 
     def _wait(self, job: Any, tasks: list[Any]) -> None:
         """Until every rank reported or the job ended. Polls the scheduler every 2-15 s (submitit's
@@ -255,14 +276,15 @@ class RlcommLauncher(BaseSubmititLauncher):
 
     def _failure_message(
         self, job: Any, num: int, overrides: list[str], tasks: list[Any],
-        outcomes: dict[int, tuple[str, Any, float]],
+        outcomes: dict[int, tuple[str, Any, float]], job_dir: Path | None,
     ) -> str:
         what = " ".join(filter_overrides(overrides)) or "(no overrides)"
         head = f"sweep job #{num} ({what}) failed ({self._EXECUTOR} job {job.job_id})"
         errors = sorted((o[2], i, o[1]) for i, o in outcomes.items() if o[0] == "error")
         by_message: dict[str, list[int]] = {}  # in order of failure; equal errors together
         for _, rank, trace in errors:
-            by_message.setdefault(_error_line(str(trace), rank), []).append(rank)
+            message = _error_line(str(trace), rank).replace(f" (rank {rank})", "")
+            by_message.setdefault(message, []).append(rank)
         lines = [head]
         for n, (message, ranks) in enumerate(by_message.items()):
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {sorted(ranks)}"
@@ -270,15 +292,17 @@ class RlcommLauncher(BaseSubmititLauncher):
             lines.append(f"  {who}{first}: {message}")
         silent = [i for i in range(len(tasks)) if i not in outcomes]
         if silent:
-            lines.append(
-                f"  ranks {silent} ended without reporting (stopped or killed; job state "
-                f"{job.state})"
-            )
+            who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {silent}"
+            lines.append(f"  {who} ended without reporting (stopped or killed; job state {job.state})")
         if not errors:
             lines += [f"  {line}" for line in _scheduler_lines(tasks[0].paths.stderr)]
         failing = [e[1] for e in errors] or silent
         if failing:
-            lines.append(f"  logs of rank {failing[0]}: {tasks[failing[0]].paths.stderr}")
+            rank = failing[0]
+            logs = [str(tasks[rank].paths.stderr)]
+            if job_dir is not None and (job_dir / "logs" / f"rank{rank}.log").exists():
+                logs.insert(0, str(job_dir / "logs" / f"rank{rank}.log"))
+            lines.append(f"  logs of rank {rank}: {', '.join(logs)}")
         return "\n".join(lines)
 
 
@@ -290,7 +314,7 @@ def _outcome(task: Any) -> tuple[str, Any, float]:
     try:
         outcome, value = pickle_load(path)
         return str(outcome), value, path.stat().st_mtime
-    except (OSError, EOFError, ValueError):  # still being written
+    except Exception:  # unreadable (submitit writes it atomically, so rather a broken file)
         return "pending", None, math.inf
 
 
@@ -315,7 +339,7 @@ def _scheduler_lines(path: Path, limit: int = 5) -> list[str]:
         text = path.read_text(errors="replace")
     except OSError:
         return []
-    said = [ln for ln in text.splitlines() if ln.startswith(("srun:", "slurmstepd:"))]
+    said = [ln for ln in text.splitlines() if ln.startswith(("srun:", "slurmstepd"))]
     return said[-limit:]
 
 

@@ -1,0 +1,14 @@
+"""rlcomm's submitit launchers (hydra/launcher=rlcomm_slurm, rlcomm_local); logic in app/slurm.py.
+
+Hydra instantiates launcher plugins only from the ``hydra_plugins`` namespace package.
+"""
+
+from app.slurm import RlcommLauncher
+
+
+class SlurmLauncher(RlcommLauncher):
+    _EXECUTOR = "slurm"
+
+
+class LocalLauncher(RlcommLauncher):
+    _EXECUTOR = "local"

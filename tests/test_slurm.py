@@ -1,0 +1,383 @@
+"""The app on a real SLURM cluster: the submitit launcher presets, plain srun/sbatch, failures.
+
+A session fixture starts the local single-node cluster (tests/slurm/cluster_up.sh, needs root)
+and stops it at the end (cluster_down.sh), then checks that none of its daemons survived. Without
+root, the tests use a SLURM that already answers (``sinfo``), or skip. Every test runs in fresh
+folders: job ids restart when the cluster's state is wiped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.apprun import MARKER, REPO, assert_no_survivors, describe, run_app
+from tests.test_app import assert_commcheck_passed, read_result
+
+SCRIPTS = REPO / "tests" / "slurm"
+STATE = Path(os.environ.get("RLCOMM_SLURM_STATE", "/var/lib/rlcomm-slurm"))
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")
+FAST_COMMCHECK = ("loop=commcheck", "loop.latency_iters=3", "loop.bandwidth_bytes=65536",
+                  "loop.bandwidth_iters=1", "comm.timeout=60")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    partition: str
+
+
+def _daemon_pids() -> dict[str, int]:
+    """Our daemons that run now, by the pids cluster_up.sh recorded (never by name)."""
+    found = {}
+    for name in DAEMONS:
+        try:
+            pid = int((STATE / "pids" / f"{name}.pid").read_text())
+            exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+        except (OSError, ValueError):
+            continue
+        if Path(exe).name == name or exe == os.path.realpath(f"/usr/sbin/{name}"):
+            found[name] = pid
+    return found
+
+
+def _sinfo_partition() -> str | None:
+    if not shutil.which("sinfo"):
+        return None
+    proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=20)
+    names = proc.stdout.split()
+    if proc.returncode != 0 or not names:
+        return None
+    default = [n for n in names if n.endswith("*")]
+    return os.environ.get("RLCOMM_SLURM_PARTITION") or (default or names)[0].rstrip("*")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        partition = _sinfo_partition()
+        if partition is None:
+            pytest.skip("needs root to start the local SLURM cluster (tests/slurm/cluster_up.sh), "
+                        "or a running SLURM cluster (sinfo answers)")
+        yield Cluster(partition)  # not ours: leave it running
+        return
+    was_up = set(_daemon_pids()) == set(DAEMONS)
+    up = subprocess.run(["bash", str(SCRIPTS / "cluster_up.sh")], capture_output=True, text=True,
+                        timeout=600)
+    assert up.returncode == 0, f"cluster_up.sh failed:\n{up.stderr[-3000:]}"
+    daemons = _daemon_pids()
+    try:
+        yield Cluster(up.stdout.strip().splitlines()[-1])
+    finally:
+        if not was_up:  # a cluster someone else started stays up
+            down = subprocess.run(["bash", str(SCRIPTS / "cluster_down.sh")], capture_output=True,
+                                  text=True, timeout=300)
+            assert down.returncode == 0, f"cluster_down.sh failed:\n{down.stderr[-3000:]}"
+            left = {n: p for n, p in daemons.items() if psutil.pid_exists(p)
+                    and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+            assert not left, f"daemons left running: {left}"
+            assert not _daemon_pids()
+
+
+def sacct_states(job_ids: list[str], expected: str, timeout: float = 30) -> dict[str, str]:
+    """Poll sacct (it lags a job's end by about a second) until every job has left the queue."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
+                              capture_output=True, text=True, timeout=30)
+        states = dict(line.split("|", 1) for line in proc.stdout.split() if "|" in line)
+        states = {j: s for j, s in states.items() if j in job_ids}
+        if len(states) == len(job_ids) and all(s == expected for s in states.values()):
+            return states
+        if time.monotonic() > deadline:
+            return states
+        time.sleep(0.5)
+
+
+def array_jobs(sweep_dir: Path) -> list[str]:
+    """The SLURM ids (``<array>_<index>``) of a sweep's jobs, from submitit's folders."""
+    return sorted(p.name for p in (sweep_dir / ".submitit").iterdir()
+                  if re.fullmatch(r"\d+_\d+", p.name))
+
+
+def rank_logs(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "logs").glob("rank*.log"))
+
+
+def launcher(cluster: Cluster, preset: str) -> tuple[str, ...]:
+    args: tuple[str, ...] = (f"hydra/launcher={preset}", "hydra.launcher.timeout_min=5")
+    if preset == "rlcomm_slurm":
+        # 1 CPU per rank: both 4-rank jobs of an array fit the 8-CPU node at once (and must not
+        # share a rendezvous port)
+        args += (f"hydra.launcher.partition={cluster.partition}", "hydra.launcher.cpus_per_task=1")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Detection and naming, without a cluster
+# --------------------------------------------------------------------------------------------
+
+STEP_ENV = {"SLURM_JOB_ID": "26", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "4",
+            "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "4",
+            "SLURM_STEP_NODELIST": "vm", "SLURM_JOB_NODELIST": "vm", "SLURM_JOB_NAME": "interactive"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_")) or name in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "RLCOMM_RUN_ID",
+        ):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_an_srun_task_is_a_rank_even_under_salloc(clean_env: pytest.MonkeyPatch) -> None:
+    from app.environment import detect_placement, distributed_env, run_id
+
+    for name, value in STEP_ENV.items():
+        clean_env.setenv(name, value)
+    placement = detect_placement()
+    assert (placement.kind, placement.rank, placement.world_size) == ("slurm", 1, 4)
+    assert distributed_env(placement) == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                          "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "vm",
+                                          "MASTER_PORT": "15208"}
+    assert run_id() == "slurm-26.0"
+    clean_env.setenv("SLURM_ARRAY_JOB_ID", "25")
+    clean_env.setenv("SLURM_ARRAY_TASK_ID", "1")
+    assert run_id() == "slurm-25_1.0"
+
+
+def test_the_batch_script_and_one_task_steps_launch_ranks_themselves(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    from app.environment import Placement, detect_placement
+
+    # what sbatch sets in the batch script itself: SLURM_PROCID and SLURM_NTASKS, no step
+    for name in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"):
+        clean_env.setenv(name, STEP_ENV[name])
+    placement = detect_placement()
+    assert placement.kind == "local" and placement.note and "srun" in placement.note
+    clean_env.setenv("SLURM_STEP_ID", "4294967291")  # the batch step's id in 22.05
+    assert detect_placement().kind == "local"
+    clean_env.setenv("SLURM_STEP_ID", "0")
+    clean_env.setenv("SLURM_NTASKS", "1")  # srun --pty bash, srun -n1 python -m app
+    assert detect_placement() == Placement("local")
+
+
+def test_a_submitit_local_task_is_a_rank(clean_env: pytest.MonkeyPatch) -> None:
+    from app.environment import detect_placement, distributed_env, master_port
+
+    for name, value in {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "2",
+                        "SUBMITIT_LOCAL_LOCALID": "2", "SUBMITIT_LOCAL_NTASKS": "4",
+                        "SUBMITIT_LOCAL_JOB_ID": "7144"}.items():
+        clean_env.setenv(name, value)
+    placement = detect_placement()
+    assert (placement.kind, placement.rank, placement.world_size) == ("submitit", 2, 4)
+    env = distributed_env(placement)
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == str(master_port(7144))
+
+
+def test_master_ports_differ_between_nearby_jobs_and_steps() -> None:
+    from app.environment import master_port
+
+    ports = {master_port(job, step) for job in range(1000, 3000) for step in range(8)}
+    assert len(ports) == 2000 * 8
+    assert all(15000 <= p < 32768 for p in ports)  # below the ephemeral range
+
+
+def test_node_lists_and_task_counts_parse() -> None:
+    from app.environment import first_host, tasks_on_node
+
+    assert first_host("gpu[003-004,010],cpu01") == "gpu003"
+    assert [tasks_on_node("2(x3),1", n) for n in range(5)] == [2, 2, 2, 1, None]
+
+
+def test_launcher_shape_follows_the_layout() -> None:
+    from hydra import compose, initialize_config_dir
+
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+
+    shapes = {}
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        for layout in ("single", "1t1r", "2t2r", "2x2"):
+            for preset in ("rlcomm_slurm", "rlcomm_local"):
+                cfg = compose("config", overrides=[f"hydra/launcher={preset}", f"layout={layout}"],
+                              return_hydra_config=True)
+                launcher = cfg.hydra.launcher
+                shapes[layout, preset] = (launcher.nodes, launcher.tasks_per_node)
+        assert cfg.hydra.launcher.get("srun_args") is None  # rlcomm_local
+        cfg = compose("config", overrides=["hydra/launcher=rlcomm_slurm"], return_hydra_config=True)
+        assert cfg.hydra.launcher.srun_args == ["--kill-on-bad-exit=1"]
+        assert cfg.hydra.launcher.mem_gb == 16 and cfg.hydra.launcher.timeout_min >= 5
+    assert shapes == {
+        ("single", "rlcomm_slurm"): (1, 1), ("single", "rlcomm_local"): (1, 1),
+        ("1t1r", "rlcomm_slurm"): (1, 2), ("1t1r", "rlcomm_local"): (1, 2),
+        ("2t2r", "rlcomm_slurm"): (1, 4), ("2t2r", "rlcomm_local"): (1, 4),
+        ("2x2", "rlcomm_slurm"): (2, 2), ("2x2", "rlcomm_local"): (1, 4),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Sweeps through the launcher presets
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["rlcomm_slurm", "rlcomm_local"])
+def test_multirun_over_two_layouts_leaves_one_result_per_job(
+    cluster: Cluster, preset: str, tmp_path: Path
+) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_app("--multirun", *launcher(cluster, preset), "layout=2t2r,1t3r", *FAST_COMMCHECK,
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, describe(proc)
+    for job in ("0", "1"):
+        assert_commcheck_passed(read_result(sweep / job), 4)
+        assert rank_logs(sweep / job) == [f"rank{r}.log" for r in range(4)]
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert [(j["job"], j["status"]) for j in summary["jobs"]] == [(0, "ok"), (1, "ok")]
+    if preset == "rlcomm_slurm":
+        ids = array_jobs(sweep)
+        assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1  # one job array
+        assert sacct_states(ids, "COMPLETED") == dict.fromkeys(ids, "COMPLETED")
+        assert "[1 node(s) x 4 task(s)]" in proc.stderr + proc.stdout
+
+
+CRASH_LOOP = '''
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class CrashOn:
+    """Raises on one rank; the others wait for it as if in a collective, forever."""
+
+    rank: int = 1
+
+    def __call__(self, ctx, job):
+        if job.rank == self.rank:
+            raise ValueError(f"boom on rank {job.rank}")
+        time.sleep(3600)
+        return {}
+'''
+
+
+def test_a_crashing_rank_fails_the_multirun_promptly_and_is_named(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    (tmp_path / "crashpkg").mkdir()
+    (tmp_path / "crashpkg" / "__init__.py").write_text("")
+    (tmp_path / "crashpkg" / "loops.py").write_text(textwrap.dedent(CRASH_LOOP))
+    (tmp_path / "conf" / "loop").mkdir(parents=True)
+    (tmp_path / "conf" / "loop" / "crash.yaml").write_text("_target_: crashpkg.loops.CrashOn\n")
+    sweep = tmp_path / "sweep"
+    start = time.monotonic()
+    proc = run_app("--multirun", *launcher(cluster, "rlcomm_slurm"), "layout=1t1r", "loop=crash",
+                   f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "comm.timeout=30",
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path, env={"PYTHONPATH": f"{REPO}:{tmp_path}"},
+                   timeout=240)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, describe(proc)
+    assert elapsed < 120, f"took {elapsed:.0f} s: the other ranks were not stopped"
+    assert "rank 1: ValueError: boom on rank 1" in proc.stderr, describe(proc)
+    assert "rank 0 ended without reporting" in proc.stderr
+    assert "cancelling" not in proc.stderr  # srun --kill-on-bad-exit stopped them, not the launcher
+    ids = array_jobs(sweep)
+    assert sacct_states(ids, "FAILED") == dict.fromkeys(ids, "FAILED")
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["jobs"][0]["status"] == "failed"
+    assert "rank 1: ValueError: boom on rank 1" in summary["jobs"][0]["error"]
+
+
+def test_a_layout_of_another_world_size_fails_every_task_before_any_group(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    sweep = tmp_path / "sweep"
+    # 2 tasks, not 4: the same error at half the cost (every task imports torch first)
+    proc = run_app("--multirun", *launcher(cluster, "rlcomm_slurm"), "hydra.launcher.tasks_per_node=2",
+                   "layout=2t2r", *FAST_COMMCHECK, f"hydra.sweep.dir={sweep}", cwd=tmp_path,
+                   timeout=180)
+    assert proc.returncode != 0
+    assert ("ranks [0, 1]: ConfigError: layout.world_size: 4 but this job has 2 ranks"
+            in proc.stderr), describe(proc)
+    ids = array_jobs(sweep)
+    assert sacct_states(ids, "FAILED") == dict.fromkeys(ids, "FAILED")
+    for log in (sweep / "0" / "logs").glob("rank*.log"):
+        assert "groups:" not in log.read_text()  # failed before creating any group
+
+
+# --------------------------------------------------------------------------------------------
+# Plain sbatch + srun
+# --------------------------------------------------------------------------------------------
+
+
+def sbatch_example(
+    cluster: Cluster, tmp_path: Path, *overrides: str, sbatch_args: tuple[str, ...] = ()
+) -> tuple[str, str, str]:
+    """Submit examples/slurm_commcheck.sbatch; returns (job id, final state, job output).
+
+    Polls sacct rather than ``sbatch --wait``, which checks the job 2, 10 and 42 s after it starts.
+    """
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    out = tmp_path / "slurm.out"
+    try:
+        proc = subprocess.run(
+            ["sbatch", "--parsable", *sbatch_args, "-p", cluster.partition, "-o", str(out), "--chdir",
+             str(tmp_path), str(REPO / "examples" / "slurm_commcheck.sbatch"), *overrides],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert proc.returncode == 0, describe(proc)
+        job = proc.stdout.strip().split(";")[0]
+        state = wait_for_job(job, timeout=180)
+    finally:
+        assert_no_survivors(marker)
+    return job, state, out.read_text() if out.exists() else ""
+
+
+def wait_for_job(job: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job],
+                              capture_output=True, text=True, timeout=30)
+        state = proc.stdout.strip().split(" ")[0] if proc.stdout.strip() else "UNKNOWN"
+        if state not in ("UNKNOWN", "PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED"):
+            return state
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], check=False)
+    raise AssertionError(f"job {job} still {state} after {timeout} s")
+
+
+def test_srun_in_sbatch_makes_each_task_a_rank_with_one_run_dir(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    job, state, out = sbatch_example(cluster, tmp_path, "layout=1t3r", *FAST_COMMCHECK[1:])
+    assert state == "COMPLETED", out
+    # every rank resolved the same run dir on its own, named after the job step
+    assert [p.name for p in (tmp_path / "outputs" / "runs").iterdir()] == [f"slurm-{job}.0"]
+    run_dir = tmp_path / "outputs" / "runs" / f"slurm-{job}.0"
+    assert_commcheck_passed(read_result(run_dir), 4)
+    assert rank_logs(run_dir) == [f"rank{r}.log" for r in range(4)]
+
+
+def test_srun_with_a_layout_of_another_world_size_fails_clearly(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    _, state, out = sbatch_example(cluster, tmp_path, "layout=2t2r", sbatch_args=("--ntasks-per-node=2",))
+    assert state == "FAILED", out
+    for rank in range(2):
+        assert f"error: layout.world_size: 4 but this job has 2 ranks (rank {rank})" in out, out
+    assert "groups:" not in out
