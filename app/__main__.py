@@ -16,7 +16,7 @@ from rlcomm import RlcommError, format_plan
 
 from .config import register_configs
 from .environment import detect_placement, output_subdir, run_id
-from .planning import validate
+from .planning import check_world_size, validate
 from .slurm import register_launcher_configs
 
 log = logging.getLogger("app")
@@ -36,6 +36,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     placement = detect_placement()
     if placement.note:
         log.warning(placement.note)
+    if placement.kind != "local":
+        check_world_size(plan, placement.world_size, placement.rank)  # before importing torch
     from rlcomm import resolve_backend
 
     resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process

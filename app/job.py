@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 
-from .planning import ConfigError, build_loop, build_plan
+from .planning import build_loop, build_plan, check_world_size
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,7 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     rank = int(os.environ.get("RANK", "0"))
     setup_rank_logging(Path(run_dir), rank)
     world_size = int(os.environ.get("WORLD_SIZE", plan.world_size))
-    if world_size != plan.world_size:
-        raise ConfigError(
-            f"layout.world_size: {plan.world_size} but this job has {world_size} ranks "
-            f"(rank {rank}); pick a layout of {world_size} ranks or change the allocation"
-        )
+    check_world_size(plan, world_size, rank)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 

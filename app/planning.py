@@ -20,6 +20,15 @@ def build_plan(cfg: DictConfig) -> LayoutPlan:
     return plan_layout(LayoutSpec(**layout))
 
 
+def check_world_size(plan: LayoutPlan, world_size: int, rank: int) -> None:
+    """A joined job's rank count must be the layout's; fail before any group exists."""
+    if world_size != plan.world_size:
+        raise ConfigError(
+            f"layout.world_size: {plan.world_size} but this job has {world_size} ranks "
+            f"(rank {rank}); pick a layout of {world_size} ranks or change the allocation"
+        )
+
+
 def validate(cfg: DictConfig) -> LayoutPlan:
     """Everything that can be checked without starting a process; raises one-line errors."""
     timeout = cfg.comm.timeout
