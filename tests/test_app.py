@@ -199,3 +199,12 @@ def test_nccl_without_cuda_fails_before_any_rank_starts(tmp_path: Path) -> None:
     )
     assert not (tmp_path / "logs").exists()
     shutil.rmtree(tmp_path)
+
+
+def test_installed_console_script_works_from_any_directory(tmp_path: Path) -> None:
+    script = shutil.which("rlcomm-run")
+    assert script, "rlcomm-run is not on PATH: install the package (pip install -e .)"
+    proc = run_app("plan_only=true", "layout=1t3r", module=(script,), cwd=tmp_path,
+                   env={"PYTHONPATH": ""})
+    assert proc.returncode == 0, describe(proc)
+    assert "rollout" in proc.stdout and (tmp_path / "outputs" / "runs").is_dir()

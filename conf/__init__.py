@@ -1,0 +1,1 @@
+"""Hydra config tree of the app (a package so an installed app finds it)."""
