@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -49,6 +50,9 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     from .logs import setup_rank_logging
 
     export_distributed_env(detect_placement())
+    # torch and the app are imported: move those objects out of the collector's way, so a full
+    # collection does not land in the middle of creating thousands of groups.
+    gc.freeze()
     cfg: DictConfig = OmegaConf.create(config)
     plan = build_plan(cfg)
     rank = int(os.environ.get("RANK", "0"))

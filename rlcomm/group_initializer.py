@@ -67,14 +67,16 @@ class GroupInitializer:
         backend = "gloo" if use_cpu else backend
         mine = GroupRegistration(None, 0, None, [], self.mode_name, [])
         for declared in self.rank_lists():
-            ranks = sorted(declared)
+            member = self.rank in declared
+            # torch keeps a description only for groups this rank is in; skip building the rest.
             group = dist.new_group(
-                ranks,
+                list(declared),
                 timeout=self.timeout,
                 backend=backend,
-                group_desc=group_description(self.mode_name, declared),
+                group_desc=group_description(self.mode_name, declared) if member else None,
             )
-            if self.rank in declared:
+            if member:
+                ranks = sorted(declared)
                 # torch orders a group by sorted global rank; ask it rather than assume.
                 mine = GroupRegistration(
                     dist.get_rank(group), len(ranks), group, ranks, self.mode_name, list(declared)

@@ -36,7 +36,7 @@ def _train(
     generator = torch.Generator().manual_seed(seed)
     episodes: list[tuple[float, int]] = []
     for update in range(updates):
-        set_lr(optimizer, hp, update)
+        set_lr(optimizer, hp, update * hp.num_envs * hp.num_steps)
         rollout, finished = worker.collect(policy, hp.num_steps)
         episodes += finished
         ppo_update(policy, policy, optimizer, [rollout], hp, generator)
@@ -95,7 +95,7 @@ def test_gae_matches_hand_computation() -> None:
 
 
 def test_short_training_improves_return() -> None:
-    hp = PPOHyperParams(num_updates=30)  # anneal over this short run
+    hp = PPOHyperParams(anneal_env_steps=30_000)  # anneal over this short run
     updates = 30_000 // (hp.num_envs * hp.num_steps) + 1  # ~30k env steps
     _, episodes = _train(seed=0, updates=updates, hp=hp)
     returns = [r for r, _ in episodes]

@@ -28,7 +28,15 @@ from rlcomm.weight_transfer import WeightReceiver, WeightSender
 
 from ..job import JobInfo
 from ..planning import ConfigError
-from .ppo_core import ActorCritic, PPOHyperParams, Rollout, RolloutWorker, lr_at, ppo_update
+from .ppo_core import (
+    ActorCritic,
+    PPOHyperParams,
+    Rollout,
+    RolloutWorker,
+    make_optimizer,
+    ppo_update,
+    set_lr,
+)
 
 log = logging.getLogger(__name__)
 WT, TDP, GLOBAL = (
@@ -102,7 +110,7 @@ class _PPORun:
         self.optimizer: torch.optim.Optimizer | None = None
         if self.is_trainer:
             self.model = DistributedDataParallel(self.policy, process_group=ctx.get_group(TDP))
-            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.hp.lr, eps=1e-5)
+            self.optimizer = make_optimizer(self.policy, self.hp)
         self.sender = WeightSender(ctx, WT) if self.split and self.is_trainer else None
         self.receiver = WeightReceiver(ctx, WT) if self.split and not self.is_trainer else None
 
@@ -216,8 +224,7 @@ class _PPORun:
 
     def _train(self, rollouts: list[Rollout]) -> dict[str, float]:
         assert self.optimizer is not None
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.hp, self.update)
+        set_lr(self.optimizer, self.hp, self.env_steps)
         return ppo_update(self.model, self.policy, self.optimizer, rollouts, self.hp, self.generator)
 
     def _recent_return(self) -> float:

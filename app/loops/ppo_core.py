@@ -42,7 +42,9 @@ class PPOHyperParams:
     gae_lambda: float = 0.95
     lr: float = 2.5e-3
     anneal_lr: bool = True
-    num_updates: int = 100  # horizon of the linear LR annealing (= planned run length)
+    # Horizon of the linear LR annealing, in env steps (all collectors together), so a layout
+    # with fewer collectors (smaller updates) anneals over the same amount of experience.
+    anneal_env_steps: int = 204_800
     update_epochs: int = 4
     # Per trainer, per epoch; fixed by config so all DDP ranks do the same
     # number of optimizer steps (2 was unstable: 3/10 seeds never solved).
@@ -305,17 +307,17 @@ def make_optimizer(policy: nn.Module, hp: PPOHyperParams) -> torch.optim.Adam:
     return torch.optim.Adam(policy.parameters(), lr=hp.lr, eps=1e-5)
 
 
-def lr_at(hp: PPOHyperParams, update: int) -> float:
-    """Learning rate for 0-based ``update``: linear decay over ``hp.num_updates`` if annealing."""
+def lr_at(hp: PPOHyperParams, env_steps: int) -> float:
+    """Learning rate after ``env_steps``: linear decay over ``hp.anneal_env_steps`` if annealing."""
     if not hp.anneal_lr:
         return hp.lr
-    frac = max(1.0 - update / hp.num_updates, 0.0)
+    frac = max(1.0 - env_steps / hp.anneal_env_steps, 0.0)
     return frac * hp.lr
 
 
-def set_lr(optimizer: torch.optim.Optimizer, hp: PPOHyperParams, update: int) -> float:
+def set_lr(optimizer: torch.optim.Optimizer, hp: PPOHyperParams, env_steps: int) -> float:
     """Apply :func:`lr_at` to every param group; returns the new learning rate."""
-    lr = lr_at(hp, update)
+    lr = lr_at(hp, env_steps)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
