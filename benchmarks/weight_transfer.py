@@ -1,0 +1,268 @@
+"""1. Weight transfer: rlcomm's WeightSender/WeightReceiver against three ways of moving the
+same state dict from the trainer (rank 0) to 1 and 3 receivers over WEIGHT_TRANSFER:
+
+- ``flat_limit``: one broadcast of a preallocated flat uint8 buffer of the same bytes (no
+  packing at all): the limit;
+- ``per_tensor``: one broadcast per tensor (OpenRLHF's path);
+- ``fresh_flatten``: per dtype, ``torch.cat`` into a fresh buffer, broadcast it, and split it
+  into views on the receivers (the seed's path);
+- ``reused_flatten`` (diagnostic): pack into one persistent buffer, one broadcast: rlcomm's
+  design without its header and per-dtype broadcasts, so that the pack copy's cost shows.
+
+Receivers end with views of the received bytes in every case (rlcomm's receive returns views of
+its persistent buffers), so no method pays for loading a module. A sample starts at a barrier
+and ends when the last receiver has its copy (no barrier inside the time); methods alternate
+within every repetition. The sender's pack copy is also timed alone, without communication.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlcomm import CommContext, ParallelMode
+from rlcomm.testing import run_ranks
+from rlcomm.weight_transfer import WeightReceiver, WeightSender
+
+from .core import Goal, Row, Settings, compare, interleave, timed
+from .procs import backend_for, rank_device, sync_fn
+
+NAME = "weight_transfer"
+WT = ParallelMode.WEIGHT_TRANSFER
+METHODS = ("rlcomm", "flat_limit", "per_tensor", "fresh_flatten")
+LIMIT_GOAL = Goal("<=", 1 / 0.9)  # rlcomm >= 0.9 x the limit's throughput
+PER_TENSOR_GOAL = Goal("<=", 0.5)  # rlcomm >= 2 x per-tensor's throughput (large model)
+
+# name -> (shape, dtype)
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def small_mlp() -> Shapes:
+    """A PPO-sized MLP policy: 4 linear layers and a log-std, 9 tensors, ~100k parameters."""
+    sizes = [(64, 256), (256, 256), (256, 64), (64, 8)]
+    shapes: Shapes = {}
+    for i, (fan_in, fan_out) in enumerate(sizes):
+        shapes[f"net.{i}.weight"] = ((fan_out, fan_in), torch.float32)
+        shapes[f"net.{i}.bias"] = ((fan_out,), torch.float32)
+    shapes["log_std"] = ((8,), torch.float32)
+    return shapes
+
+
+def large_transformer(
+    layers: int = 16, width: int = 352, vocab: int = 3200, context: int = 512
+) -> Shapes:
+    """A ~25M-parameter transformer: 196 tensors, odd blocks in bfloat16 (mixed dtypes)."""
+    shapes: Shapes = {
+        "embed.weight": ((vocab, width), torch.float32),
+        "pos.weight": ((context, width), torch.float32),
+    }
+    for i in range(layers):
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        block = {
+            "attn.qkv.weight": (3 * width, width),
+            "attn.qkv.bias": (3 * width,),
+            "attn.out.weight": (width, width),
+            "attn.out.bias": (width,),
+            "ln1.weight": (width,),
+            "ln1.bias": (width,),
+            "ln2.weight": (width,),
+            "ln2.bias": (width,),
+            "mlp.fc1.weight": (4 * width, width),
+            "mlp.fc1.bias": (4 * width,),
+            "mlp.fc2.weight": (width, 4 * width),
+            "mlp.fc2.bias": (width,),
+        }
+        shapes.update({f"blocks.{i}.{name}": (shape, dtype) for name, shape in block.items()})
+    shapes["ln_f.weight"] = ((width,), torch.float32)
+    shapes["ln_f.bias"] = ((width,), torch.float32)
+    return shapes
+
+
+MODELS: dict[str, Callable[[], Shapes]] = {"small": small_mlp, "large": large_transformer}
+
+
+def state_dict_bytes(shapes: Shapes) -> int:
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
+
+
+def make_state_dict(shapes: Shapes, device: torch.device, fill: bool) -> dict[str, Tensor]:
+    """Random weights on the sender (``fill``), uninitialised buffers of the same shapes elsewhere."""
+    make = torch.randn if fill else torch.empty
+    return {
+        name: make(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()
+    }
+
+
+def _by_dtype(state_dict: dict[str, Tensor]) -> dict[torch.dtype, list[Tensor]]:
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in state_dict.values():
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return groups
+
+
+class ReusedFlat:
+    """All tensors packed into one persistent uint8 buffer (every dtype, 64-byte aligned),
+    sent as a single broadcast: rlcomm's design minus its header and per-dtype broadcasts, to
+    show what the pack copy alone costs."""
+
+    ALIGN = 64
+
+    def __init__(self, state_dict: dict[str, Tensor], device: torch.device) -> None:
+        offsets, end = [], 0
+        for tensor in state_dict.values():
+            offsets.append(end)
+            end += -(-tensor.numel() * tensor.element_size() // self.ALIGN) * self.ALIGN
+        self.wire = torch.empty(end, dtype=torch.uint8, device=device)
+        self.groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+        for offset, tensor in zip(offsets, state_dict.values()):
+            raw = self.wire[offset : offset + tensor.numel() * tensor.element_size()]
+            views, sources = self.groups.setdefault(tensor.dtype, ([], []))
+            views.append(raw.view(tensor.dtype).view(tensor.shape))
+            sources.append(tensor)
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        for views, sources in self.groups.values():
+            torch._foreach_copy_(views, sources)
+
+
+def transfer_steps(
+    ctx: CommContext, state_dict: dict[str, Tensor], device: torch.device
+) -> dict[str, Callable[[], object]]:
+    """One transfer of ``state_dict`` per method, as this rank's side of it."""
+    group = ctx.get_group(WT)
+    src = ctx.get_declared_ranks(WT)[0]
+    is_src = ctx.get_global_rank() == src
+    nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    by_dtype = _by_dtype(state_dict)
+    reused = ReusedFlat(state_dict, device)
+
+    def per_tensor() -> None:
+        for tensor in state_dict.values():
+            dist.broadcast(tensor, src=src, group=group)
+
+    def fresh_flatten() -> None:
+        views: list[Tensor] = []
+        for dtype, tensors in by_dtype.items():
+            if is_src:
+                buffer = torch.cat([t.reshape(-1) for t in tensors])
+            else:
+                buffer = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+            dist.broadcast(buffer, src=src, group=group)
+            if not is_src:  # unflatten into views, as the seed's receiver did
+                parts = buffer.split([t.numel() for t in tensors])
+                views.extend(part.view(t.shape) for part, t in zip(parts, tensors))
+
+    def reused_flatten() -> None:
+        if is_src:
+            reused.pack()
+        dist.broadcast(reused.wire, src=src, group=group)
+
+    rlcomm: Callable[[], object]
+    if is_src:
+        rlcomm = partial(WeightSender(ctx, WT, device=device).send, state_dict)
+    else:
+        rlcomm = WeightReceiver(ctx, WT, device=device).receive
+    return {
+        "rlcomm": rlcomm,
+        "flat_limit": partial(dist.broadcast, flat, src=src, group=group),
+        "per_tensor": per_tensor,
+        "fresh_flatten": fresh_flatten,
+        "reused_flatten": reused_flatten,
+    }
+
+
+def pack_seconds(state_dict: dict[str, Tensor], device: torch.device, reps: int) -> float:
+    """Median seconds of the sender's pack copy alone (no communication)."""
+    packer = ReusedFlat(state_dict, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples = interleave({"pack": partial(timed, packer.pack, 1, sync)}, reps, warmup=1)
+    return statistics.median(samples["pack"])
+
+
+def _rank_main(
+    rank: int, world_size: int, plan: list[tuple[str, int, int]], warmup: int
+) -> dict[str, tuple[dict[str, list[float]], float]]:
+    """Per model of ``plan`` (model, inner calls per sample, repetitions): every method's
+    samples, and the median of the pack copy alone (on the sender; 0 elsewhere)."""
+    backend = backend_for(world_size)
+    ctx = CommContext()
+    ctx.init_distributed_env(backend=backend, timeout=300)
+    try:
+        ctx.init_group([list(range(world_size))], WT, backend=backend)
+        device = rank_device(rank, backend)
+        sync = sync_fn(ctx.get_group(WT), backend)
+        results = {}
+        for model, inner, reps in plan:
+            state_dict = make_state_dict(MODELS[model](), device, fill=rank == 0)
+            steps = transfer_steps(ctx, state_dict, device)
+            timers = {
+                name: partial(timed, step, inner, sync, trailing_sync=False)
+                for name, step in steps.items()
+            }
+            samples = interleave(timers, reps, warmup)
+            pack = pack_seconds(state_dict, device, reps) if rank == 0 else 0.0
+            results[model] = samples, pack
+            del state_dict, steps, timers
+        return results
+    finally:
+        ctx.destroy()
+
+
+def run(settings: Settings) -> list[Row]:
+    plan = [
+        ("small", settings.reps(50, 20), settings.reps(21, 5)),
+        ("large", 1, settings.reps(25, 5)),
+    ]
+    rows = []
+    for receivers in (1, 3):
+        world = receivers + 1
+        results = run_ranks(_rank_main, world, plan, settings.reps(2, 1))
+        for model, _, _ in plan:
+            # Timed on the last receiver: until its copy of the weights has arrived.
+            samples, pack = results[world - 1][model][0], results[0][model][1]
+            rows += _rows(model, receivers, samples, pack, backend_for(world))
+    return rows
+
+
+def _rows(
+    model: str, receivers: int, samples: dict[str, list[float]], pack: float, backend: str
+) -> list[Row]:
+    shapes = MODELS[model]()
+    nbytes = state_dict_bytes(shapes)
+    params = sum(math.prod(shape) for shape, _ in shapes.values())
+    size = f"{params / 1e6:.1f}M" if params >= 1e6 else f"{params / 1e3:.0f}k"
+    what = f"{size} params, {len(shapes)} tensors, {nbytes / 2**20:.1f} MiB, {backend}"
+    limit = statistics.median(samples["flat_limit"])
+    goals: dict[str, tuple[Goal | None, str]] = {
+        "flat_limit": (
+            LIMIT_GOAL,
+            f"{what}; the sender's pack copy alone takes {pack * 1e3:.2f} ms "
+            f"({pack / limit:.0%} of the limit)",
+        ),
+        "per_tensor": (PER_TENSOR_GOAL if model == "large" else None, what),
+        "fresh_flatten": (None, what),
+        "reused_flatten": (None, f"{what}; reference = pack into one reused buffer + 1 broadcast"),
+    }
+    rows = []
+    for reference, (goal, note) in goals.items():
+        row = compare(
+            NAME, f"{model} -> {receivers} recv vs {reference}", samples, "rlcomm", reference, goal
+        )
+        assert row.rlcomm is not None and row.reference is not None
+        row.note = note
+        row.extra.update(
+            bytes=nbytes,
+            pack_seconds=pack,
+            rlcomm_GBps=nbytes / row.rlcomm.median / 1e9,
+            reference_GBps=nbytes / row.reference.median / 1e9,
+        )
+        rows.append(row)
+    return rows
