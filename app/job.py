@@ -57,8 +57,15 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     plan = build_plan(cfg)
     rank = int(os.environ.get("RANK", "0"))
     setup_rank_logging(Path(run_dir), rank)
-    world_size = int(os.environ.get("WORLD_SIZE", plan.world_size))
-    check_world_size(plan, world_size, rank)
+    try:
+        return _run(cfg, plan, rank, Path(run_dir))
+    except BaseException:
+        log.exception("rank %d failed", rank)  # the traceback lands in this rank's log file
+        raise
+
+
+def _run(cfg: DictConfig, plan: LayoutPlan, rank: int, run_dir: Path) -> dict[str, Any] | None:
+    check_world_size(plan, int(os.environ.get("WORLD_SIZE", plan.world_size)), rank)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
@@ -72,12 +79,7 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
 
     _seed_everything(cfg.seed + rank)
     loop: Loop = build_loop(cfg.loop)
-    job = JobInfo(plan=plan, run_dir=Path(run_dir), seed=cfg.seed, rank=rank)
-    try:
-        result = loop(ctx, job)
-    except BaseException:
-        log.exception("rank %d: loop failed", rank)
-        raise
+    result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank))
     report = {
         "rank": rank,
         "role": plan.role(rank),
@@ -94,8 +96,8 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
         "loop": cfg.loop.get("_target_"),
         "ranks": reports,
     }
-    (Path(run_dir) / "result.json").write_text(json.dumps(summary, indent=2))
-    log.info("all %d ranks succeeded; summary in %s", plan.world_size, Path(run_dir) / "result.json")
+    (run_dir / "result.json").write_text(json.dumps(summary, indent=2))
+    log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json")
     return summary
 
 

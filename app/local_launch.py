@@ -7,6 +7,7 @@ on one machine never collide and nothing is exposed beyond loopback.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
@@ -35,6 +37,14 @@ _BACKEND = "rlcomm-loopback"
 
 class RankFailedError(RlcommError, RuntimeError):
     """One or more ranks failed; the message names them and why."""
+
+
+class LaunchInterruptedError(RlcommError, RuntimeError):
+    """The launcher got SIGINT/SIGTERM/SIGHUP/SIGQUIT; the agent stopped every rank first."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # what a shell reports for a process killed by it
 
 
 class LoopbackRendezvous(StaticTCPRendezvous):
@@ -66,6 +76,14 @@ class LoopbackRendezvous(StaticTCPRendezvous):
         return True
 
 
+class _RestartNotice(logging.Filter):
+    """Of the agent's INFO lines, only "Worker group FAILED. 1/1 attempts left; will restart
+    worker group" gets through: a restart after a failed rank should not be silent."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or "will restart worker group" in str(record.msg)
+
+
 def _create_handler(params: RendezvousParameters) -> LoopbackRendezvous:
     return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, int(params.get("timeout", 600)))
 
@@ -75,6 +93,10 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
     if _BACKEND not in rendezvous_handler_registry._registry:
         rendezvous_handler_registry.register(_BACKEND, _create_handler)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    agent_log.setLevel(logging.INFO)
+    if not any(isinstance(f, _RestartNotice) for f in agent_log.filters):
+        agent_log.addFilter(_RestartNotice())
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -95,6 +117,13 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
         results = elastic_launch(launch, run_rank)(config, str(run_dir))
     except ChildFailedError as err:
         raise RankFailedError(_describe_failures(err, run_dir)) from None
+    except SignalException as err:  # the agent forwarded the signal to every rank and waited
+        name = signal.Signals(err.sigval).name
+        raise LaunchInterruptedError(
+            f"interrupted by {name}: stopped all {plan.world_size} ranks "
+            f"(logs: {run_dir / 'logs'})",
+            int(err.sigval),
+        ) from None
     return results[0]
 
 

@@ -1,16 +1,21 @@
 """Rendezvous: the store every rank joins before the default group exists.
 
 Beyond what ``env://`` does, it (1) binds a master store to the given address only (a loopback
-run listens on 127.0.0.1, not on every interface), (2) keeps one store per address for the whole
-process and namespaces each init with a fresh prefix, so init -> destroy -> init reuses no stale
-keys, and (3) waits for every rank with the init timeout and, if some never arrive, says which.
+run listens on 127.0.0.1, not on every interface, and so do its gloo sockets), (2) keeps one store
+per address for the whole process and namespaces each init with a fresh prefix, so init -> destroy
+-> init reuses no stale keys, and (3) waits for every rank with the init timeout and, if some never
+arrive, says which on every rank that did (the host keeps the store up until they have read it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import ipaddress
 import os
 import socket
+import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -20,7 +25,12 @@ from .utils import env_int, format_ranks
 
 _stores: dict[tuple[str, int, int], dist.Store] = {}
 _listeners: list[socket.socket] = []
+_hosted: list[dist.Store] = []  # the stores this process serves (it is their rank 0)
 _generation = 0
+_gloo_iface_set = False  # GLOO_SOCKET_IFNAME was set here, not by the user
+# After a join timeout, the rank hosting the store keeps it up this long at most, so the ranks that
+# arrived (and so time out) after it can still read who is missing; it leaves as soon as they have.
+_REPORT_GRACE_S = 30.0
 
 
 def join_world(
@@ -37,7 +47,7 @@ def join_world(
     # Agent stores outlive worker restarts; the restart count keeps attempts apart.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"rlcomm/{attempt}/{_generation}/", base)
-    _wait_for_ranks(store, rank, world_size, timeout)
+    _wait_for_ranks(store, rank, world_size, timeout, hosts_store=base in _hosted)
     return store
 
 
@@ -55,10 +65,52 @@ def _base_store(
     else:  # file:// and anything else torch knows
         store, _, _ = next(dist.rendezvous(dist_url, rank, world_size, timeout=timeout))
         return store
+    _keep_gloo_on_loopback(host)
     key = (host, port, rank)
     if key not in _stores:
         _stores[key] = _tcp_store(host, port, rank, world_size, timeout)
     return _stores[key]
+
+
+def _keep_gloo_on_loopback(host: str) -> None:
+    """A run whose store is on loopback has every rank on this machine: make gloo listen there too.
+
+    Gloo otherwise binds its sockets to the address this machine's hostname resolves to, which on
+    most cluster nodes is reachable from the network. A GLOO_SOCKET_IFNAME set by the user wins.
+    """
+    global _gloo_iface_set
+    if not _is_loopback(host):
+        if _gloo_iface_set:  # a later init of this process with a remote store: undo ours
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            _gloo_iface_set = False
+        return
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    iface = _loopback_interface()
+    if iface:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        _gloo_iface_set = True
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback interface ("lo" on Linux, "lo0" on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        try:
+            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & 0x8:  # IFF_LOOPBACK
+            return name
+    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def _tcp_store(
@@ -70,7 +122,7 @@ def _tcp_store(
         return dist.TCPStore(host, port, world_size, False, timeout)
     listener = socket.create_server((host, port), backlog=4096, reuse_port=False)
     _listeners.append(listener)  # the store serves on this socket for the process's lifetime
-    return dist.TCPStore(
+    store = dist.TCPStore(
         host,
         port,
         world_size,
@@ -79,19 +131,50 @@ def _tcp_store(
         wait_for_workers=False,
         master_listen_fd=listener.fileno(),
     )
+    _hosted.append(store)
+    return store
 
 
 def _wait_for_ranks(
-    store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    hosts_store: bool = False,
 ) -> None:
     store.set(f"arrived/{rank}", "1")
     keys = [f"arrived/{r}" for r in range(world_size)]
     try:
         store.wait(keys, timeout)
+        return
     except Exception as err:  # torch raises DistStoreError or RuntimeError depending on version
+        failure = err
+    seconds = timeout.total_seconds()
+    try:
         arrived = [r for r in range(world_size) if store.check([f"arrived/{r}"])]
-        missing = sorted(set(range(world_size)) - set(arrived))
+    except Exception:
+        # The store's host gave up (or died) before this rank could ask who is missing.
         raise JoinTimeoutError(
-            f"rank {rank}: ranks {format_ranks(missing)} never joined within "
-            f"{timeout.total_seconds():g}s; arrived: {format_ranks(arrived)} of {world_size}"
-        ) from err
+            f"rank {rank}: the rendezvous store (served by rank 0) closed before all "
+            f"{world_size} ranks joined (timeout {seconds:g}s); rank 0's error names the "
+            "ranks that never joined"
+        ) from failure
+    missing = sorted(set(range(world_size)) - set(arrived))
+    if hosts_store:
+        _keep_store_for_readers(store, len(arrived) - 1, _REPORT_GRACE_S)
+    else:
+        with contextlib.suppress(Exception):
+            store.add("timeout/readers", 1)  # tell the host this rank has read the store
+    raise JoinTimeoutError(
+        f"rank {rank}: ranks {format_ranks(missing)} never joined within "
+        f"{seconds:g}s; arrived: {format_ranks(arrived)} of {world_size}"
+    ) from failure
+
+
+def _keep_store_for_readers(store: dist.Store, readers: int, grace_s: float) -> None:
+    """Serve the store until ``readers`` other ranks read who is missing, or ``grace_s`` passes;
+    without this, the host's exit would leave them a closed store and no list of missing ranks."""
+    deadline = time.monotonic() + grace_s
+    with contextlib.suppress(Exception):
+        while store.add("timeout/readers", 0) < readers and time.monotonic() < deadline:
+            time.sleep(0.1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +45,7 @@ WT, TDP, GLOBAL = (
 )
 CHECKPOINT_DIR = "checkpoints"
 LOSSES = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac")
+CHECKPOINT_KEYS = ("policy", "optimizer", "update", "env_steps", "episodes", "metrics", "torch_rng")
 
 
 @dataclass
@@ -66,7 +66,7 @@ class PPOLoop:
         if self.total_env_steps <= 0:
             raise ConfigError(f"loop.total_env_steps: must be positive, got {self.total_env_steps}")
         if self.resume is not None:
-            find_checkpoint(self.resume)
+            load_checkpoint(find_checkpoint(self.resume))
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
         return _PPORun(self, ctx, job).run()
@@ -83,6 +83,18 @@ def find_checkpoint(path: str | Path) -> Path:
     if not found:
         raise ConfigError(f"loop.resume: {str(path)!r} holds no checkpoint (ckpt_*.pt)")
     return max(found, key=lambda p: p.name)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A checkpoint's state; tensors and plain containers only (``weights_only``: no code)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConfigError(f"loop.resume: {str(path)!r} is not a readable checkpoint ({err})") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ConfigError(f"loop.resume: {str(path)!r} is not a PPO checkpoint (missing {missing})")
+    return state
 
 
 class _PPORun:
@@ -104,7 +116,7 @@ class _PPORun:
         self.policy = ActorCritic(obs_dim, num_actions, self.hp.hidden_size)
         self.flat_size = Rollout.flat_size(self.hp.num_steps, self.hp.num_envs, obs_dim)
         self.episode_cap = self.hp.num_envs * (self.hp.num_steps // 8 + 1)
-        self.generator = torch.Generator().manual_seed(job.seed * 10_000 + self.rank + 1)
+        self.generator = torch.Generator()
 
         self.model: torch.nn.Module = self.policy
         self.optimizer: torch.optim.Optimizer | None = None
@@ -225,6 +237,9 @@ class _PPORun:
     def _train(self, rollouts: list[Rollout]) -> dict[str, float]:
         assert self.optimizer is not None
         set_lr(self.optimizer, self.hp, self.env_steps)
+        # Minibatch order is a function of (seed, rank, update): a resumed run shuffles as the
+        # uninterrupted one would, with no generator state to carry.
+        self.generator.manual_seed((self.job.seed * 10_000 + self.rank) * 1_000_003 + self.update)
         return ppo_update(self.model, self.policy, self.optimizer, rollouts, self.hp, self.generator)
 
     def _recent_return(self) -> float:
@@ -273,11 +288,9 @@ class _PPORun:
             return
         path = self.job.run_dir / "metrics.csv"
         names = list(self.metrics[0])
-        appending = path.exists()
-        with path.open("a", newline="") as handle:
+        with path.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=names)
-            if not appending:
-                writer.writeheader()
+            writer.writeheader()
             writer.writerows(self.metrics)
         plot_learning_curve(path, self.job.run_dir / "learning_curve.png", self.loop.target_return)
 
@@ -296,13 +309,13 @@ class _PPORun:
             "update": self.update,
             "env_steps": self.env_steps,
             "episodes": self.episodes,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-                "generator": self.generator.get_state(),
-            },
+            "metrics": self.metrics,
+            # Minibatch order needs no state (seeded per update); environments restart from
+            # their seeds on resume, so only torch's global RNG is carried.
+            "torch_rng": torch.get_rng_state(),
         }
+        for stale in folder.glob("*.tmp"):  # left by a rank killed inside torch.save
+            stale.unlink(missing_ok=True)
         final = folder / f"ckpt_{self.update:06d}.pt"
         partial = final.with_suffix(".tmp")
         torch.save(state, partial)
@@ -311,23 +324,25 @@ class _PPORun:
 
     def _maybe_resume(self) -> None:
         source: Path | None = None
-        if self.loop.resume:
-            source = find_checkpoint(self.loop.resume)
-        elif int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-            # Restarted by the agent after a failure: continue from this run's own checkpoints.
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            # Restarted by the agent after a failure: this run's newest checkpoint wins.
             try:
                 source = find_checkpoint(self.job.run_dir)
             except ConfigError:
                 source = None
+        if source is None and self.loop.resume:
+            source = find_checkpoint(self.loop.resume)
         if source is None:
             return
-        state = torch.load(source, weights_only=False)
+        state = load_checkpoint(source)
         self.policy.load_state_dict(state["policy"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.update, self.env_steps = state["update"], state["env_steps"]
-        self.episodes = [tuple(e) for e in state["episodes"]]
-        self.generator.set_state(state["rng"]["generator"])
+        self.episodes = [(float(r), int(n)) for r, n in state["episodes"]]
+        torch.set_rng_state(state["torch_rng"])
+        if source.resolve().is_relative_to(self.job.run_dir.resolve()):
+            self.metrics = list(state["metrics"])  # same run: metrics.csv keeps every row
         log.info("resumed from %s at update %d (%d env steps)", source, self.update, self.env_steps)
 
 
