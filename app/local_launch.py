@@ -6,6 +6,7 @@ on one machine never collide and nothing is exposed beyond loopback.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import socket
@@ -116,7 +117,7 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
     try:
         results = elastic_launch(launch, run_rank)(config, str(run_dir))
     except ChildFailedError as err:
-        raise RankFailedError(_describe_failures(err, run_dir)) from None
+        raise RankFailedError(_describe_failures(err, run_dir, launch.run_id)) from None
     except SignalException as err:  # the agent forwarded the signal to every rank and waited
         name = signal.Signals(err.sigval).name
         raise LaunchInterruptedError(
@@ -127,15 +128,35 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
     return results[0]
 
 
-def _describe_failures(err: ChildFailedError, run_dir: Path) -> str:
-    parts = []
-    for rank, failure in sorted(err.failures.items()):
+# Ranks that fail only because a peer died first: reported when nothing else is.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker")
+
+
+def _describe_failures(err: ChildFailedError, run_dir: Path, run_id: str) -> str:
+    """One line naming the rank(s) that caused the failure, why, and where their logs are.
+
+    The agent reports whichever failed rank it noticed first, often a peer that merely lost its
+    connection; every rank's error record (written by ``@record``) tells the cause apart.
+    """
+    why: dict[int, str] = {}
+    for rank, failure in err.failures.items():
         if failure.exitcode < 0:
-            why = f"killed by {failure.signal_name()}"
+            why[rank] = f"killed by {failure.signal_name()}"
         else:
-            why = f"exit code {failure.exitcode}: {_error_line(failure.message)}"
-        parts.append(f"rank {rank} {why} (log: {run_dir / 'logs' / f'rank{rank}.log'})")
-    return "; ".join(parts)
+            why[rank] = f"exit code {failure.exitcode}: {_error_line(failure.message)}"
+    attempts = sorted(
+        (run_dir / "logs" / "elastic").glob(f"{run_id}_*/attempt_*"),
+        key=lambda p: int(p.name.rpartition("_")[2]),
+    )
+    for record in attempts[-1].glob("*/error.json") if attempts else ():
+        rank = int(record.parent.name)
+        if rank not in why:
+            why[rank] = f"exit code 1: {_error_line(json.loads(record.read_text()))}"
+    causes = {r: w for r, w in why.items() if not any(s in w for s in _PEER_LOST)} or why
+    return "; ".join(
+        f"rank {rank} {text} (log: {run_dir / 'logs' / f'rank{rank}.log'})"
+        for rank, text in sorted(causes.items())
+    )
 
 
 def _error_line(message: object) -> str:

@@ -90,7 +90,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise ConfigError(f"loop.resume: {str(path)!r} is not a readable checkpoint ({err})") from None
+        raise ConfigError(
+            f"loop.resume: {str(path)!r} is not a readable checkpoint ({type(err).__name__})"
+        ) from None
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise ConfigError(f"loop.resume: {str(path)!r} is not a PPO checkpoint (missing {missing})")
