@@ -28,24 +28,13 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from rlcomm import LayoutPlan, RlcommError
+from rlcomm import LayoutPlan
 
+from .errors import LaunchInterruptedError, RankFailedError
 from .job import run_rank
 
 LOOPBACK = "127.0.0.1"
 _BACKEND = "rlcomm-loopback"
-
-
-class RankFailedError(RlcommError, RuntimeError):
-    """One or more ranks failed; the message names them and why."""
-
-
-class LaunchInterruptedError(RlcommError, RuntimeError):
-    """The launcher got SIGINT/SIGTERM/SIGHUP/SIGQUIT; the agent stopped every rank first."""
-
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.exit_code = 128 + signum  # what a shell reports for a process killed by it
 
 
 class LoopbackRendezvous(StaticTCPRendezvous):

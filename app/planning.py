@@ -8,11 +8,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlcomm import LayoutPlan, LayoutSpec, RlcommError, plan_layout
+from rlcomm import LayoutPlan, LayoutSpec, plan_layout
 
-
-class ConfigError(RlcommError, ValueError):
-    """A config value the schema's types cannot catch; the message names field and value."""
+from .errors import ConfigError
 
 
 def build_plan(cfg: DictConfig) -> LayoutPlan:

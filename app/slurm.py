@@ -35,7 +35,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
 
-from rlcomm import RlcommError
+from .errors import JobFailedError, RankFailedError
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +45,6 @@ log = logging.getLogger(__name__)
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _RANK_FAILED_MARK = "RankFailedError: "
 _SHAPE_KEYS = ("nodes", "tasks_per_node", "mem_gb")
-
-
-class RankFailedError(RlcommError, RuntimeError):
-    """Raised in the task of a rank whose job function failed; the message names the rank."""
-
-
-class JobFailedError(RlcommError, RuntimeError):
-    """A sweep job failed; the message names its failing ranks and where their logs are."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.weight_transfer import WeightReceiver, WeightSender
 
+from ..errors import ConfigError
 from ..job import JobInfo
-from ..planning import ConfigError
 from .ppo_core import (
     ActorCritic,
     PPOHyperParams,
