@@ -2,18 +2,30 @@
 
 The group's first declared rank (the trainer) runs a :class:`WeightSender`, every other member a
 :class:`WeightReceiver`. Tensors are grouped by dtype into one persistent flat buffer per dtype,
-and each dtype goes out as a single ``broadcast`` of the buffer's bytes, so every dtype crosses
-any backend bit-exactly and the buffers are allocated once, not once per transfer.
+all of them segments of one allocation whose bytes go out as a single ``broadcast``, so every
+dtype crosses any backend bit-exactly and the buffers are allocated once, not once per transfer.
 
-Wire protocol, per transfer (plain tensors only; nothing is pickled):
+Wire protocol, per transfer (plain tensors only; nothing is pickled). The data goes out as one
+uint8 buffer: a 64-byte slot for the header, then every dtype's values in a segment of its own,
+in the order the metadata lists the dtypes, each starting at a multiple of 64 bytes.
 
-1. an int64 header ``[version, metadata_flag, metadata_len]``;
+1. an int64 header ``[version, metadata_flag, metadata_len]``. Before any metadata was accepted
+   it is broadcast alone; after that it travels in the header slot of the buffer of the layout
+   the receivers hold, so a transfer whose metadata is unchanged is a single broadcast (the
+   header and the data together) and nothing follows;
 2. when the flag is ``1`` (the names, dtypes or shapes changed, always on the first transfer):
    the metadata as UTF-8 JSON in a uint8 tensor, then an all_reduce of one reject flag per group
-   member, so a rejected transfer fails on every member instead of leaving anyone waiting;
-3. one broadcast per dtype buffer, in the order the metadata lists the dtypes.
+   member, so a rejected transfer fails on every member instead of leaving anyone waiting, then
+   the data in a buffer of the new layout.
+
+When the header rides in a buffer whose flag is not ``0``, that buffer's data is not a version:
+receivers ignore it (their views of the last version are overwritten, as by any receive).
 
 A flag of ``-1`` means the sender could not pack its state dict: receivers raise, nothing follows.
+
+Zero-copy sends: :meth:`WeightSender.bind` points a module's parameters and buffers at their views
+in the send buffers, so ``send(module.state_dict())`` skips their copy (any tensor not found in
+place is still copied, so binding only ever affects speed). The wire protocol is unchanged.
 """
 
 from __future__ import annotations
@@ -185,16 +197,30 @@ def metadata_mismatches(metadata: Metadata, expected: Mapping[str, Tensor]) -> l
     return problems
 
 
+_ALIGN = 64  # bytes; every dtype's segment of the wire starts at a multiple of this
+_HEADER_SLOT = _ALIGN  # bytes before the first segment: the header (3 int64) and padding
+
+
 class _FlatBuffers:
-    """One persistent flat buffer per dtype, and every tensor's view into it.
+    """One persistent flat buffer per dtype (segments of one allocation), and every tensor's view.
 
     Allocated once per metadata; packing and broadcasting reuse the same memory every transfer.
     """
 
     def __init__(self, metadata: Metadata, device: torch.device) -> None:
+        self.metadata = metadata
+        # Every dtype's buffer is an aligned segment of one uint8 allocation, which goes out as
+        # a single broadcast (one collective round however many dtypes the model mixes).
+        segments: list[tuple[torch.dtype, int, int]] = []
+        end = _HEADER_SLOT
+        for key, numel in _buffer_sizes(metadata).items():
+            dtype = _DTYPES[key]
+            segments.append((dtype, end, numel * dtype.itemsize))
+            end += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        wire = torch.empty(end, dtype=torch.uint8, device=device)
+        self.header = wire[:24].view(torch.int64)  # [version, metadata_flag, metadata_len]
         self.buffers = {
-            _DTYPES[key]: torch.empty(numel, dtype=_DTYPES[key], device=device)
-            for key, numel in _buffer_sizes(metadata).items()
+            dtype: wire[start : start + nbytes].view(dtype) for dtype, start, nbytes in segments
         }
         self.views: dict[str, Tensor] = {}
         self._groups: dict[torch.dtype, tuple[list[str], list[Tensor]]] = {
@@ -210,19 +236,41 @@ class _FlatBuffers:
             names.append(meta.name)
             views.append(view)
         # Bytes on the wire: backends need not know every dtype, and bits survive untouched.
-        # Empty buffers are skipped on both sides (both derive the list from the same metadata).
-        self._wire = [b.view(torch.uint8) for b in self.buffers.values() if b.numel() > 0]
+        self.wire = wire
 
     @torch.no_grad()  # the buffers must not join the autograd graph of the parameters
-    def pack(self, state_dict: Mapping[str, Tensor]) -> None:
+    def pack(self, state_dict: Mapping[str, Tensor]) -> int:
+        """Copy every tensor of ``state_dict`` that is not already its own view into the buffers
+        (one bound by :meth:`WeightSender.bind`); returns how many tensors were copied."""
+        copied = 0
         for names, views in self._groups.values():
-            if views:
-                torch._foreach_copy_(views, [state_dict[name] for name in names])
+            targets: list[Tensor] = []
+            sources: list[Tensor] = []
+            for name, view in zip(names, views):
+                tensor = state_dict[name]
+                if view.numel() and not _is_view_of(tensor, view):  # empty: nothing to copy
+                    targets.append(view)
+                    sources.append(tensor)
+            if targets:
+                torch._foreach_copy_(targets, sources)
+                copied += len(targets)
+        return copied
 
     def broadcast(self, src: int, group: dist.ProcessGroup) -> list[dist.Work]:
-        """Launch every dtype's broadcast at once; the caller waits on the returned works."""
-        works = [dist.broadcast(wire, src=src, group=group, async_op=True) for wire in self._wire]
-        return [work for work in works if work is not None]
+        """Launch the broadcast of the header slot and data; the caller waits on the works."""
+        work = dist.broadcast(self.wire, src=src, group=group, async_op=True)
+        return [work] if work is not None else []
+
+
+def _is_view_of(tensor: Tensor, view: Tensor) -> bool:
+    """Whether ``tensor`` is exactly ``view``'s memory (same start, strides and device), so that
+    copying it into ``view`` would change nothing. Dtype and shape match already (same metadata).
+    """
+    return (
+        tensor.data_ptr() == view.data_ptr()
+        and tensor.stride() == view.stride()
+        and tensor.device == view.device
+    )
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
@@ -289,30 +337,37 @@ class WeightSender(_Endpoint):
     ) -> None:
         super().__init__(ctx, mode, device)
         self._header = torch.zeros(3, dtype=torch.int64, device=self._device)
+        # The buffers of the layout the receivers hold (metadata ``self._metadata``): the header
+        # travels in them. ``self._buffers`` may already be a new layout (bind, a change).
+        self._sent: _FlatBuffers | None = None
         self._pending: list[dist.Work] = []
+        self._copied = 0  # tensors the last send copied (those not bound in place)
 
     def send(self, state_dict: Mapping[str, Tensor], wait: bool = True) -> int:
         """Send ``state_dict`` as the next version and return that version.
 
         The tensors are copied into the send buffers before this returns, so the caller may
-        update them right away. With ``wait=False`` the broadcasts are only launched: call
-        :meth:`wait` (or the next ``send``, which waits first) before relying on delivery.
+        update them right away, except tensors of a module bound with :meth:`bind`: those are
+        already in the buffers, so they are not copied, and after ``wait=False`` they must not
+        be updated before :meth:`wait` returns. With ``wait=False`` the broadcasts are only
+        launched: call :meth:`wait` (or the next ``send``, which waits first) before relying on
+        delivery.
         """
         self.wait()  # the buffers and header are about to be rewritten
         version = self._version + 1
         try:
             metadata = describe_state_dict(state_dict)
             changed = metadata != self._metadata
-            buffers = _FlatBuffers(metadata, self._device) if changed else self._buffers
-            assert buffers is not None
-            buffers.pack(state_dict)
+            buffers = self._layout(metadata, changed)
+            self._copied = buffers.pack(state_dict)
         except Exception:
             # Receivers are waiting for a header; tell them instead of leaving them hanging.
             self._send_header(version, _SENDER_ABORTED, 0)
             raise
         raw = encode_metadata(metadata) if changed else b""
-        self._pending = self._send_header(version, int(changed), len(raw), async_op=True)
+        self._pending = []
         if changed:
+            self._pending = self._send_header(version, _NEW_METADATA, len(raw), async_op=True)
             self._broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device))
             rejected = self._agree(ok=True)
             if rejected:
@@ -320,12 +375,79 @@ class WeightSender(_Endpoint):
                     f"{self._name}: receiver rank(s) {', '.join(map(str, rejected))} rejected "
                     f"weights version {version} (see their errors); nothing was sent"
                 )
-            self._metadata, self._buffers = metadata, buffers
+            self._metadata = buffers.metadata  # the same object, so the next check is cheap
+        self._sent = buffers  # unchanged: the receivers' layout; changed: now it is
+        self._write_header(buffers.header, version, int(changed), len(raw))
         self._pending += buffers.broadcast(self._src, self._group)
         self._version = version
         if wait:
             self.wait()
         return version
+
+    @torch.no_grad()
+    def bind(self, module: nn.Module) -> None:
+        """Make ``module``'s parameters and buffers live in the send buffers (zero-copy sends).
+
+        Allocates the send buffers for ``module.state_dict()`` (or reuses the current ones when
+        its names, dtypes and shapes are unchanged), copies every parameter's and buffer's
+        current value into its view there once, and points its ``.data`` at that view. A later
+        ``send(module.state_dict())`` then finds those tensors already in place and skips their
+        copy: only the broadcasts remain. Nothing is sent here, and receivers are unaffected.
+
+        In-place updates (optimizer steps, ``p.add_(...)`` under ``no_grad``,
+        ``load_state_dict`` without ``assign=True``) keep the binding. Code that replaces
+        ``.data``, re-creates parameters or moves the module (``.to(...)``, ``.half()``) breaks
+        it silently: the
+        affected tensors are then copied again on every send, which costs time but never
+        correctness (every tensor not found in place is copied; call ``bind`` again to restore
+        it). After ``send(..., wait=False)``, bound tensors are the bytes being broadcast: call
+        :meth:`wait` before updating them. Entries of the state dict that are not a parameter
+        or buffer's own memory (state-dict hooks, a second name of a tied weight) stay unbound
+        and are copied as before. The module must be on this sender's device (the CPU for
+        gloo, the current GPU for NCCL).
+        """
+        self.wait()  # in-flight broadcasts still read the buffers about to be rewritten
+        state_dict = module.state_dict()
+        metadata = describe_state_dict(state_dict)
+        buffers = self._layout(metadata, metadata != self._metadata)
+        targets: list[tuple[Tensor, Tensor]] = []
+        seen: set[int] = set()
+        named = [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+        for name, tensor in named:
+            view = buffers.views.get(name)
+            entry = state_dict.get(name)
+            if view is None or entry is None or id(tensor) in seen:
+                continue
+            if entry.data_ptr() != tensor.data_ptr() or entry.shape != tensor.shape:
+                continue  # the state dict holds something derived from it: leave it to pack
+            if tensor.device != view.device:
+                raise WeightTransferError(
+                    f"{self._name}: cannot bind {name!r} on {tensor.device}: the send buffers "
+                    f"are on {view.device}"
+                )
+            seen.add(id(tensor))
+            targets.append((tensor, view))
+        for tensor, view in targets:
+            view.copy_(tensor)
+            tensor.data = view
+
+    def _layout(self, metadata: Metadata, changed: bool) -> _FlatBuffers:
+        """The send buffers for ``metadata``: the current ones when it matches, else new ones.
+
+        New buffers replace the current ones even if the receivers then reject the metadata;
+        a later send of the old metadata just allocates again (the receivers' layout follows
+        ``self._metadata``, which only changes once they all accept).
+        """
+        current = self._buffers
+        if current is not None and (
+            (not changed and current.metadata is self._metadata) or current.metadata == metadata
+        ):
+            return current
+        self._buffers = _FlatBuffers(metadata, self._device)
+        return self._buffers
 
     def wait(self) -> None:
         """Block until the last ``send(..., wait=False)`` has been delivered."""
@@ -336,9 +458,18 @@ class WeightSender(_Endpoint):
     def _send_header(
         self, version: int, flag: int, length: int, async_op: bool = False
     ) -> list[dist.Work]:
-        self._header.copy_(torch.tensor([version, flag, length], dtype=torch.int64))
-        work = dist.broadcast(self._header, src=self._src, group=self._group, async_op=async_op)
+        """A header whose data does not follow in the same broadcast (flag ``1`` or ``-1``):
+        alone before the receivers hold a layout, else in a buffer of the layout they hold."""
+        carrier = self._sent
+        header = self._header if carrier is None else carrier.header
+        self._write_header(header, version, flag, length)
+        wire = self._header if carrier is None else carrier.wire
+        work = dist.broadcast(wire, src=self._src, group=self._group, async_op=async_op)
         return [work] if work is not None else []
+
+    @staticmethod
+    def _write_header(header: Tensor, version: int, flag: int, length: int) -> None:
+        header.copy_(torch.tensor([version, flag, length], dtype=torch.int64))
 
 
 class WeightReceiver(_Endpoint):
@@ -366,8 +497,14 @@ class WeightReceiver(_Endpoint):
         The tensors are views into persistent receive buffers: the next ``receive`` overwrites
         them in place. Clone them (or use :meth:`receive_into`) to keep a version.
         """
-        header = torch.empty(3, dtype=torch.int64, device=self._device)
-        self._broadcast(header)
+        carrier = self._buffers  # the layout this receiver holds carries the header
+        if carrier is None:
+            header = torch.empty(3, dtype=torch.int64, device=self._device)
+            self._broadcast(header)
+        else:
+            for work in carrier.broadcast(self._src, self._group):
+                work.wait()
+            header = carrier.header
         version, flag, length = header.tolist()
         if flag == _SENDER_ABORTED:
             raise WeightTransferError(
@@ -380,13 +517,15 @@ class WeightReceiver(_Endpoint):
             )
         if flag == _NEW_METADATA:
             self._accept_metadata(version, length)
-        if self._buffers is None:
+            assert self._buffers is not None
+            for work in self._buffers.broadcast(self._src, self._group):
+                work.wait()
+        elif carrier is None:  # flag 0 for a receiver without a layout: the data came with it
             raise WeightTransferError(
                 f"{self._name}: version {version} came without metadata; create the "
                 f"WeightReceiver before the sender's first send and keep using it"
             )
-        for work in self._buffers.broadcast(self._src, self._group):
-            work.wait()
+        assert self._buffers is not None
         self._version = version
         return version, dict(self._buffers.views)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -335,3 +337,190 @@ def test_mismatches_name_the_tensor_and_both_sides() -> None:
         "tensor 'w' is [2, 3] float32 but expected [2, 3] float16",
         "unexpected tensor 'extra' ([1] int8)",
     ]
+
+
+@contextmanager
+def counting_copies() -> Iterator[list[int]]:
+    """Record how many tensors each ``torch._foreach_copy_`` call (the sender's pack) copies."""
+    counts: list[int] = []
+    original = torch._foreach_copy_
+
+    def counted(targets: list[Tensor], sources: list[Tensor], *args: Any, **kwargs: Any) -> None:
+        counts.append(len(targets))
+        original(targets, sources, *args, **kwargs)
+
+    torch._foreach_copy_ = counted  # type: ignore[assignment]
+    try:
+        yield counts
+    finally:
+        torch._foreach_copy_ = original
+
+
+def make_trainable(seed: int) -> nn.Module:
+    """A float32 MLP that trains (BatchNorm buffers update in place), plus a bf16 buffer."""
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(7, 13), nn.BatchNorm1d(13), nn.Linear(13, 3))
+    module.register_buffer("scale", torch.randn(5, dtype=torch.bfloat16))
+    return module
+
+
+def snapshot(state: Mapping[str, Tensor]) -> bytes:
+    """A copy of ``state`` that crosses the result queue (tensors there would need shared memory
+    that dies with the rank)."""
+    buffer = io.BytesIO()
+    torch.save({k: v.clone() for k, v in state.items()}, buffer)
+    return buffer.getvalue()
+
+
+def restore(raw: bytes) -> dict[str, Tensor]:
+    state: dict[str, Tensor] = torch.load(io.BytesIO(raw))
+    return state
+
+
+def bound_tensors(module: nn.Module, sender: WeightSender) -> list[str]:
+    """Names of the module's parameters and buffers that are their send-buffer views."""
+    if sender._buffers is None:
+        return []
+    views = sender._buffers.views
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [
+        name
+        for name, tensor in named
+        if tensor.data_ptr() == views[name].data_ptr() and tensor.stride() == views[name].stride()
+    ]
+
+
+def _bound(rank: int, world_size: int) -> dict[str, Any]:
+    with weight_groups([[0, 1, 2]]) as ctx:
+        steps = 5
+        if rank != 0:
+            inp = WeightReceiver(ctx)
+            received = []
+            for _ in range(steps):
+                version, state = inp.receive()
+                received.append((version, snapshot(state)))
+            return {"received": received}
+        module = make_trainable(seed=1)
+        out = WeightSender(ctx)
+        optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(0)
+        names = list(module.state_dict())
+        sent, copies, bound = [], [], []
+        with counting_copies() as counts:
+            for step in range(steps):
+                if step == 1:  # bind after a plain send: the same buffers, now zero-copy
+                    ptrs = [b.data_ptr() for b in out._buffers.buffers.values()]  # type: ignore[union-attr]
+                    out.bind(module)
+                    assert ptrs == [b.data_ptr() for b in out._buffers.buffers.values()]  # type: ignore[union-attr]
+                elif step == 2:
+                    with torch.no_grad():
+                        for tensor in [*module.parameters(), *module.buffers()]:
+                            tensor.add_(1)
+                elif step == 3:
+                    for _ in range(2):
+                        optimizer.zero_grad()
+                        module(torch.randn(16, 7, generator=gen)).square().mean().backward()
+                        optimizer.step()
+                elif step == 4:  # breaks the binding of one tensor: copied again, still right
+                    weight = module[0].weight
+                    weight.data = weight.data.clone() * 2
+                bound.append(len(bound_tensors(module, out)))
+                counts.clear()
+                version = out.send(module.state_dict())
+                copies.append(sum(counts))
+                sent.append((version, snapshot(module.state_dict())))
+        return {"sent": sent, "copies": copies, "bound": bound, "names": names}
+
+
+def test_a_bound_module_is_sent_without_copies_and_bit_exact() -> None:
+    results = run_ranks(_bound, 3, timeout=TIMEOUT_S)
+    sender = results[0]
+    total = len(sender["names"])  # 6 parameters, 4 buffers: all in the state dict, none empty
+    assert total == 10
+    # Before bind every tensor is copied; bound, none; with one `.data` replaced, that one.
+    assert sender["copies"] == [total, 0, 0, 0, 1]
+    assert sender["bound"] == [0, total, total, total, total - 1]
+    assert [v for v, _ in sender["sent"]] == [1, 2, 3, 4, 5]
+    for receiver in (1, 2):
+        received = results[receiver]["received"]
+        assert [v for v, _ in received] == [1, 2, 3, 4, 5]
+        for (_, got), (_, want) in zip(received, sender["sent"]):
+            assert mismatches(restore(got), restore(want)) == []
+    # The in-place updates really changed the weights between versions.
+    states = [restore(state) for _, state in sender["sent"]]
+    for before, after in itertools.pairwise(states[1:]):
+        assert mismatches(before, after)
+
+
+def _unbound_copies(rank: int, world_size: int) -> list[Any]:
+    with weight_groups([[0, 1]]) as ctx:
+        if rank != 0:
+            return send_or_check(ctx, steps=3)
+        out = WeightSender(ctx)
+        copied = []
+        with counting_copies() as counts:
+            for step in range(3):
+                counts.clear()
+                out.send(make_weights(step, seed=0))
+                copied.append(sum(counts))
+        return copied
+
+
+def test_an_unbound_sender_copies_every_tensor_every_time() -> None:
+    results = run_ranks(_unbound_copies, 2, timeout=TIMEOUT_S)
+    nonempty = sum(t.numel() > 0 for t in make_weights(0).values())  # empty: nothing to copy
+    assert results[0] == [nonempty] * 3
+    assert results[1] == [(1, []), (2, []), (3, [])]
+
+
+def _bind_wrong_device(rank: int, world_size: int) -> str:
+    with weight_groups([[0, 1]]) as ctx:
+        if rank != 0:
+            return ""
+        out = WeightSender(ctx, device="meta")
+        try:
+            out.bind(make_trainable(seed=0))
+        except WeightTransferError as err:
+            return str(err)
+        return "no error"
+
+
+def test_bind_refuses_a_module_on_another_device() -> None:
+    assert "cannot bind" in run_ranks(_bind_wrong_device, 2, timeout=TIMEOUT_S)[0]
+
+
+def _failures_after_a_layout(rank: int, world_size: int) -> list[Any]:
+    """Once the receivers hold a layout the header travels in its buffer: an abort and a rejected
+    change there must leave every member in step for the next good version."""
+    with weight_groups([[0, 1, 2]]) as ctx:
+        results: list[Any] = []
+        if rank == 0:
+            out = WeightSender(ctx)
+            results.append(out.send(make_weights(0)))
+            for bad in ({"fp32": "no"}, make_weights(1, extra=True)):
+                try:
+                    out.send(bad)  # type: ignore[arg-type]
+                except WeightTransferError as err:
+                    results.append(str(err).split(":")[-1].strip()[:20])
+            results.append(out.send(make_weights(2)))
+            return results
+        inp = WeightReceiver(ctx, expected=make_weights(0))
+        version, state = inp.receive()
+        results.append((version, mismatches(state, make_weights(0))))
+        for _ in range(2):
+            try:
+                inp.receive()
+                results.append("no error")
+            except WeightTransferError as err:
+                results.append("aborted" if "aborted" in str(err) else "rejected")
+        version, state = inp.receive()
+        results.append((version, mismatches(state, make_weights(2))))
+        return results
+
+
+def test_abort_and_rejection_after_the_first_version_keep_the_group_in_step() -> None:
+    results = run_ranks(_failures_after_a_layout, 3, timeout=TIMEOUT_S)
+    # Neither failure uses up a version number.
+    assert results[0][0] == 1 and results[0][-1] == 2 and len(results[0]) == 4
+    for rank in (1, 2):
+        assert results[rank] == [(1, []), "aborted", "rejected", (2, [])]
