@@ -26,18 +26,8 @@ die() { log "ERROR: $*"; exit 1; }
 [[ $(id -u) == 0 ]] || die "must run as root (try: sudo -E bash $0)"
 [[ $STOP_TIMEOUT =~ ^[0-9]+$ ]] || die "bad RLCOMM_SLURM_STOP_TIMEOUT: $STOP_TIMEOUT"
 
-# pid of our running daemon <name>, or fail. The recorded pid must still run the daemon's binary,
-# so a dead daemon's pid reused by another process is never signalled.
-our_pid() {
-    local f=$PIDS/$1.pid pid exe
-    [[ -r $f ]] || return 1
-    pid=$(<"$f")
-    [[ $pid =~ ^[0-9]+$ ]] || return 1
-    exe=$(readlink "/proc/$pid/exe" 2>/dev/null) || return 1
-    [[ ${exe% (deleted)} == "$(readlink -f "/usr/sbin/$1")" ]] || return 1
-    echo "$pid"
-}
-alive() { our_pid "$1" >/dev/null; }
+# shellcheck source=tests/slurm/pids.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pids.sh"
 
 stop() {
     local name=$1 pid i

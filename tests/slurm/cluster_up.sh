@@ -82,24 +82,8 @@ getent hosts "$HOST" >/dev/null ||
 # --------------------------------------------------------------------------------------------
 # Process helpers: our daemons are identified by recorded pid + /proc/<pid>/exe, never by name.
 # --------------------------------------------------------------------------------------------
-bin_of() {
-    case $1 in
-    munged | mariadbd | slurmdbd | slurmctld | slurmd) echo "/usr/sbin/$1" ;;
-    *) die "unknown daemon $1" ;;
-    esac
-}
-
-# pid of our running daemon <name>, or fail. A zombie or a reused pid does not count.
-our_pid() {
-    local f=$PIDS/$1.pid pid exe
-    [[ -r $f ]] || return 1
-    pid=$(<"$f")
-    [[ $pid =~ ^[0-9]+$ ]] || return 1
-    exe=$(readlink "/proc/$pid/exe" 2>/dev/null) || return 1
-    [[ ${exe% (deleted)} == "$(readlink -f "$(bin_of "$1")")" ]] || return 1
-    echo "$pid"
-}
-alive() { our_pid "$1" >/dev/null; }
+# shellcheck source=tests/slurm/pids.sh
+source "$(dirname "${BASH_SOURCE[0]}")/pids.sh"
 
 # spawn <name> <command...>: start a daemon in the foreground of its own session, detached from our
 # stdio (so `$(cluster_up.sh)` does not wait for it), and record its pid.
