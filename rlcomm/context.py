@@ -83,6 +83,7 @@ class CommContext(metaclass=SingletonMeta):
         self._node_cuda_num: int = torch.cuda.device_count()
         self._groups: dict[str, ProcessGroup] = {}
         self._backend: str = ""
+        self._store: dist.Store | None = None
         self._timeout: datetime.timedelta | None = None
         self._tensor_parallel_size: int = 1
         self._train_data_parallel_size: int = 1
@@ -136,6 +137,7 @@ class CommContext(metaclass=SingletonMeta):
             device_id=device_id,
         )
         self._backend = backend
+        self._store = store
         self._timeout = wait
         self._register_group(
             rank, world_size, dist.GroupMember.WORLD, list(range(world_size)), CommMode.GLOBAL
@@ -308,6 +310,14 @@ class CommContext(metaclass=SingletonMeta):
     @property
     def backend(self) -> str:
         return self._backend
+
+    @property
+    def store(self) -> dist.Store:
+        """The rendezvous store this rank joined with: a side channel that works even while a
+        process group is stuck (private to this init, so keys never leak into a re-init)."""
+        if self._store is None:
+            raise RlcommError("CommContext is not initialized: call init_distributed_env() first")
+        return self._store
 
     def destroy(self) -> None:
         """Tear down every group and reset the context so it can be initialised again."""
