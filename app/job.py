@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
+from rlcomm.hosts import agree_on_hosts
 
 from .planning import build_loop, build_plan, check_world_size
 
@@ -44,8 +45,15 @@ class Loop(Protocol):
 
 
 @record
-def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
-    """One rank, from environment to result; returns the run summary on rank 0."""
+def run_rank(
+    config: dict[str, Any], run_dir: str, launched_here: bool = False
+) -> dict[str, Any] | None:
+    """One rank, from environment to result; returns the run summary on rank 0.
+
+    ``launched_here``: started by the app's local launcher, every rank on this machine on
+    purpose (a layout's nodes are then simulated); otherwise a launcher placed the ranks on
+    hosts, and the layout's nodes must match them.
+    """
     from .environment import detect_placement, export_distributed_env
     from .logs import setup_rank_logging
 
@@ -58,13 +66,15 @@ def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
     rank = int(os.environ.get("RANK", "0"))
     setup_rank_logging(Path(run_dir), rank)
     try:
-        return _run(cfg, plan, rank, Path(run_dir))
+        return _run(cfg, plan, rank, Path(run_dir), launched_here)
     except BaseException:
         log.exception("rank %d failed", rank)  # the traceback lands in this rank's log file
         raise
 
 
-def _run(cfg: DictConfig, plan: LayoutPlan, rank: int, run_dir: Path) -> dict[str, Any] | None:
+def _run(
+    cfg: DictConfig, plan: LayoutPlan, rank: int, run_dir: Path, launched_here: bool
+) -> dict[str, Any] | None:
     check_world_size(plan, int(os.environ.get("WORLD_SIZE", plan.world_size)), rank)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -73,6 +83,7 @@ def _run(cfg: DictConfig, plan: LayoutPlan, rank: int, run_dir: Path) -> dict[st
     ctx.init_distributed_env(
         backend=cfg.comm.backend, dist_url=cfg.comm.init_method, timeout=cfg.comm.timeout
     )
+    plan, hosts = agree_on_hosts(ctx, plan, simulated_nodes=launched_here)
     for spec in plan.groups:
         ctx.init_group([list(r) for r in spec.rank_lists], spec.mode, backend=ctx.backend)
     log.info("rank %d (%s) groups: %s", rank, plan.role(rank), sorted(ctx.describe()))
@@ -83,6 +94,7 @@ def _run(cfg: DictConfig, plan: LayoutPlan, rank: int, run_dir: Path) -> dict[st
     report = {
         "rank": rank,
         "role": plan.role(rank),
+        "host": hosts[rank],
         "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},
         "result": result,
     }

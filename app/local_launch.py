@@ -104,7 +104,7 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
     launch.shutdown_timeout = cfg.launcher.shutdown_timeout
     config = OmegaConf.to_container(cfg, resolve=True)
     try:
-        results = elastic_launch(launch, run_rank)(config, str(run_dir))
+        results = elastic_launch(launch, run_rank)(config, str(run_dir), True)
     except ChildFailedError as err:
         raise RankFailedError(_describe_failures(err, run_dir, launch.run_id)) from None
     except SignalException as err:  # the agent forwarded the signal to every rank and waited

@@ -7,7 +7,7 @@ layout before a single rank starts, and so that planning 65,536 ranks stays well
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import LayoutError
 from .modes import ParallelMode, is_known_mode, known_mode_names, mode_name
@@ -65,6 +65,9 @@ class LayoutPlan:
     trainers: tuple[int, ...]
     rollouts: tuple[int, ...]
     groups: tuple[GroupSpec, ...]
+    # The layout fixed which ranks share a node (ranks_per_node, nodes, or INTRA_NODE/INTER_NODE
+    # lists); otherwise the node groups follow the hosts the ranks land on (place_on_hosts).
+    nodes_declared: bool = True
 
     @property
     def colocated(self) -> bool:
@@ -123,7 +126,46 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
         for mode in ordered
         if mode in explicit or mode in derived
     )
-    return LayoutPlan(world, per_node, nodes, trainers, rollouts, groups)
+    declared = (
+        spec.ranks_per_node is not None
+        or spec.nodes is not None
+        or any(m in explicit for m in (ParallelMode.INTRA_NODE, ParallelMode.INTER_NODE))
+    )
+    return LayoutPlan(world, per_node, nodes, trainers, rollouts, groups, declared)
+
+
+def place_on_hosts(plan: LayoutPlan, hosts: Sequence[str]) -> LayoutPlan:
+    """The plan checked against (or fitted to) ``hosts[r]``, the host rank ``r`` runs on.
+
+    A layout that declares its nodes must put exactly the ranks of one host in each INTRA_NODE
+    group, else a one-line error names the ranks and hosts. A layout that leaves nodes open gets
+    INTRA_NODE = the ranks of each host and INTER_NODE = the i-th rank of every host.
+    """
+    if len(hosts) != plan.world_size:
+        raise LayoutError(f"hosts: {len(hosts)} hosts for world_size {plan.world_size}")
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    actual = tuple(tuple(ranks) for ranks in by_host.values())
+    where = "; ".join(f"{host}: {format_ranks(ranks)}" for host, ranks in by_host.items())
+    intra = plan.group(ParallelMode.INTRA_NODE)
+    if plan.nodes_declared:
+        planned = intra.rank_lists if intra is not None else ()
+        if sorted(map(sorted, planned)) != sorted(map(sorted, actual)):
+            nodes = " ".join(format_ranks(list(g)) for g in planned)
+            raise LayoutError(
+                f"layout: the layout's nodes {nodes} do not match the hosts the ranks run on "
+                f"({where}); launch one node's ranks per host (block distribution), or set "
+                "layout.ranks_per_node=null to follow the hosts"
+            )
+        return plan
+    width = max(len(ranks) for ranks in actual)
+    inter = tuple(
+        tuple(ranks[i] for ranks in actual if i < len(ranks)) for i in range(width)
+    )
+    fitted = {ParallelMode.INTRA_NODE.value: actual, ParallelMode.INTER_NODE.value: inter}
+    groups = tuple(GroupSpec(g.mode, fitted.get(g.mode, g.rank_lists)) for g in plan.groups)
+    return replace(plan, ranks_per_node=width, nodes=len(actual), groups=groups)
 
 
 def validate_rank_lists(

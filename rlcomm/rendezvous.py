@@ -1,7 +1,8 @@
 """Rendezvous: the store every rank joins before the default group exists.
 
 Beyond what ``env://`` does, it (1) binds a master store to the given address only (a loopback
-run listens on 127.0.0.1, not on every interface, and so do its gloo sockets), (2) keeps one store
+run listens on 127.0.0.1, not on every interface) and points gloo's sockets at the interface that
+reaches it (see ``interfaces``), (2) keeps one store
 per address for the whole process and namespaces each init with a fresh prefix, so init -> destroy
 -> init reuses no stale keys, and (3) waits for every rank with the init timeout and, if some never
 arrive, says which on every rank that did (the host keeps the store up until they have read it).
@@ -11,23 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import os
 import socket
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
 from .errors import EnvironmentConfigError, JoinTimeoutError
+from .interfaces import choose_socket_interfaces
 from .utils import env_int, format_ranks
 
 _stores: dict[tuple[str, int, int], dist.Store] = {}
 _listeners: list[socket.socket] = []
 _hosted: list[dist.Store] = []  # the stores this process serves (it is their rank 0)
 _generation = 0
-_gloo_iface_set = False  # GLOO_SOCKET_IFNAME was set here, not by the user
 # After a join timeout, the rank hosting the store keeps it up this long at most, so the ranks that
 # arrived (and so time out) after it can still read who is missing; it leaves as soon as they have.
 _REPORT_GRACE_S = 30.0
@@ -65,52 +64,11 @@ def _base_store(
     else:  # file:// and anything else torch knows
         store, _, _ = next(dist.rendezvous(dist_url, rank, world_size, timeout=timeout))
         return store
-    _keep_gloo_on_loopback(host)
+    choose_socket_interfaces(host)
     key = (host, port, rank)
     if key not in _stores:
         _stores[key] = _tcp_store(host, port, rank, world_size, timeout)
     return _stores[key]
-
-
-def _keep_gloo_on_loopback(host: str) -> None:
-    """A run whose store is on loopback has every rank on this machine: make gloo listen there too.
-
-    Gloo otherwise binds its sockets to the address this machine's hostname resolves to, which on
-    most cluster nodes is reachable from the network. A GLOO_SOCKET_IFNAME set by the user wins.
-    """
-    global _gloo_iface_set
-    if not _is_loopback(host):
-        if _gloo_iface_set:  # a later init of this process with a remote store: undo ours
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
-            _gloo_iface_set = False
-        return
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return
-    iface = _loopback_interface()
-    if iface:
-        os.environ["GLOO_SOCKET_IFNAME"] = iface
-        _gloo_iface_set = True
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
-def _loopback_interface() -> str | None:
-    """The name of the loopback interface ("lo" on Linux, "lo0" on macOS)."""
-    names = [name for _, name in socket.if_nameindex()]
-    for name in names:
-        try:
-            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
-        except (OSError, ValueError):
-            continue
-        if flags & 0x8:  # IFF_LOOPBACK
-            return name
-    return next((n for n in names if n in ("lo", "lo0")), None)
 
 
 def _tcp_store(

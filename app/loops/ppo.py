@@ -133,6 +133,10 @@ class _PPORun:
         self.episodes: list[tuple[float, int]] = []
         self.transfer_s = 0.0
         self.trainer_s = 0.0
+        # Payload this rank sent to other ranks (weights by a trainer, trajectories by a rollout
+        # rank), so a run can be checked against what the network carried.
+        self.weight_bytes_sent = 0
+        self.trajectory_bytes_sent = 0
         self.metrics: list[dict[str, float]] = []
 
     # ---- the loop -------------------------------------------------------------------------
@@ -183,14 +187,19 @@ class _PPORun:
             "transfer_fraction": round(self.transfer_s / self.trainer_s, 4)
             if self.trainer_s
             else 0.0,
+            "weight_bytes_sent": self.weight_bytes_sent,
+            "trajectory_bytes_sent": self.trajectory_bytes_sent,
             "param_checksum": float(sum(p.detach().double().sum() for p in self.policy.parameters())),
         }
 
     def _sync_weights(self) -> int:
         if self.sender is not None:
             tick = time.perf_counter()
-            self.sender.send(self.policy.state_dict())
+            state = self.policy.state_dict()
+            self.sender.send(state)
             self.transfer_s += time.perf_counter() - tick
+            receivers = len(self.ctx.get_ranks_in_group(WT)) - 1
+            self.weight_bytes_sent += receivers * sum(t.nbytes for t in state.values())
         elif self.receiver is not None:
             self.receiver.receive_into(self.policy)
         return self._version()
@@ -213,6 +222,8 @@ class _PPORun:
             flat = own.to_flat_tensor() if own is not None else torch.zeros(self.flat_size)
             trainer = self.ctx.get_declared_ranks(WT)[0]
             gathered = collectives.gather(self.ctx, WT, flat, dst=trainer)
+            if self.rank != trainer:
+                self.trajectory_bytes_sent += flat.nbytes
             if gathered is not None:
                 members = self.ctx.get_ranks_in_group(WT)
                 rollouts = [

@@ -1,0 +1,98 @@
+"""Which network interface gloo (and NCCL) bind their sockets to.
+
+Left alone, gloo binds to the address this machine's hostname resolves to: on many cluster nodes
+an address other ranks cannot reach, or 127.0.1.1 (Debian's default), which breaks a multi-host
+run in confusing ways. So, unless the user set the variable:
+
+- the rendezvous store is on loopback (every rank on this machine): GLOO_SOCKET_IFNAME = the
+  loopback interface, so nothing listens beyond this machine;
+- the store is on another address: GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) = the interface
+  whose address the kernel would use to reach the store's host, the one route that is known to
+  lead to the other ranks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+_set_here: set[str] = set()  # variables this process set (not the user): a later init may redo them
+
+
+def choose_socket_interfaces(master: str) -> dict[str, str]:
+    """Set GLOO_SOCKET_IFNAME (and, for a remote master, NCCL_SOCKET_IFNAME) for a store at
+    ``master`` unless the user set them; returns what was set here, and logs it."""
+    for name in list(_set_here):  # a re-init with another master chooses afresh
+        os.environ.pop(name, None)
+        _set_here.discard(name)
+    if is_loopback(master):
+        iface, why = loopback_interface(), f"the rendezvous store {master} is on loopback"
+        names: tuple[str, ...] = ("GLOO_SOCKET_IFNAME",)
+    else:
+        address = _route_source(master)
+        iface = interface_of(address) if address else None
+        why = f"its address {address} routes to the rendezvous store {master}"
+        names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    chosen = {}
+    for name in names:
+        if iface and not os.environ.get(name):
+            os.environ[name] = iface
+            _set_here.add(name)
+            chosen[name] = iface
+    if chosen:
+        settings = " ".join(f"{k}={v}" for k, v in chosen.items())
+        log.info("rlcomm set %s (%s)", settings, why)
+    return chosen
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback interface ("lo" on Linux, "lo0" on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        try:
+            flags = int(Path(f"/sys/class/net/{name}/flags").read_text(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & 0x8:  # IFF_LOOPBACK
+            return name
+    return next((n for n in names if n in ("lo", "lo0")), None)
+
+
+def interface_of(address: str) -> str | None:
+    """The interface that holds IPv4 ``address``, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode()[:15])
+                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue  # no IPv4 address on this interface
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+def _route_source(host: str) -> str | None:
+    """The local IPv4 address the kernel picks to reach ``host`` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None

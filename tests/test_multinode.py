@@ -1,0 +1,205 @@
+"""Multi-node for real: hosts are network namespaces on this machine (tests/hosts/*.sh), each
+with its own interfaces, address, hostname and /etc/hosts; ranks on different hosts talk over
+veth links through a bridge, never over loopback.
+
+Needs root (skips otherwise; under CI=true as root they must run). The hosts exist for this
+module only: the fixture tears them down and checks that no namespace is left.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.multihost import (
+    SCRIPTS,
+    describe_runs,
+    finish,
+    hosts_up,
+    link_bytes,
+    netns_list,
+    run_torchrun,
+    start_on_host,
+)
+from tests.test_app import assert_commcheck_passed, read_result
+
+FAST_COMMCHECK = ("loop=commcheck", "loop.latency_iters=3", "loop.bandwidth_bytes=1048576",
+                  "loop.bandwidth_iters=2", "comm.timeout=60")
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[list[str]]:
+    with hosts_up(2) as names:
+        yield names
+
+
+def groups_of(result: dict, mode: str) -> dict[int, list[int]]:
+    return {r["rank"]: r["groups"][mode]["ranks"] for r in result["ranks"] if mode in r["groups"]}
+
+
+def ranks_by_host(result: dict) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for report in sorted(result["ranks"], key=lambda r: r["rank"]):
+        found.setdefault(report["host"], []).append(report["rank"])
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# The hosts script
+# --------------------------------------------------------------------------------------------
+
+
+def test_hosts_are_separate_machines_with_their_own_names(hosts: list[str]) -> None:
+    again = subprocess.run(["bash", str(SCRIPTS / "hosts_up.sh"), "2"], capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert again.returncode == 0 and "already up" in again.stderr  # idempotent
+    probe = "import socket; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))"
+    seen = {}
+    for host in hosts:
+        out = subprocess.run(["bash", str(SCRIPTS / "on_host.sh"), host, sys.executable, "-c",
+                              probe], capture_output=True, text=True, timeout=30, check=True)
+        seen[host] = out.stdout.split()
+    assert seen == {"host1": ["host1", "198.18.0.11"], "host2": ["host2", "198.18.0.12"]}
+    assert "198.18.0." not in subprocess.run(["ip", "route", "show", "table", "all"],
+                                             capture_output=True, text=True).stdout
+
+
+def test_hosts_up_refuses_a_range_in_use() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    # A private network namespace where 198.18.0.5 is taken: the script must refuse there and
+    # create nothing (the machine's own namespace is not touched).
+    script = ("ip link set lo up && ip addr add 198.18.0.5/32 dev lo && "
+              f"RLCOMM_HOSTS_STATE=/tmp/rlcomm-hosts-refuse-{uuid.uuid4().hex[:6]} "
+              f"bash {SCRIPTS / 'hosts_up.sh'} 2")
+    before = netns_list()
+    proc = subprocess.run(["unshare", "--net", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode != 0
+    assert "198.18.0.0/24 is already in use on this machine" in proc.stderr
+    assert netns_list() == before
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun across hosts
+# --------------------------------------------------------------------------------------------
+
+
+def test_torchrun_two_hosts_commcheck_groups_follow_the_hosts(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    before = {h: link_bytes(h) for h in hosts}
+    runs, run_dir = run_torchrun(hosts, 2, ["layout=2x2", *FAST_COMMCHECK], tmp_path)
+    assert all(r.returncode == 0 for r in runs), describe_runs(runs)
+    result = read_result(run_dir)
+    assert_commcheck_passed(result, 4)
+    placed = ranks_by_host(result)
+    assert sorted(placed.values()) == [[0, 1], [2, 3]] and set(placed) == set(hosts)
+    intra = groups_of(result, "INTRA_NODE")
+    for host, ranks in placed.items():
+        assert all(intra[r] == ranks for r in ranks), (host, intra)
+    inter = groups_of(result, "INTER_NODE")
+    assert inter == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    # gloo's sockets were put on the interface that reaches the other host, and said so
+    for rank in range(4):
+        text = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert "rlcomm set GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in text
+    # ... and the bytes went over the hosts' links: each bandwidth broadcast (1 warm-up + 2
+    # timed, 1 MiB) of a group that spans both hosts delivered at least one copy to the host
+    # that does not hold its leader
+    host_of = {r["rank"]: r["host"] for r in result["ranks"]}
+    spanning = {(mode, tuple(info["ranks"])) for r in result["ranks"]
+                for mode, info in r["groups"].items()
+                if len({host_of[x] for x in info["ranks"]}) > 1}
+    assert len(spanning) == 4  # GLOBAL, INTER_NODE x2, TRAIN_DATA_PARALLEL
+    expected = len(spanning) * 3 * 1048576
+    received = sum(link_bytes(h)[0] - before[h][0] for h in hosts)
+    assert received >= expected, (received, expected)
+
+
+def test_torchrun_two_hosts_ppo_trainers_on_one_host_rollouts_on_the_other(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    before = {h: link_bytes(h) for h in hosts}
+    runs, run_dir = run_torchrun(
+        hosts, 2,
+        ["layout=2n_split", "loop.total_env_steps=20480", "loop.target_return=1e9",
+         "loop.progress=false", "loop.hparams.hidden_size=256", "comm.timeout=60"],
+        tmp_path)
+    assert all(r.returncode == 0 for r in runs), describe_runs(runs)
+    result = read_result(run_dir)
+    reports = {r["rank"]: r for r in result["ranks"]}
+    trainer_host, rollout_host = reports[0]["host"], reports[2]["host"]
+    assert reports[1]["host"] == trainer_host and reports[3]["host"] == rollout_host
+    assert trainer_host != rollout_host
+    assert all(reports[r]["result"]["updates"] == 10 for r in range(4))
+    weights = sum(reports[r]["result"]["weight_bytes_sent"] for r in (0, 1))
+    trajectories = sum(reports[r]["result"]["trajectory_bytes_sent"] for r in (2, 3))
+    assert weights > 2_000_000 and trajectories > 500_000  # 10 updates of a 256-wide MLP
+    rx = link_bytes(rollout_host)[0] - before[rollout_host][0]
+    tx = link_bytes(rollout_host)[1] - before[rollout_host][1]
+    assert rx >= weights, (rx, weights)  # every weight transfer crossed into the rollout host
+    assert tx >= trajectories, (tx, trajectories)  # every trajectory crossed out of it
+
+
+# --------------------------------------------------------------------------------------------
+# Where the ranks land must match the layout's nodes (ranks started by hand: RANK/WORLD_SIZE)
+# --------------------------------------------------------------------------------------------
+
+
+def start_ranks_by_hand(placement: dict[int, str], app_args: list[str], cwd: Path,
+                        marker: str, port: int) -> list:
+    """``python -m app`` once per rank, rank r on host ``placement[r]`` (the env join mode)."""
+    world = len(placement)
+    env = {"WORLD_SIZE": str(world), "MASTER_ADDR": placement[0], "MASTER_PORT": str(port),
+           "RLCOMM_RUN_ID": f"byhand-{marker[:8]}"}
+    return [start_on_host(host, [sys.executable, "-m", "app", *app_args], cwd, marker,
+                          env={**env, "RANK": str(rank)})
+            for rank, host in sorted(placement.items())]
+
+
+def test_cyclic_placement_against_a_layout_with_nodes_is_one_clear_error(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    marker = uuid.uuid4().hex
+    cyclic = {0: "host1", 1: "host2", 2: "host1", 3: "host2"}
+    runs = finish(start_ranks_by_hand(cyclic, ["layout=2x2", *FAST_COMMCHECK], tmp_path, marker,
+                                      29501), marker, 120)
+    expected = ("error: layout: the layout's nodes [0,1] [2,3] do not match the hosts the ranks "
+                "run on (host1: [0,2]; host2: [1,3])")
+    for run in runs:
+        assert run.returncode == 2, describe_runs(runs)
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(expected), describe_runs(runs)
+    assert not (tmp_path / "outputs" / "runs" / f"byhand-{marker[:8]}" / "result.json").exists()
+
+
+def test_a_layout_that_leaves_nodes_open_follows_the_hosts(hosts: list[str], tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    cyclic = {0: "host1", 1: "host2", 2: "host1", 3: "host2"}
+    runs = finish(start_ranks_by_hand(cyclic, ["layout=2t2r", *FAST_COMMCHECK], tmp_path, marker,
+                                      29502), marker, 120)
+    assert all(r.returncode == 0 for r in runs), describe_runs(runs)
+    result = read_result(tmp_path / "outputs" / "runs" / f"byhand-{marker[:8]}")
+    assert_commcheck_passed(result, 4)
+    assert {r["rank"]: r["host"] for r in result["ranks"]} == cyclic
+    assert groups_of(result, "INTRA_NODE") == {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
+    assert groups_of(result, "INTER_NODE") == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+
+
+def test_all_ranks_on_one_host_while_the_layout_says_two_nodes_is_an_error(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    marker = uuid.uuid4().hex
+    runs = finish([start_on_host("host1", [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "-m", "app", "layout=2x2", *FAST_COMMCHECK], tmp_path, marker)], marker, 120)
+    assert runs[0].returncode != 0
+    assert ("error: layout: the layout's nodes [0,1] [2,3] do not match the hosts the ranks run "
+            "on (host1: [0,1,2,3])") in runs[0].stderr, describe_runs(runs)
