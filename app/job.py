@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
-from rlcomm.hosts import agree_on_hosts
+from rlcomm.errors import PeerLostError
+from rlcomm.hosts import agree_on_hosts, lost_hosts
 
 from .planning import build_loop, build_plan, check_world_size
 
@@ -90,11 +92,17 @@ def _run(
 
     _seed_everything(cfg.seed + rank)
     loop: Loop = build_loop(cfg.loop)
-    result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank))
+    try:
+        result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank))
+    except Exception as err:
+        lost = lost_hosts(ctx, hosts, err)
+        if lost is None:
+            raise
+        raise PeerLostError(f"rank {rank} on {hosts.names[rank]}: lost {lost}: {_gist(err)}") from err
     report = {
         "rank": rank,
         "role": plan.role(rank),
-        "host": hosts[rank],
+        "host": hosts.names[rank],
         "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},
         "result": result,
     }
@@ -111,6 +119,12 @@ def _run(
     (run_dir / "result.json").write_text(json.dumps(summary, indent=2))
     log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json")
     return summary
+
+
+def _gist(err: BaseException) -> str:
+    """The first sentence of a backend error, without gloo's source location prefix."""
+    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", str(err).strip().splitlines()[0])
+    return text.split(". ")[0]
 
 
 def _seed_everything(seed: int) -> None:

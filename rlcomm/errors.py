@@ -33,3 +33,7 @@ class ModeNotRegisteredError(RlcommError, KeyError):
     def __str__(self) -> str:
         # KeyError's str() would wrap the message in quotes.
         return str(self.args[0]) if self.args else ""
+
+
+class PeerLostError(RlcommError, RuntimeError):
+    """A rank lost its connection to ranks on another host (killed, or its link went down)."""

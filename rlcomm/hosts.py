@@ -2,35 +2,115 @@
 
 The layout's notion of a node is only a plan; the hosts the launcher actually put the ranks on
 decide (see :func:`rlcomm.layout.place_on_hosts`). Exchanged over the store, as plain strings,
-so it costs no collective and works before any group exists.
+so it costs no collective and works before any group exists. Knowing each rank's host and
+address also lets a rank that loses a peer say which host went away.
 """
 
 from __future__ import annotations
 
+import datetime
+import re
 import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from .collectives import barrier
 from .context import CommContext
+from .interfaces import socket_address
 from .layout import LayoutPlan, place_on_hosts
 from .modes import CommMode
+from .utils import format_ranks
+
+_PEER_ADDRESS = re.compile(r"\[(\d+\.\d+\.\d+\.\d+)\]:\d+")  # how gloo names a peer
 
 
-def gather_hosts(ctx: CommContext, host: str | None = None) -> list[str]:
-    """Every rank's host name (``socket.gethostname()`` unless given), indexed by rank."""
+@dataclass(frozen=True)
+class Hosts:
+    """Each rank's host name and the address its sockets use, indexed by rank."""
+
+    names: tuple[str, ...]
+    addresses: tuple[str, ...]
+
+    def ranks_on(self, name: str) -> list[int]:
+        return [rank for rank, host in enumerate(self.names) if host == name]
+
+    def describe(self, hosts: list[str]) -> str:
+        return ", ".join(f"{h} (ranks {format_ranks(self.ranks_on(h))})" for h in hosts)
+
+
+def lost_hosts(ctx: CommContext, hosts: Hosts, error: BaseException) -> str | None:
+    """Which other host a failed collective lost, e.g. ``"host2 (ranks [2,3])"``, or None when
+    ``error`` is not a lost connection to another host.
+
+    A peer that died closes its sockets, and gloo names its address. A link that went down
+    only times out: then the heartbeats every rank of a multi-host run leaves in the store tell
+    which hosts fell silent (all their ranks stopped beating); if the store itself is out of
+    reach, the host that serves it (rank 0's) is the one lost.
+    """
+    me = ctx.get_global_rank()
+    text = str(error)
+    for address in _PEER_ADDRESS.findall(text):
+        owners = sorted({hosts.names[r] for r, a in enumerate(hosts.addresses) if a == address})
+        if owners and hosts.names[me] not in owners:
+            return hosts.describe(owners)
+    if not any(s in text for s in _LOST) or len(set(hosts.names)) < 2:
+        return None
+    silent = _silent_ranks(ctx.store, len(hosts.names))
+    if silent is None:
+        return hosts.describe([hosts.names[0]]) if hosts.names[0] != hosts.names[me] else None
+    gone = [h for h in dict.fromkeys(hosts.names)
+            if h != hosts.names[me] and set(hosts.ranks_on(h)) <= set(silent)]
+    return hosts.describe(gone) if gone else None
+
+
+# Failures of a collective that may mean a peer host is gone (gloo's wording).
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out")
+_BEAT_S = 1.0  # heartbeat period; a host is silent after 3 periods without a beat
+
+
+def _silent_ranks(store: dist.Store, world: int) -> list[int] | None:
+    """Ranks whose heartbeat did not move for 3 periods; None if the store is out of reach."""
+    keys = [f"beat/{r}" for r in range(world)]
+    try:
+        store.set_timeout(datetime.timedelta(seconds=5 * _BEAT_S))
+        first = [store.add(k, 0) for k in keys]
+        time.sleep(3 * _BEAT_S)
+        second = [store.add(k, 0) for k in keys]
+    except Exception:  # DistStoreError or RuntimeError depending on torch version
+        return None
+    return [r for r in range(world) if first[r] == second[r]]
+
+
+def _beat(ctx: CommContext, store: dist.Store, rank: int) -> None:
+    """Count up this rank's heartbeat in the store while ``ctx`` lives on it (daemon thread)."""
+    key = f"beat/{rank}"
+    try:
+        while ctx.is_initialized() and ctx.store is store:
+            store.add(key, 1)
+            time.sleep(_BEAT_S)
+    except Exception:
+        return  # the run is over (the store's host left) or failing: nothing left to tell
+
+
+def gather_hosts(ctx: CommContext, host: str | None = None) -> Hosts:
+    """Every rank's host name (``socket.gethostname()`` unless given) and socket address."""
     store = ctx.store
     rank, world = ctx.get_global_rank(), ctx.get_world_size(CommMode.GLOBAL)
-    store.set(f"host/{rank}", host or socket.gethostname())
+    store.set(f"host/{rank}", f"{host or socket.gethostname()} {socket_address()}")
     keys = [f"host/{r}" for r in range(world)]
     store.wait(keys)
-    hosts = [value.decode() for value in store.multi_get(keys)]
+    entries = [value.decode().split(" ", 1) for value in store.multi_get(keys)]
     # Nobody leaves (e.g. on a mismatch, the store's host among them) before all have read.
     barrier(ctx, CommMode.GLOBAL)
-    return hosts
+    return Hosts(tuple(e[0] for e in entries), tuple(e[1] if len(e) > 1 else "" for e in entries))
 
 
 def agree_on_hosts(
     ctx: CommContext, plan: LayoutPlan, host: str | None = None, simulated_nodes: bool = False
-) -> tuple[LayoutPlan, list[str]]:
+) -> tuple[LayoutPlan, Hosts]:
     """``plan`` checked against the hosts the ranks run on (its node groups fitted to them when
     it leaves nodes open), and the hosts by rank. Call after ``init_distributed_env``, before
     creating the plan's groups; a mismatch raises the same one-line LayoutError on every rank.
@@ -39,8 +119,13 @@ def agree_on_hosts(
     launcher), so a layout's declared nodes are kept as simulated nodes instead of checked.
     """
     if ctx.backend == "fake":  # one process simulating every rank: no hosts to ask
-        return plan, [host or socket.gethostname()] * plan.world_size
+        name = host or socket.gethostname()
+        return plan, Hosts((name,) * plan.world_size, ("",) * plan.world_size)
     hosts = gather_hosts(ctx, host)
+    if len(set(hosts.names)) > 1:
+        beat = threading.Thread(target=_beat, args=(ctx, ctx.store, ctx.get_global_rank()),
+                                name="rlcomm-heartbeat", daemon=True)
+        beat.start()
     if simulated_nodes and plan.nodes_declared:
         return plan, hosts
-    return place_on_hosts(plan, hosts), hosts
+    return place_on_hosts(plan, hosts.names), hosts

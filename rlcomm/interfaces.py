@@ -76,16 +76,31 @@ def loopback_interface() -> str | None:
 
 def interface_of(address: str) -> str | None:
     """The interface that holds IPv4 ``address``, or None."""
+    return next((n for _, n in socket.if_nameindex() if address_of(n) == address), None)
+
+
+def address_of(interface: str) -> str | None:
+    """The IPv4 address of ``interface``, or None (no such interface, or no IPv4 address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        for _, name in socket.if_nameindex():
-            try:
-                request = struct.pack("256s", name.encode()[:15])
-                reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
-            except OSError:
-                continue  # no IPv4 address on this interface
-            if socket.inet_ntoa(reply[20:24]) == address:
-                return name
-    return None
+        try:
+            request = struct.pack("256s", interface.encode()[:15])
+            reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+        except OSError:
+            return None
+    return socket.inet_ntoa(reply[20:24])
+
+
+def socket_address() -> str:
+    """The address this process's gloo sockets use (its GLOO_SOCKET_IFNAME's), else the one
+    this machine's hostname resolves to; "" when neither is known."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    found = address_of(interface) if interface else None
+    if found:
+        return found
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
 
 
 def _route_source(host: str) -> str | None:

@@ -16,7 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +120,23 @@ def run_torchrun(hosts: Sequence[str], nproc: int, app_args: Sequence[str], cwd:
     args = [*torchrun(len(hosts), nproc, f"{hosts[0]}:{port}", rdzv_id), *app_args]
     runs = [start_on_host(h, args, cwd, marker) for h in hosts]
     return finish(runs, marker, timeout), cwd / "outputs" / "runs" / f"torchrun-{rdzv_id}"
+
+
+def kill_host(host: str) -> list[int]:
+    """SIGKILL every process of ``host`` (its whole network namespace), as if it crashed."""
+    out = subprocess.run(["ip", "netns", "pids", host_ns(host)], capture_output=True, text=True,
+                         check=True)
+    pids = [int(p) for p in out.stdout.split()]
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    return pids
+
+
+def set_link(host: str, up: bool) -> None:
+    """Plug ``host``'s cable out of (or back into) the switch."""
+    subprocess.run(["ip", "-n", f"{NS_PREFIX}switch", "link", "set", f"rlc-{host}",
+                    "up" if up else "down"], check=True)
 
 
 def link_bytes(host: str) -> tuple[int, int]:

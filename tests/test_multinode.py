@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +23,13 @@ from tests.multihost import (
     describe_runs,
     finish,
     hosts_up,
+    kill_host,
     link_bytes,
     netns_list,
     run_torchrun,
+    set_link,
     start_on_host,
+    torchrun,
 )
 from tests.test_app import assert_commcheck_passed, read_result
 
@@ -203,3 +207,70 @@ def test_all_ranks_on_one_host_while_the_layout_says_two_nodes_is_an_error(
     assert runs[0].returncode != 0
     assert ("error: layout: the layout's nodes [0,1] [2,3] do not match the hosts the ranks run "
             "on (host1: [0,1,2,3])") in runs[0].stderr, describe_runs(runs)
+
+
+# --------------------------------------------------------------------------------------------
+# A lost host: killed, or its link down
+# --------------------------------------------------------------------------------------------
+
+LONG_PPO = ["layout=2n_split", "loop.total_env_steps=100000000", "loop.target_return=1e9",
+            "loop.progress=false", "loop.checkpoint_every=2"]
+TIMEOUT_S = 15
+
+
+def start_long_ppo(hosts: list[str], tmp_path: Path) -> tuple[list, str, Path]:
+    """PPO across the hosts, torchrun per host; returns once it has trained a few updates."""
+    marker, rdzv_id = uuid.uuid4().hex, f"mn{uuid.uuid4().hex[:8]}"
+    args = [*torchrun(2, 2, f"{hosts[0]}:29410", rdzv_id), *LONG_PPO, f"comm.timeout={TIMEOUT_S}"]
+    runs = [start_on_host(h, args, tmp_path, marker) for h in hosts]
+    checkpoint = tmp_path / "outputs" / "runs" / f"torchrun-{rdzv_id}" / "checkpoints" / "ckpt_000004.pt"
+    deadline = time.monotonic() + 150
+    while not checkpoint.exists():
+        if time.monotonic() > deadline or any(r.proc.poll() is not None for r in runs):
+            finish(runs, marker, 5)
+            pytest.fail(f"the run did not reach update 4\n{describe_runs(runs)}")
+        time.sleep(0.5)
+    return runs, marker, checkpoint.parent.parent
+
+
+def assert_survivor_names_the_lost_host(run, lost: str, lost_ranks: str, ended_s: float) -> None:
+    assert run.returncode not in (0, None), describe_runs([run])
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert errors, describe_runs([run])
+    for line in errors:
+        assert f": lost {lost} (ranks {lost_ranks}): " in line, describe_runs([run])
+    assert ended_s <= TIMEOUT_S + 12, f"survivors took {ended_s:.1f}s"
+
+
+def test_a_killed_host_ends_the_run_with_one_line_naming_it(hosts: list[str], tmp_path: Path) -> None:
+    runs, marker, _ = start_long_ppo(hosts, tmp_path)
+    kill_host("host2")
+    killed = time.monotonic()
+    survivor = runs[0]
+    try:
+        survivor.stdout, survivor.stderr = survivor.proc.communicate(timeout=TIMEOUT_S + 30)
+    finally:
+        ended = time.monotonic() - killed
+        finish(runs, marker, 10)
+    assert_survivor_names_the_lost_host(survivor, "host2", "[2,3]", ended)
+    assert "error: rank 0 on host1: lost host2 (ranks [2,3]): Connection closed by peer" in \
+        survivor.stderr
+
+
+def test_a_host_whose_link_goes_down_ends_the_run_with_one_line_naming_it(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    runs, marker, _ = start_long_ppo(hosts, tmp_path)
+    set_link("host2", up=False)
+    down = time.monotonic()
+    survivor = runs[0]
+    try:
+        survivor.stdout, survivor.stderr = survivor.proc.communicate(timeout=TIMEOUT_S + 45)
+        ended = time.monotonic() - down
+    finally:
+        set_link("host2", up=True)
+        finish(runs, marker, 90)  # host2's agent ends once it reaches host1 again: nobody there
+    assert_survivor_names_the_lost_host(survivor, "host2", "[2,3]", ended)
+    assert "Timed out" in survivor.stderr
+    # host2's ranks, cut off from the rendezvous store on host1, name host1
+    assert "lost host1 (ranks [0,1])" in runs[1].stderr, describe_runs(runs)
