@@ -274,3 +274,40 @@ def test_a_host_whose_link_goes_down_ends_the_run_with_one_line_naming_it(
     assert "Timed out" in survivor.stderr
     # host2's ranks, cut off from the rendezvous store on host1, name host1
     assert "lost host1 (ranks [0,1])" in runs[1].stderr, describe_runs(runs)
+
+
+# --------------------------------------------------------------------------------------------
+# Which interface gloo uses
+# --------------------------------------------------------------------------------------------
+
+CHOOSE = ("import json, os, sys; from rlcomm.interfaces import choose_socket_interfaces; "
+          "chosen = choose_socket_interfaces(sys.argv[1]); "
+          "print(json.dumps([chosen, os.environ.get('GLOO_SOCKET_IFNAME'), "
+          "os.environ.get('NCCL_SOCKET_IFNAME')]))")
+
+
+def choose_on(host: str, master: str, **env: str) -> list:
+    import json
+
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    out = subprocess.run(["bash", str(SCRIPTS / "on_host.sh"), host, sys.executable, "-c", CHOOSE,
+                          master], capture_output=True, text=True, timeout=60, check=True,
+                         env={**full_env, "PYTHONPATH": str(Path(__file__).parent.parent), **env})
+    return json.loads(out.stdout)
+
+
+def test_interface_is_the_one_that_reaches_the_master_unless_the_user_set_one(
+    hosts: list[str]
+) -> None:
+    both = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0"}
+    assert choose_on("host2", "host1") == [both, "eth0", "eth0"]
+    assert choose_on("host1", "198.18.0.12") == [both, "eth0", "eth0"]
+    # all ranks on this host: loopback, as on one machine
+    assert choose_on("host1", "127.0.0.1") == [{"GLOO_SOCKET_IFNAME": "lo"}, "lo", None]
+    # the user's settings win, each on its own
+    assert choose_on("host2", "host1", GLOO_SOCKET_IFNAME="lo") == [
+        {"NCCL_SOCKET_IFNAME": "eth0"}, "lo", "eth0"]
+    assert choose_on("host2", "host1", NCCL_SOCKET_IFNAME="lo") == [
+        {"GLOO_SOCKET_IFNAME": "eth0"}, "eth0", "lo"]
+
