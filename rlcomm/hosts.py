@@ -8,6 +8,7 @@ address also lets a rank that loses a peer say which host went away.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import re
 import socket
@@ -84,13 +85,28 @@ def _silent_ranks(store: dist.Store, world: int) -> list[int] | None:
     return [r for r in range(world) if first[r] == second[r]]
 
 
+_stop_beats = threading.Event()
+
+
+def _start_heartbeat(ctx: CommContext) -> None:
+    beat = threading.Thread(target=_beat, args=(ctx, ctx.store, ctx.get_global_rank()),
+                            name="rlcomm-heartbeat", daemon=True)
+    beat.start()
+
+    def stop() -> None:  # a thread inside a store call while Python shuts down aborts it
+        _stop_beats.set()
+        beat.join(timeout=10)
+
+    atexit.register(stop)
+
+
 def _beat(ctx: CommContext, store: dist.Store, rank: int) -> None:
     """Count up this rank's heartbeat in the store while ``ctx`` lives on it (daemon thread)."""
     key = f"beat/{rank}"
     try:
-        while ctx.is_initialized() and ctx.store is store:
+        while ctx.is_initialized() and ctx.store is store and not _stop_beats.is_set():
             store.add(key, 1)
-            time.sleep(_BEAT_S)
+            _stop_beats.wait(_BEAT_S)
     except Exception:
         return  # the run is over (the store's host left) or failing: nothing left to tell
 
@@ -122,10 +138,8 @@ def agree_on_hosts(
         name = host or socket.gethostname()
         return plan, Hosts((name,) * plan.world_size, ("",) * plan.world_size)
     hosts = gather_hosts(ctx, host)
+    if not (simulated_nodes and plan.nodes_declared):
+        plan = place_on_hosts(plan, hosts.names)
     if len(set(hosts.names)) > 1:
-        beat = threading.Thread(target=_beat, args=(ctx, ctx.store, ctx.get_global_rank()),
-                                name="rlcomm-heartbeat", daemon=True)
-        beat.start()
-    if simulated_nodes and plan.nodes_declared:
-        return plan, hosts
-    return place_on_hosts(plan, hosts.names), hosts
+        _start_heartbeat(ctx)
+    return plan, hosts

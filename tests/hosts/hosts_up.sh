@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Bring up N "hosts" on this machine: network namespaces joined by a bridge, each with its own
-# hostname (host1..hostN, set by on_host.sh), address (198.18.0.11, .12, ...) and /etc/hosts.
+# hostname (host1..hostN, set by on_host.sh), address (198.18.0.11, .12, ...) and /etc/hosts,
+# plus a "head" node (198.18.0.1, the switch's own namespace) for controllers and logins.
 #
 #   bash tests/hosts/hosts_up.sh 2          # then: bash tests/hosts/on_host.sh host1 CMD...
 #   bash tests/hosts/hosts_down.sh
@@ -57,9 +58,15 @@ ip netns add "$SWITCH_NS"
 record netns "$SWITCH_NS"
 ip -n "$SWITCH_NS" link add br0 type bridge
 ip -n "$SWITCH_NS" link set br0 up
+# The switch is also the "head" node (a login/controller node: slurmctld, sbatch), at .1.
+ip -n "$SWITCH_NS" link set lo up
+ip -n "$SWITCH_NS" addr add "$SUBNET.1/24" dev br0
 
-hosts_text="127.0.0.1 localhost"
+hosts_text="127.0.0.1 localhost"$'\n'"$SUBNET.1 head"
 for ((i = 1; i <= N; i++)); do hosts_text+=$'\n'"$(host_addr "$i") host$i"; done
+mkdir -p "/etc/netns/$SWITCH_NS"
+record etcdir "/etc/netns/$SWITCH_NS"
+printf '%s\n' "$hosts_text" >"/etc/netns/$SWITCH_NS/hosts"
 
 for ((i = 1; i <= N; i++)); do
     ns=$(host_ns "$i")

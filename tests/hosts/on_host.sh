@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run a command "on" host<i> of tests/hosts/hosts_up.sh: in its network namespace, with its own
+# Run a command "on" host<i> (or the head node) of tests/hosts/hosts_up.sh: in its network namespace, with its own
 # hostname (a UTS namespace) and its /etc/hosts (bind-mounted in a private mount namespace).
 #
 #   bash tests/hosts/on_host.sh host2 python -m app ...
@@ -12,9 +12,14 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 host=${1:-}
-[[ $host =~ ^host([1-9])$ ]] || die "usage: $0 host<i> CMD..., got '${host}'"
+if [[ $host == head ]]; then
+    ns=$SWITCH_NS
+elif [[ $host =~ ^host([1-9])$ ]]; then
+    ns=$(host_ns "${BASH_REMATCH[1]}")
+else
+    die "usage: $0 head|host<i> CMD..., got '${host}'"
+fi
 shift
-ns=$(host_ns "${BASH_REMATCH[1]}")
 [[ -e /run/netns/$ns ]] || die "$host is not up (run tests/hosts/hosts_up.sh)"
 hosts_file=${RLCOMM_HOSTS_FILE:-/etc/netns/$ns/hosts}
 exec nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private \

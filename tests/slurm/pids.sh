@@ -4,6 +4,7 @@
 bin_of() {
     case $1 in
     munged | mariadbd | slurmdbd | slurmctld | slurmd) echo "/usr/sbin/$1" ;;
+    slurmd-*) echo /usr/sbin/slurmd ;; # one slurmd per host of a multi-node cluster
     *) die "unknown daemon $1" ;;
     esac
 }

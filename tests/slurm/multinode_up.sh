@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# A multi-node SLURM cluster on this machine: the hosts of tests/hosts/hosts_up.sh as nodes.
+#
+#   partition=$(bash tests/slurm/multinode_up.sh 2 | tail -1)
+#   SLURM_CONF=/etc/rlcomm-slurm-multinode/slurm.conf \
+#       bash tests/hosts/on_host.sh head salloc -N2 -n4 srun python -m app layout=2x2 loop=commcheck
+#   bash tests/slurm/multinode_down.sh
+#
+# slurmctld runs on the "head" node (198.18.0.1), one slurmd per host namespace (NodeName hostN,
+# NodeAddr 198.18.0.1N) with that host's hostname and /etc/hosts; users submit from the head
+# node (tests/hosts/on_host.sh head ...). Its own config dir (SLURM_CONF, never /etc/slurm) and
+# state dir, so the single-node cluster of cluster_up.sh is left alone (and may even run at the
+# same time: every daemon here listens inside the namespaces). No accounting: a job that dies
+# without a result is seen by sacct-less tools only once it leaves the queue. Needs root and
+# SLURM installed (cluster_up.sh installs it). Prints the partition name last on stdout.
+set -euo pipefail
+set +m
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+HOSTS=$HERE/../hosts
+N=${1:-2}
+STATE=${RLCOMM_SLURM_MN_STATE:-/var/lib/rlcomm-slurm-multinode}
+CONF_DIR=/etc/rlcomm-slurm-multinode
+PARTITION=multinode
+PIDS=$STATE/pids
+LOG=$STATE/log
+export SLURM_CONF=$CONF_DIR/slurm.conf
+
+log() { printf '[multinode_up] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+[[ $(id -u) == 0 ]] || die "must run as root"
+[[ -x /usr/sbin/slurmctld && -x /usr/sbin/slurmd ]] || die "SLURM is not installed (run tests/slurm/cluster_up.sh once)"
+# shellcheck source=tests/slurm/pids.sh
+source "$HERE/pids.sh"
+
+bash "$HOSTS/hosts_up.sh" "$N"
+mkdir -p "$PIDS" "$LOG" "$STATE/run" "$STATE/slurmctld" "$CONF_DIR"
+chown slurm:slurm "$LOG" "$STATE/slurmctld" "$STATE/run"
+
+spawn() { # spawn <name> <command...>: as cluster_up.sh, pid recorded (exec all the way down)
+    local name=$1 pid i
+    shift
+    (
+        fds=(/proc/$BASHPID/fd/*)
+        for f in "${fds[@]}"; do
+            n=${f##*/}
+            if [[ $n =~ ^[0-9]+$ ]] && ((n > 2)) && [[ -e $f ]]; then eval "exec $n>&-"; fi
+        done
+        exec setsid "$@" </dev/null >>"$LOG/$name.out" 2>&1
+    ) &
+    pid=$!
+    echo "$pid" >"$PIDS/$name.pid"
+    for ((i = 0; i < 100; i++)); do
+        alive "$name" && { log "started $name (pid $pid)"; return 0; }
+        [[ -e /proc/$pid/exe ]] || break
+        sleep 0.05
+    done
+    tail -n 20 "$LOG/$name.out" >&2 || true
+    die "$name did not start (see $LOG/$name.out)"
+}
+
+real_mem=$(slurmd -C 2>/dev/null | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' | head -1)
+nodes=""
+node_lines=""
+for ((i = 1; i <= N; i++)); do
+    nodes+="${nodes:+,}host$i"
+    node_lines+="NodeName=host$i NodeAddr=198.18.0.$((10 + i)) NodeHostname=host$i CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=$((real_mem / N)) State=UNKNOWN"$'\n'
+done
+conf="# Managed by rlcomm tests/slurm/multinode_up.sh; rewritten on every run.
+ClusterName=rlcommmn
+SlurmctldHost=head(198.18.0.1)
+SlurmctldPort=6817
+SlurmdPort=6818
+SlurmUser=slurm
+AuthType=auth/munge
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+ReturnToService=2
+KillWait=5
+MinJobAge=300
+MailProg=/bin/true
+SlurmctldPidFile=$STATE/run/slurmctld.pid
+SlurmdPidFile=$STATE/run/slurmd-%n.pid
+SlurmdSpoolDir=$STATE/slurmd-%n
+StateSaveLocation=$STATE/slurmctld
+SlurmctldLogFile=$LOG/slurmctld.log
+SlurmdLogFile=$LOG/slurmd-%n.log
+${node_lines}PartitionName=$PARTITION Nodes=$nodes Default=YES MaxTime=INFINITE State=UP"
+changed=0
+if [[ ! -e $SLURM_CONF || $(<"$SLURM_CONF") != "$conf" ]]; then
+    printf '%s\n' "$conf" >"$SLURM_CONF"
+    changed=1
+fi
+if ((changed)); then
+    for name in "$PIDS"/*.pid; do
+        [[ -e $name ]] || continue
+        name=$(basename "$name" .pid)
+        [[ $name == munged ]] && continue
+        pid=$(our_pid "$name") && kill -TERM "$pid" && log "config changed: stopped $name"
+        for ((t = 0; t < 100; t++)); do alive "$name" || break; sleep 0.1; done
+        rm -f "$PIDS/$name.pid"
+    done
+fi
+
+munge_ok() { timeout 5 munge -n </dev/null | timeout 5 unmunge >/dev/null 2>&1; }
+if ! munge_ok; then
+    mkdir -p /run/munge && chown munge:munge /run/munge
+    spawn munged setpriv --reuid=munge --regid=munge --init-groups -- /usr/sbin/munged --foreground
+    for ((t = 0; t < 100; t++)); do munge_ok && break; sleep 0.1; done
+fi
+
+if ! alive slurmctld; then
+    rm -f "$STATE/run/slurmctld.pid"
+    spawn slurmctld bash "$HOSTS/on_host.sh" head /usr/sbin/slurmctld -D
+fi
+for ((i = 1; i <= N; i++)); do
+    if ! alive "slurmd-host$i"; then
+        mkdir -p "$STATE/slurmd-host$i"
+        rm -f "$STATE/run/slurmd-host$i.pid"
+        spawn "slurmd-host$i" bash "$HOSTS/on_host.sh" "host$i" /usr/sbin/slurmd -D -N "host$i"
+    fi
+done
+
+on_head() { bash "$HOSTS/on_host.sh" head "$@"; }
+end=$(($(date +%s) + 40))
+until [[ $(on_head sinfo -h -p "$PARTITION" -o '%D %T' 2>/dev/null) == "$N idle" ]]; do
+    state=$(on_head sinfo -h -N -p "$PARTITION" -o '%N:%T' 2>/dev/null | tr '\n' ' ')
+    if [[ $state =~ (down|drain) ]]; then
+        on_head scontrol update nodename="$nodes" state=resume >/dev/null 2>&1 || true
+    fi
+    (($(date +%s) < end)) || die "nodes not idle: $state (see $LOG/)"
+    sleep 0.3
+done
+log "multi-node cluster up: $N nodes ($nodes), partition $PARTITION, SLURM_CONF=$SLURM_CONF"
+echo "$PARTITION"
