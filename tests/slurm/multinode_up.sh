@@ -63,7 +63,7 @@ nodes=""
 node_lines=""
 for ((i = 1; i <= N; i++)); do
     nodes+="${nodes:+,}host$i"
-    node_lines+="NodeName=host$i NodeAddr=198.18.0.$((10 + i)) NodeHostname=host$i CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 ThreadsPerCore=1 RealMemory=$((real_mem / N)) State=UNKNOWN"$'\n'
+    node_lines+="NodeName=host$i NodeAddr=198.18.0.$((10 + i)) NodeHostname=host$i CPUs=4 Boards=1 SocketsPerBoard=1 CoresPerSocket=4 ThreadsPerCore=1 RealMemory=$((real_mem / N)) State=UNKNOWN"$'\n'
 done
 conf="# Managed by rlcomm tests/slurm/multinode_up.sh; rewritten on every run.
 ClusterName=rlcommmn
