@@ -77,7 +77,10 @@ def _every_mode(rank: int, world_size: int) -> dict[str, Any]:
     ctx.init_group([[0, 1, 2, 3]], CommMode.INTRA_NODE, backend="gloo")
     ctx.init_group([[0], [1], [2], [3]], ParallelMode.INTER_NODE, backend="gloo")
     ctx.init_group([0, 1, 2, 3], ParallelMode.TENSOR_PARALLEL, backend="gloo", group_size=2)
-    ctx.init_group([0, 1, 2, 3], ParallelMode.SEQUENCE_PARALLEL, backend="gloo", group_size=1)
+    ctx.init_group(
+        [0, 1, 2, 3], ParallelMode.SEQUENCE_PARALLEL, backend="gloo", group_size=1,
+        tensor_parallel_size=2,
+    )
     ctx.init_group([0, 1, 2, 3], ParallelMode.DATA_PARALLEL, backend="gloo", group_size=2)
     info = ctx.describe()
     out: dict[str, Any] = {m: (i.local_rank, i.world_size, i.ranks) for m, i in info.items()}
