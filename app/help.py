@@ -68,7 +68,7 @@ def _choices(root: DictConfig) -> list[str]:
 
 def _field_lines(key: str, owner: type, f: dataclasses.Field[Any], value: Any) -> list[str]:
     hint = typing.get_type_hints(owner)[f.name]
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         lines = []
         for sub in dataclasses.fields(hint):
             sub_value = value.get(sub.name) if isinstance(value, DictConfig) else None
@@ -85,7 +85,7 @@ def _loop_lines(loop: Any, target: Any) -> list[str]:
         cls = get_object(str(target))
     except Exception:
         return ["  (the loop's class cannot be imported; see loop._target_)"]
-    if not dataclasses.is_dataclass(cls):
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
         return ["  (not a dataclass: its arguments are not documented here)"]
     schema = loop_schema(cls)
     lines = []
