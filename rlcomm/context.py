@@ -335,16 +335,28 @@ class CommContext(metaclass=SingletonMeta):
         self._plan = plan
 
     def _agree_on_plan(self, plan: LayoutPlan) -> None:
+        """One tiny all_reduce: max of the digests and of their negations. Every rank learns
+        whether all digests are equal, so a disagreement fails every rank at once."""
         mine = plan_digest(plan)
         if self.get_global_rank() == 0:
             self.store.set("plan_digest", mine)
+        value = int(mine[:15], 16)  # fits int64
+        device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else None
+        extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        if int(extremes[0]) == -int(extremes[1]):
             return
-        theirs = self.store.get("plan_digest").decode()
-        if theirs != mine:
+        rank = self.get_global_rank()
+        leader = self.store.get("plan_digest").decode()
+        if leader != mine:
             raise LayoutError(
-                f"rank {self.get_global_rank()}: its layout plan differs from rank 0's (digest "
-                f"{mine[:12]} vs {theirs[:12]}); start every rank with the same layout config"
+                f"rank {rank}: its layout plan differs from rank 0's (digest {mine[:12]} vs "
+                f"{leader[:12]}); start every rank with the same layout config"
             )
+        raise LayoutError(
+            f"rank {rank}: some ranks were started with another layout plan than rank 0's "
+            f"(digest {leader[:12]}); start every rank with the same layout config"
+        )
 
     def device_mesh(self, modes: Sequence[Mode] | None = None) -> DeviceMesh:
         """A ``DeviceMesh`` over the planned DATA/SEQUENCE/TENSOR_PARALLEL grid, for DTensor /
