@@ -16,8 +16,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from torch.distributed import PrefixStore, TCPStore
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
@@ -81,8 +80,7 @@ def _create_handler(params: RendezvousParameters) -> LoopbackRendezvous:
 def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
     """Run every rank locally; returns rank 0's summary or raises RankFailedError."""
     cfg = OmegaConf.create(config)
-    if _BACKEND not in rendezvous_handler_registry._registry:
-        rendezvous_handler_registry.register(_BACKEND, _create_handler)
+    rendezvous_handler_registry.register(_BACKEND, _create_handler)  # the same creator: a no-op
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     agent_log.setLevel(logging.INFO)
