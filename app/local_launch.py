@@ -102,7 +102,7 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
     )
     launch.shutdown_timeout = cfg.launcher.shutdown_timeout
     try:
-        results = elastic_launch(launch, run_rank)(config, plan, str(run_dir))
+        elastic_launch(launch, _local_rank)(config, plan, str(run_dir))
     except ChildFailedError as err:
         raise RankFailedError(_describe_failures(err, run_dir, launch.run_id)) from None
     except SignalException as err:  # the agent forwarded the signal to every rank and waited
@@ -112,7 +112,13 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
             f"(logs: {run_dir / 'logs'})",
             int(err.sigval),
         ) from None
-    return results[0]
+    # Rank 0 reports through result.json (JSON), not through the agent's pickled return values.
+    summary: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
+    return summary
+
+
+def _local_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> None:
+    run_rank(config, plan, run_dir)
 
 
 # Ranks that fail only because a peer died first: reported when nothing else is.
