@@ -21,6 +21,8 @@ import socket
 import struct
 from pathlib import Path
 
+from . import env
+
 log = logging.getLogger(__name__)
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -35,12 +37,12 @@ def choose_socket_interfaces(master: str) -> dict[str, str]:
         _set_here.discard(name)
     if is_loopback(master):
         iface, why = loopback_interface(), f"the rendezvous store {master} is on loopback"
-        names: tuple[str, ...] = ("GLOO_SOCKET_IFNAME",)
+        names: tuple[str, ...] = (env.GLOO_SOCKET_IFNAME,)
     else:
         address = _route_source(master)
         iface = interface_of(address) if address else None
         why = f"its address {address} routes to the rendezvous store {master}"
-        names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+        names = (env.GLOO_SOCKET_IFNAME, env.NCCL_SOCKET_IFNAME)
     chosen = {}
     for name in names:
         if iface and not os.environ.get(name):
@@ -93,7 +95,7 @@ def address_of(interface: str) -> str | None:
 def socket_address() -> str:
     """The address this process's gloo sockets use (its GLOO_SOCKET_IFNAME's), else the one
     this machine's hostname resolves to; "" when neither is known."""
-    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    interface = os.environ.get(env.GLOO_SOCKET_IFNAME, "").split(",")[0]
     found = address_of(interface) if interface else None
     if found:
         return found

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import socket
 import time
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from .errors import EnvironmentConfigError, JoinTimeoutError
+from . import env
+from .errors import JoinTimeoutError
 from .interfaces import choose_socket_interfaces
-from .utils import env_int, format_ranks
+from .utils import format_ranks
 
 _stores: dict[tuple[str, int, int], dist.Store] = {}
 _listeners: list[socket.socket] = []
@@ -44,7 +44,7 @@ def join_world(
     base = _base_store(dist_url, rank, world_size, timeout)
     _generation += 1
     # Agent stores outlive worker restarts; the restart count keeps attempts apart.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = env.restart_count()
     store = dist.PrefixStore(f"rlcomm/{attempt}/{_generation}/", base)
     _wait_for_ranks(store, rank, world_size, timeout, hosts_store=base in _hosted)
     return store
@@ -55,10 +55,7 @@ def _base_store(
 ) -> dist.Store:
     url = urlparse(dist_url)
     if url.scheme == "env":
-        host = os.environ.get("MASTER_ADDR")
-        if not host:
-            raise EnvironmentConfigError("environment variable MASTER_ADDR is not set (env://)")
-        port = env_int("MASTER_PORT")
+        host, port = env.master_address()
     elif url.scheme == "tcp" and url.hostname and url.port:
         host, port = url.hostname, url.port
     else:  # file:// and anything else torch knows
@@ -75,7 +72,7 @@ def _tcp_store(
     host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> dist.TCPStore:
     # Under torchrun the agent hosts the store already; every worker is a client.
-    is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    is_master = rank == 0 and not env.uses_agent_store()
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout)
     listener = socket.create_server((host, port), backlog=4096, reuse_port=False)

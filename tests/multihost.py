@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from app.environment import without_launcher_variables
 from tests.apprun import MARKER, REPO, assert_no_survivors
 
 SCRIPTS = REPO / "tests" / "hosts"
@@ -79,11 +80,8 @@ class HostRun:
 
 def start_on_host(host: str, args: Sequence[str], cwd: Path, marker: str,
                   env: dict[str, str] | None = None) -> HostRun:
-    full_env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                 "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if name not in (env or {}):
-            full_env.pop(name, None)
+    full_env = {**without_launcher_variables(os.environ), MARKER: marker, "PYTHONPATH": str(REPO),
+                **(env or {})}
     proc = subprocess.Popen(["bash", str(SCRIPTS / "on_host.sh"), host, *args], cwd=cwd,
                             env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return HostRun(host, proc)

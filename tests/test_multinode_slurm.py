@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from app.environment import without_launcher_variables
 from tests.apprun import MARKER, REPO, assert_no_survivors
 from tests.multihost import _skip_or_fail, netns_list
 from tests.test_app import assert_commcheck_passed, read_result
@@ -55,10 +56,8 @@ def partition() -> Iterator[str]:
 def on_head(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """A command on the head (login) node, as a user of this cluster would type it."""
     marker = os.urandom(8).hex()
-    env = {**os.environ, "SLURM_CONF": SLURM_CONF, "PYTHONPATH": str(REPO), MARKER: marker}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    env = {k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+    env = {**without_launcher_variables(os.environ), "SLURM_CONF": SLURM_CONF,
+           "PYTHONPATH": str(REPO), MARKER: marker}
     try:
         return subprocess.run(["bash", str(ON_HOST), "head", *args], cwd=cwd, env=env,
                               capture_output=True, text=True, timeout=timeout, check=False)
