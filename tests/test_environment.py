@@ -46,7 +46,8 @@ def test_ranks_started_by_hand_and_run_names() -> None:
 
 
 @pytest.mark.parametrize("name", ["RANK", "MASTER_PORT", "SLURM_PROCID", "TORCHELASTIC_RUN_ID",
-                                  "SUBMITIT_EXECUTOR", "RLCOMM_RUN_ID", "GLOO_SOCKET_IFNAME"])
+                                  "SUBMITIT_EXECUTOR", "RLCOMM_RUN_ID", "GLOO_SOCKET_IFNAME",
+                                  "NCCL_SOCKET_IFNAME"])
 def test_one_list_of_launcher_variables(name: str) -> None:
     assert is_launcher_variable(name)
     assert without_launcher_variables({name: "1", "HOME": "/root"}) == {"HOME": "/root"}

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from rlcomm import LayoutError, LayoutSpec, ParallelMode, format_plan, grid_groups, plan_layout
+from rlcomm import (
+    LayoutError,
+    LayoutPlan,
+    LayoutSpec,
+    ParallelMode,
+    format_plan,
+    grid_groups,
+    plan_layout,
+)
+from rlcomm.layout import place_on_hosts
 from rlcomm.modes import register_mode_name
 
 
@@ -152,3 +161,49 @@ def test_65536_ranks_plan_quickly_enough_to_be_pure() -> None:
         "WEIGHT_TRANSFER": 32768,
     }
     assert plan.groups_of(65535)["WEIGHT_TRANSFER"] == (65534, 65535)
+
+
+# ---- placing a plan on the hosts the ranks actually run on ----------------------------------
+
+
+def _nodes(plan: LayoutPlan) -> dict[str, tuple[tuple[int, ...], ...]]:
+    return {g.mode: g.rank_lists for g in plan.groups if g.mode in ("INTRA_NODE", "INTER_NODE")}
+
+
+def test_declared_nodes_that_match_the_hosts_are_kept() -> None:
+    plan = plan_layout(LayoutSpec(world_size=4, ranks_per_node=2, trainers=[0, 2], rollouts=[1, 3]))
+    assert place_on_hosts(plan, ["a", "a", "b", "b"]) is plan
+
+
+@pytest.mark.parametrize(("hosts", "where"), [
+    (["a", "b", "a", "b"], "(a: [0,2]; b: [1,3])"),  # cyclic distribution
+    (["a"] * 4, "(a: [0,1,2,3])"),  # all on one host, the layout says 2 nodes
+    (["a", "a", "a", "b"], "(a: [0,1,2]; b: [3])"),  # SLURM packing 3 + 1
+])
+def test_declared_nodes_that_disagree_with_the_hosts_are_one_clear_error(
+    hosts: list[str], where: str
+) -> None:
+    plan = plan_layout(LayoutSpec(world_size=4, ranks_per_node=2, trainers=[0, 2], rollouts=[1, 3]))
+    with pytest.raises(LayoutError) as err:
+        place_on_hosts(plan, hosts)
+    assert str(err.value).startswith(
+        f"layout: the layout's nodes [0,1] [2,3] do not match the hosts the ranks run on {where}")
+    assert "\n" not in str(err.value)
+
+
+def test_one_node_declared_but_two_hosts_is_an_error() -> None:
+    plan = plan_layout(LayoutSpec(world_size=2, ranks_per_node=2, trainers=[0], rollouts=[1]))
+    with pytest.raises(LayoutError, match=r"nodes \[0,1\] do not match .*\(a: \[0\]; b: \[1\]\)"):
+        place_on_hosts(plan, ["a", "b"])
+
+
+def test_open_nodes_follow_the_hosts() -> None:
+    plan = plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3]))
+    assert not plan.nodes_declared
+    cyclic = place_on_hosts(plan, ["a", "b", "a", "b"])
+    assert _nodes(cyclic) == {"INTRA_NODE": ((0, 2), (1, 3)), "INTER_NODE": ((0, 1), (2, 3))}
+    assert (cyclic.nodes, cyclic.ranks_per_node) == (2, 2)
+    packed = place_on_hosts(plan, ["a", "a", "a", "b"])
+    assert _nodes(packed) == {"INTRA_NODE": ((0, 1, 2), (3,)),
+                              "INTER_NODE": ((0, 3), (1,), (2,))}
+    assert place_on_hosts(plan, ["a"] * 4).groups == plan.groups  # one host: as planned
