@@ -38,9 +38,15 @@ FAST_COMMCHECK = ("loop=commcheck", "loop.latency_iters=3", "loop.bandwidth_byte
 
 
 @pytest.fixture(scope="module")
-def hosts() -> Iterator[list[str]]:
-    with hosts_up(2) as names:
+def three_hosts() -> Iterator[list[str]]:
+    with hosts_up(3) as names:
         yield names
+
+
+@pytest.fixture
+def hosts(three_hosts: list[str]) -> list[str]:
+    """Most tests use two of the three hosts."""
+    return three_hosts[:2]
 
 
 def groups_of(result: dict, mode: str) -> dict[int, list[int]]:
@@ -60,7 +66,7 @@ def ranks_by_host(result: dict) -> dict[str, list[int]]:
 
 
 def test_hosts_are_separate_machines_with_their_own_names(hosts: list[str]) -> None:
-    again = subprocess.run(["bash", str(SCRIPTS / "hosts_up.sh"), "2"], capture_output=True,
+    again = subprocess.run(["bash", str(SCRIPTS / "hosts_up.sh"), "3"], capture_output=True,
                            text=True, timeout=60, check=False)
     assert again.returncode == 0 and "already up" in again.stderr  # idempotent
     probe = "import socket; print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))"
@@ -125,6 +131,19 @@ def test_torchrun_two_hosts_commcheck_groups_follow_the_hosts(
     expected = len(spanning) * 3 * 1048576
     received = sum(link_bytes(h)[0] - before[h][0] for h in hosts)
     assert received >= expected, (received, expected)
+
+
+def test_torchrun_three_hosts_one_rank_each(three_hosts: list[str], tmp_path: Path) -> None:
+    runs, run_dir = run_torchrun(
+        three_hosts, 1,
+        ["layout=1t1r", "layout.world_size=3", "layout.rollouts=[1,2]", *FAST_COMMCHECK],
+        tmp_path, port=29430)
+    assert all(r.returncode == 0 for r in runs), describe_runs(runs)
+    result = read_result(run_dir)
+    assert_commcheck_passed(result, 3)
+    assert sorted(ranks_by_host(result)) == three_hosts
+    assert groups_of(result, "INTRA_NODE") == {0: [0], 1: [1], 2: [2]}  # the layout left nodes open
+    assert groups_of(result, "INTER_NODE") == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
 
 
 def test_torchrun_two_hosts_ppo_trainers_on_one_host_rollouts_on_the_other(
