@@ -133,6 +133,9 @@ class _PPORun:
         self.split = not plan.colocated
         self.collectors = len(plan.trainers) if plan.colocated else len(plan.rollouts)
 
+        # A 64-wide MLP gains nothing from intra-op threads, and on shared cores they spin
+        # against each other (layout=single under load: 459 s to the target with 2, 25 s with 1).
+        torch.set_num_threads(1)
         torch.manual_seed(job.seed)  # same initial weights on every rank
         self.worker = RolloutWorker.from_hparams(self.hp, seed=job.seed * 10_000 + self.rank)
         obs_dim = self.worker.obs_dim
