@@ -16,6 +16,8 @@ from rlcomm import RlcommError, format_plan
 
 from .config import register_configs
 from .environment import detect_placement, output_subdir, run_id
+from .layout_picture import write_layout_files
+from .metrics import mark_job_start
 from .planning import check_world_size, validate
 from .slurm import register_launcher_configs
 
@@ -32,10 +34,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     plan = validate(cfg)
     if cfg.plan_only:
         print(format_plan(plan))
+        print(f"layout picture: {write_layout_files(plan, run_dir)}")
         return None
     placement = detect_placement()
     if placement.note:
         log.warning(placement.note)
+    if placement.rank == 0:
+        write_layout_files(plan, run_dir)  # one picture per run, from one process
     if placement.kind != "local":
         check_world_size(plan, placement.world_size, placement.rank)  # before importing torch
     from rlcomm import resolve_backend
@@ -53,6 +58,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    mark_job_start()
     hydra_cfg = HydraConfig.get()
     try:
         return run(cfg, Path(hydra_cfg.runtime.output_dir))

@@ -50,11 +50,19 @@ class LauncherConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How a ``--multirun`` is summarised (app/callbacks.py, app/sweep_report.py)."""
+
+    rank_by: str | None = None  # a metric of app/metrics.py; default: the loop's headline metric
+
+
+@dataclass
 class AppConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     loop: Any = MISSING  # a node with _target_, built by hydra.utils.instantiate
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     seed: int = 0
     plan_only: bool = False
 
