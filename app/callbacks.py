@@ -14,6 +14,7 @@ import fcntl
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +90,9 @@ def record_job(sweep_dir: Path, entry: dict[str, Any]) -> None:
 
 
 def write_sweep_report(sweep_dir: Path, rank_by: str | None, loop: str | None) -> str | None:
-    """Every job's metrics into ``summary.json``, the ranked table into ``summary.md`` (returned)
-    and the ranked metric into ``sweep.png``; None when no job was recorded."""
+    """Every job's metrics into ``summary.json``, the ranked metric into ``sweep.png`` (what it
+    plots under ``plot`` in summary.json) and the ranked table into ``summary.md`` (returned);
+    None when no job was recorded."""
     from .sweep_plot import plot_sweep
     from .sweep_report import build_report, format_table, read_jobs, report_json
 
@@ -104,11 +106,11 @@ def write_sweep_report(sweep_dir: Path, rank_by: str | None, loop: str | None) -
         report = build_report(jobs, rank_by, loop)
         for entry, job in zip(entries, jobs):
             entry["metrics"] = job.metrics
-        summary = {**report_json(report), "jobs": entries}
+        plotted = plot_sweep(report, sweep_dir / "sweep.png")
+        summary = {**report_json(report), "plot": asdict(plotted), "jobs": entries}
         tmp = path.with_name(f".summary.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, path)
     table = format_table(report)
     (sweep_dir / "summary.md").write_text(table)
-    plot_sweep(report, sweep_dir / "sweep.png")
     return table
