@@ -239,7 +239,7 @@ def test_sweep_over_four_layouts_and_two_seeds_ranks_its_jobs(tmp_path: Path) ->
     sweep = tmp_path / "sweep"
     proc = run_app("--multirun", "layout=broken,single,1t1r,2t2r,1t3r", "seed=0,1",
                    "sweep.rank_by=env_steps_per_s", *SHORT_PPO, f"hydra.sweep.dir={sweep}",
-                   f"hydra.searchpath=[file://{tmp_path / 'conf'}]", timeout=420)
+                   f"hydra.searchpath=[file://{tmp_path / 'conf'}]", timeout=540)
     assert proc.returncode != 0, describe(proc)  # the broken jobs fail the multirun...
     check_sweep(sweep, proc.stdout, ["single", "1t1r", "2t2r", "1t3r"], [0, 1],
                 "env_steps_per_s", failed=2)  # ...yet the report covers every job
@@ -252,7 +252,7 @@ def test_sweep_through_the_local_submitit_launcher_ranks_its_jobs(tmp_path: Path
     sweep = tmp_path / "sweep"
     proc = run_app("--multirun", "hydra/launcher=rlcomm_local", "layout=single,1t1r", "seed=0,1",
                    "+sweep.rank_by=env_steps_per_s", *SHORT_PPO, f"hydra.sweep.dir={sweep}",
-                   timeout=420)
+                   timeout=540)
     assert proc.returncode == 0, describe(proc)
     check_sweep(sweep, proc.stdout, ["single", "1t1r"], [0, 1], "env_steps_per_s")
 
@@ -265,3 +265,18 @@ def test_unknown_rank_by_metric_fails_before_any_job(tmp_path: Path) -> None:
     assert re.fullmatch(r"error: sweep\.rank_by: unknown metric 'speed'; known: .*",
                         proc.stderr.strip().splitlines()[-1])
     assert not list(sweep.glob("*/result.json")) and not (sweep / "0").exists()
+
+
+def test_the_shipped_layout_sweep_composes_into_twelve_jobs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_app("--multirun", "+experiment=layouts", "plan_only=true",
+                   f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, describe(proc)
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["rank_by"] == "time_to_target_s"
+    assert [sorted(o for o in j["overrides"] if o.startswith(("layout=", "seed=")))
+            for j in summary["jobs"]] == [
+        [f"layout={layout}", f"seed={seed}"]
+        for layout in ("single", "1t1r", "2t2r", "1t3r") for seed in (0, 1, 2)
+    ]
+    assert all((sweep / str(n) / "layout.png").exists() for n in range(12))
