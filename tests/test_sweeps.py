@@ -207,7 +207,7 @@ def check_sweep(sweep: Path, stdout: str, layouts: list[str], seeds: list[int], 
     for entry in ok:
         result = json.loads((sweep / str(entry["job"]) / "result.json").read_text())
         assert entry["metrics"] == result["metrics"]
-        assert PPO_METRICS <= set(result["metrics"])
+        assert set(result["metrics"]) >= PPO_METRICS
         layout = next(o.split("=")[1] for o in entry["overrides"] if o.startswith("layout="))
         if result["metrics"][metric] is not None:
             values.setdefault(f"layout={layout}", []).append(result["metrics"][metric])
