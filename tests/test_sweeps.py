@@ -92,6 +92,7 @@ def test_metric_registry_knows_every_direction_and_rejects_unknown_names() -> No
     assert set(DIRECTIONS.values()) == {"min", "max"}
     assert default_rank_by(PPO) == "time_to_target_s"
     assert default_rank_by("app.loops.commcheck.CommCheck") == "max_latency_us"
+    assert default_rank_by("mypkg.loops.CountRanks") == "wall_s"
     with pytest.raises(ConfigError, match=r"^sweep.rank_by: unknown metric 'speed'; known: "):
         check_metric_name("speed")
 
@@ -226,6 +227,8 @@ def check_sweep(sweep: Path, stdout: str, layouts: list[str], seeds: list[int], 
     assert summary["plot"]["labels"] == expected
     assert summary["plot"]["medians"] == [statistics.median(values[k]) for k in expected]
     assert summary["plot"]["lows"] == [min(values[k]) for k in expected]
+    assert summary["plot"]["highs"] == [max(values[k]) for k in expected]
+    assert [sorted(p) for p in summary["plot"]["points"]] == [sorted(values[k]) for k in expected]
     assert (sweep / "sweep.png").read_bytes()[:8] == PNG
     assert f"sweep summary: {sweep / 'summary.md'}" in stdout
     assert (sweep / "summary.md").read_text().strip() in stdout  # the multirun ends with it
