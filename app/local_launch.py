@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -78,8 +78,9 @@ def _create_handler(params: RendezvousParameters) -> LoopbackRendezvous:
     return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, int(params.get("timeout", 600)))
 
 
-def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
+def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
     """Run every rank locally; returns rank 0's summary or raises RankFailedError."""
+    cfg = OmegaConf.create(config)
     if _BACKEND not in rendezvous_handler_registry._registry:
         rendezvous_handler_registry.register(_BACKEND, _create_handler)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -102,9 +103,8 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
     )
     launch.shutdown_timeout = cfg.launcher.shutdown_timeout
-    config = OmegaConf.to_container(cfg, resolve=True)
     try:
-        results = elastic_launch(launch, run_rank)(config, str(run_dir))
+        results = elastic_launch(launch, run_rank)(config, plan, str(run_dir))
     except ChildFailedError as err:
         raise RankFailedError(_describe_failures(err, run_dir, launch.run_id)) from None
     except SignalException as err:  # the agent forwarded the signal to every rank and waited

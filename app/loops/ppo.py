@@ -14,7 +14,7 @@ import csv
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from rlcomm import CommContext, ParallelMode, collectives
+from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 from rlcomm.weight_transfer import WeightReceiver, WeightSender
 
+from ..config import setting
 from ..errors import ConfigError
 from ..job import JobInfo
 from .ppo_core import (
@@ -50,21 +51,36 @@ CHECKPOINT_KEYS = ("policy", "optimizer", "update", "env_steps", "episodes", "me
 
 @dataclass
 class PPOLoop:
-    total_env_steps: int = 400_000  # budget: stop here if the target is not reached
-    target_return: float = 475.0  # stop once the mean of the last `window` episodes reaches it
-    window: int = 20
-    checkpoint_every: int = 10  # updates; 0 disables checkpoints
-    resume: str | None = None  # a checkpoint file or a run dir holding checkpoints/
-    progress: bool = True
-    hparams: dict[str, Any] = field(default_factory=dict)
+    total_env_steps: int = setting(400_000, "budget: stop here if the target is not reached")
+    target_return: float = setting(475.0, "stop once the mean return of the last `window` episodes reaches it")
+    window: int = setting(20, "episodes in the stop rule's mean return")
+    checkpoint_every: int = setting(10, "updates between checkpoints; 0 disables them")
+    resume: str | None = setting(None, "a checkpoint file, or a run dir holding checkpoints/")
+    progress: bool = setting(True, "show a progress bar on rank 0")
+    hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
 
     def __post_init__(self) -> None:
-        self.hp = PPOHyperParams(**dict(self.hparams))
+        if not isinstance(self.hparams, PPOHyperParams):  # built from a plain mapping
+            self.hparams = PPOHyperParams(**dict(self.hparams))
+        self.hp = self.hparams
 
-    def validate(self) -> None:
-        """Checks the launcher runs before starting any rank."""
-        if self.total_env_steps <= 0:
-            raise ConfigError(f"loop.total_env_steps: must be positive, got {self.total_env_steps}")
+    def validate(self, plan: LayoutPlan) -> None:
+        """Range checks, run by the launcher before any rank starts."""
+        collectors = len(plan.rollouts) if plan.rollouts else len(plan.trainers)
+        per_update = collectors * self.hp.num_envs * self.hp.num_steps
+        batch_per_trainer = per_update // len(plan.trainers)
+        errors = [f"hparams.{e}" for e in self.hp.range_errors(batch_per_trainer)]
+        if self.window < 1:
+            errors.append(f"window: must be a positive integer, got {self.window}")
+        if self.checkpoint_every < 0:
+            errors.append(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
+        if not errors and self.total_env_steps < per_update:
+            errors.append(
+                f"total_env_steps: must allow at least one update ({per_update} env steps with "
+                f"this layout and hparams), got {self.total_env_steps}"
+            )
+        if errors:
+            raise ConfigError(f"loop.{errors[0]}")
         if self.resume is not None:
             load_checkpoint(find_checkpoint(self.resume))
 
@@ -369,7 +385,7 @@ class _PPORun:
 
     def _maybe_resume(self) -> None:
         source: Path | None = None
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        if self.job.env.restart_count > 0:
             # Restarted by the agent after a failure: this run's newest checkpoint wins.
             try:
                 source = find_checkpoint(self.job.run_dir)
