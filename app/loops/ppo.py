@@ -88,6 +88,12 @@ class PPOLoop:
         return _PPORun(self, ctx, job).run()
 
 
+def policy_receiver(ctx: CommContext, policy: torch.nn.Module) -> WeightReceiver:
+    """The rollout side of WEIGHT_TRANSFER: it accepts exactly ``policy``'s names, shapes and
+    dtypes (anything else is an error naming the tensor, on both sides, before data moves)."""
+    return WeightReceiver(ctx, WT, expected=policy.state_dict())
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """The newest checkpoint at ``path`` (a file, a run dir, or its checkpoints/ dir)."""
     target = Path(path)
@@ -142,7 +148,9 @@ class _PPORun:
             self.model = DistributedDataParallel(self.policy, process_group=ctx.get_group(TDP))
             self.optimizer = make_optimizer(self.policy, self.hp)
         self.sender = WeightSender(ctx, WT) if self.split and self.is_trainer else None
-        self.receiver = WeightReceiver(ctx, WT) if self.split and not self.is_trainer else None
+        self.receiver = (
+            policy_receiver(ctx, self.policy) if self.split and not self.is_trainer else None
+        )
 
         self.update = 0
         self.env_steps = 0
