@@ -234,6 +234,7 @@ def check_sweep(sweep: Path, stdout: str, layouts: list[str], seeds: list[int], 
     assert (sweep / "summary.md").read_text().strip() in stdout  # the multirun ends with it
 
 
+@pytest.mark.timeout(900)  # 10 jobs, 22 rank processes: about 2 minutes on 2 idle cores
 def test_sweep_over_four_layouts_and_two_seeds_ranks_its_jobs(tmp_path: Path) -> None:
     conf = tmp_path / "conf" / "layout"
     conf.mkdir(parents=True)  # a layout that fails in its job: rank 2 has no role
@@ -242,7 +243,7 @@ def test_sweep_over_four_layouts_and_two_seeds_ranks_its_jobs(tmp_path: Path) ->
     sweep = tmp_path / "sweep"
     proc = run_app("--multirun", "layout=broken,single,1t1r,2t2r,1t3r", "seed=0,1",
                    "sweep.rank_by=env_steps_per_s", *SHORT_PPO, f"hydra.sweep.dir={sweep}",
-                   f"hydra.searchpath=[file://{tmp_path / 'conf'}]", timeout=540)
+                   f"hydra.searchpath=[file://{tmp_path / 'conf'}]", timeout=840)
     assert proc.returncode != 0, describe(proc)  # the broken jobs fail the multirun...
     check_sweep(sweep, proc.stdout, ["single", "1t1r", "2t2r", "1t3r"], [0, 1],
                 "env_steps_per_s", failed=2)  # ...yet the report covers every job
