@@ -144,7 +144,8 @@ def draw_layout(picture: LayoutPicture, png: Path) -> None:
         for span in band.spans:
             color = palette[span.group % len(palette)]
             xs = [columns[r] for r in span.ranks]
-            links.append([(min(xs), y), (max(xs), y)])
+            lane = y + 0.15 * (span.group % 3 - 1)  # interleaved groups get separate lines
+            links.append([(min(xs), lane), (max(xs), lane)])
             link_colors.append(color)
             for px in xs:
                 boxes.append(Rectangle((px - 0.42, y - 0.3), 0.84, 0.6))
