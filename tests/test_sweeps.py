@@ -213,6 +213,7 @@ def check_sweep(sweep: Path, stdout: str, layouts: list[str], seeds: list[int], 
         if result["metrics"][metric] is not None:
             values.setdefault(f"layout={layout}", []).append(result["metrics"][metric])
         assert (sweep / str(entry["job"]) / "layout.png").read_bytes()[:8] == PNG
+        assert f"world_size={result['world_size']}" in (sweep / str(entry["job"]) / "layout.txt").read_text()
         rollout_wait = result["metrics"]["rollout_wait_fraction"]
         assert (rollout_wait is None) == (layout == "single")
         assert 0 < result["metrics"]["startup_s"] < result["metrics"]["wall_s"]
