@@ -22,9 +22,6 @@ from rlcomm.testing import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Variables that would make ``python -m app`` join an existing job instead of launching its own.
-
-
 def backend_for(world_size: int) -> str:
     """nccl when every rank can have its own GPU, else gloo."""
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"

@@ -413,6 +413,23 @@ def test_sigint_sigterm_and_ctrl_c_stop_every_rank_then_a_new_run_starts_cleanly
     again.assert_all_ended()
 
 
+def test_an_interrupted_multirun_stops_at_the_interrupted_job(
+    start_app: Callable[..., AppProcess], tmp_path: Path
+) -> None:
+    sweep = tmp_path / "sweep"
+    app = start_app("sweep", "--multirun", "layout=1t1r", "seed=0,1", *PPO_FOREVER,
+                    f"hydra.sweep.dir={sweep}")
+    first = sweep / "0" / "logs"
+    app.wait_until("job 0 training", lambda: all(
+        (first / f"rank{r}.log").exists() and "groups:" in (first / f"rank{r}.log").read_text()
+        for r in range(2)))
+    os.kill(app.pid, signal.SIGTERM)
+    assert app.wait() == 128 + signal.SIGTERM, app.describe()
+    assert app.last_line == f"error: interrupted by SIGTERM: stopped all 2 ranks (logs: {first})"
+    assert not (sweep / "1").exists(), "the sweep went on after the interrupt"
+    app.assert_all_ended()
+
+
 # ---- 6. ports and exposure ------------------------------------------------------------------
 
 LINGER_LOOP = '''
