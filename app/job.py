@@ -20,8 +20,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 
 from .environment import RankEnv, resolve_rank_env
+from .logs import FILE_ONLY
 from .metrics import job_start_time
 from .planning import build_loop, check_world_size
+from .summary import run_summary
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,8 @@ def run_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> dict[str
     try:
         return _run(cfg, plan, env, Path(run_dir))
     except BaseException:
-        log.exception("rank %d failed", env.rank)  # the traceback lands in this rank's log file
+        # The traceback lands in this rank's log file; the console gets the launcher's error line.
+        log.exception("rank %d failed", env.rank, extra=FILE_ONLY)
         raise
 
 
@@ -98,6 +101,7 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
     ctx.destroy()
     if reports is None:
         return None
+    describe = getattr(loop, "summary", None)  # a loop may add its own figures and files
     summary = {
         "status": "ok",
         "world_size": plan.world_size,
@@ -109,10 +113,20 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
             "group_creation_s": round(group_creation_s, 3),
             "wall_s": round(time.time() - job_start_time(), 2),
         },
+        "summary": run_summary(
+            str(cfg.loop.get("_target_")),
+            plan.world_size,
+            restarts=env.restart_count,
+            wall_s=time.time() - job_start_time(),
+            run_dir=run_dir,
+            loop_summary=describe(result, run_dir) if callable(describe) else None,
+        ),
         "ranks": reports,
     }
     (run_dir / "result.json").write_text(json.dumps(summary, indent=2))
-    log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json")
+    # The launcher prints the closing summary (app.summary.format_summary) once the ranks end.
+    log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",
+             extra=FILE_ONLY)
     return summary
 
 
