@@ -59,6 +59,14 @@ class _ConsoleHandler(logging.StreamHandler[TextIO]):
             self.handleError(record)
 
 
+def console_handler(label: str, level: int = logging.INFO) -> logging.Handler:
+    """A stderr handler that prints records as ``[label] message`` through ``write_console``."""
+    handler = _ConsoleHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[{label}] %(message)s"))
+    handler.setLevel(level)
+    return handler
+
+
 def setup_rank_logging(run_dir: Path, rank: int) -> Path:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -72,9 +80,7 @@ def setup_rank_logging(run_dir: Path, rank: int) -> Path:
     root.addHandler(file_handler)
     # Python's warnings become log records, so they too reach the console above the bar.
     logging.captureWarnings(True)
-    console = _ConsoleHandler(sys.stderr)
-    console.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)  # other ranks: warnings
-    root.addHandler(console)
+    # Rank 0 tells what happens; the other ranks only warn.
+    root.addHandler(console_handler(f"rank{rank}", logging.INFO if rank == 0 else logging.WARNING))
     root.setLevel(logging.INFO)
     return path

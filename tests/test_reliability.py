@@ -373,6 +373,9 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
     assert read_result(clean.run_dir)["summary"]["restarts"] == 0
     assert result["summary"]["restarts"] == 1, app.describe()
     assert ", 1 restart, 4 ranks for " in app.stdout, app.describe()
+    # The agent's restart notice goes through the console path too (above any progress bar).
+    assert re.search(r"^\[launcher\] .*will restart worker group$", app.stderr, re.MULTILINE), \
+        app.describe()
     resumed = {r: re.findall(r"resumed from \S+ckpt_(\d+)\.pt at update (\d+)", app.log(r))
                for r in range(4)}
     assert all(len(found) == 1 for found in resumed.values()), (resumed, app.describe())

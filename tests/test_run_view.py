@@ -169,8 +169,9 @@ class Warns:
 
 def test_every_ranks_warnings_reach_the_console_through_the_one_path(tmp_path: Path) -> None:
     (tmp_path / "warnloop.py").write_text(WARNING_LOOP)
-    proc = run_app("layout=1t1r", "loop._target_=warnloop.Warns", f"hydra.run.dir={tmp_path / 'run'}",
-                   env={"PYTHONPATH": f"{REPO}:{tmp_path}"}, cwd=tmp_path)
+    proc = run_app("layout=1t1r", "loop=custom", "loop._target_=warnloop.Warns",
+                   f"hydra.run.dir={tmp_path / 'run'}", env={"PYTHONPATH": f"{REPO}:{tmp_path}"},
+                   cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     for rank in (0, 1):  # a warning is a log record: on the console with its rank, and in its log
         pattern = rf"^\[rank{rank}\] \S+warnloop.py:\d+: UserWarning: careful on rank {rank}$"
