@@ -43,7 +43,9 @@ class Loop(Protocol):
     """A training loop: ``loop(ctx, job) -> dict`` (JSON-serialisable), called on every rank.
 
     Build one with ``loop._target_=mypkg.MyLoop`` plus its constructor arguments; it receives the
-    registry explicitly and must not reach for ``CommContext()`` itself.
+    registry explicitly and must not reach for ``CommContext()`` itself. Optionally, a method
+    ``summary(result, run_dir) -> dict`` adds figures (and ``files``: name -> path) to the
+    closing summary, from rank 0's result.
     """
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]: ...
@@ -101,7 +103,7 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
     ctx.destroy()
     if reports is None:
         return None
-    describe = getattr(loop, "summary", None)  # a loop may add its own figures and files
+    loop_summary = getattr(loop, "summary", None)  # a loop may add its own figures and files
     summary = {
         "status": "ok",
         "world_size": plan.world_size,
@@ -119,7 +121,7 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
             restarts=env.restart_count,
             wall_s=time.time() - job_start_time(),
             run_dir=run_dir,
-            loop_summary=describe(result, run_dir) if callable(describe) else None,
+            loop_summary=loop_summary(result, run_dir) if callable(loop_summary) else None,
         ),
         "ranks": reports,
     }

@@ -163,7 +163,10 @@ import warnings
 class Warns:
     def __call__(self, ctx, job):
         warnings.warn(f"careful on rank {job.rank}")
-        return {}
+        return {"warned": job.rank}
+
+    def summary(self, result, run_dir):  # a loop's own figures and files in the summary
+        return {"warned": result["warned"], "files": {"notes": str(run_dir / "notes.txt")}}
 """
 
 
@@ -177,6 +180,9 @@ def test_every_ranks_warnings_reach_the_console_through_the_one_path(tmp_path: P
         pattern = rf"^\[rank{rank}\] \S+warnloop.py:\d+: UserWarning: careful on rank {rank}$"
         assert re.search(pattern, proc.stderr, re.MULTILINE), describe(proc)
         assert f"careful on rank {rank}" in (tmp_path / "run" / "logs" / f"rank{rank}.log").read_text()
+    summary = json.loads((tmp_path / "run" / "result.json").read_text())["summary"]
+    assert summary["warned"] == 0 and summary["files"]["notes"] == str(tmp_path / "run" / "notes.txt")
+    assert f"notes        {tmp_path / 'run' / 'notes.txt'}" in proc.stdout, describe(proc)
 
 
 @pytest.fixture(scope="module")
