@@ -19,12 +19,21 @@ FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
 FILE_ONLY = {"console": False}
 
 
+_bar_on_screen = False  # set by this process's progress bar (app.progress) while it is shown
+
+
+def bar_on_screen(shown: bool) -> None:
+    """Called by the progress bar when it appears and when it is closed."""
+    global _bar_on_screen
+    _bar_on_screen = shown
+
+
 def write_console(text: str, stream: TextIO | None = None) -> None:
     """Prints ``text`` as whole lines above any progress bar on ``stream`` (default stderr).
 
-    tqdm clears its bar, prints and redraws it; on a terminal the current line is cleared first
-    too, so a bar drawn by another process (rank 0's, seen from the launcher) is not written
-    through either.
+    While this process shows a bar, tqdm clears it, prints and redraws it. On a terminal the
+    current line is cleared first too, so a bar drawn by another process (rank 0's, seen from
+    the launcher or another rank) is not written through either.
     """
     stream = stream if stream is not None else sys.stderr
     try:
@@ -33,7 +42,10 @@ def write_console(text: str, stream: TextIO | None = None) -> None:
         terminal = False
     if terminal:
         stream.write("\r\x1b[K")
-    tqdm.write(text, file=stream)
+    if _bar_on_screen:
+        tqdm.write(text, file=stream)
+    else:
+        stream.write(text + "\n")
     stream.flush()
 
 

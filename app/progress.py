@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from .logs import write_console
+from .logs import bar_on_screen, write_console
 
 PLAIN_INTERVAL_S = 5.0  # between plain lines when the console is not a terminal
 BAR_INTERVAL_S = 0.5  # between redraws of the bar in a terminal
@@ -89,6 +90,9 @@ class RunProgress:
         self._drawn: Snapshot | None = None
         self._bar: _Bar | None = None
         if self.terminal:
+            # tqdm's default lock is a multiprocessing semaphore, which a process stopped by a
+            # signal leaks (with a warning from the resource tracker); one thread lock will do.
+            tqdm.set_lock(threading.RLock())
             self._bar = _Bar(
                 total=_STEPS,
                 file=self.stream,
@@ -96,6 +100,7 @@ class RunProgress:
                 dynamic_ncols=True,
                 leave=True,
             )
+            bar_on_screen(True)
 
     def update(self, now: Snapshot) -> None:
         """Record one update; redraws when enough time has passed since the last drawing."""
@@ -109,6 +114,7 @@ class RunProgress:
             self._draw(self._last)
         if self._bar is not None:
             self._bar.close()
+            bar_on_screen(False)
 
     def _draw(self, now: Snapshot) -> None:
         self._last_draw, self._drawn = time.monotonic(), now
