@@ -104,6 +104,7 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
     if reports is None:
         return None
     loop_summary = getattr(loop, "summary", None)  # a loop may add its own figures and files
+    wall_s = time.time() - job_start_time()
     summary = {
         "status": "ok",
         "world_size": plan.world_size,
@@ -113,13 +114,13 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
             **((result.get("metrics") or {}) if isinstance(result, dict) else {}),
             "startup_s": round(startup_s, 3),
             "group_creation_s": round(group_creation_s, 3),
-            "wall_s": round(time.time() - job_start_time(), 2),
+            "wall_s": round(wall_s, 2),
         },
         "summary": run_summary(
             str(cfg.loop.get("_target_")),
             plan.world_size,
             restarts=env.restart_count,
-            wall_s=time.time() - job_start_time(),
+            wall_s=wall_s,
             run_dir=run_dir,
             loop_summary=loop_summary(result, run_dir) if callable(loop_summary) else None,
         ),
