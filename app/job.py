@@ -63,8 +63,8 @@ def run_rank(
     ``plan`` was validated by the process that launched this rank (or, for a rank started by
     torchrun or SLURM, by this process before it came here): it is not validated again.
     ``launched_here``: started by the app's local launcher, every rank on this machine on
-    purpose (a layout's nodes are then simulated); otherwise a launcher placed the ranks on
-    hosts, and the layout's nodes must match them.
+    purpose (a layout's nodes are then simulated, as under submitit's local executor); otherwise
+    a launcher placed the ranks on hosts, and the layout's nodes must match them.
     """
     from .logs import setup_rank_logging
 
@@ -95,7 +95,8 @@ def _run(
     )
     startup_s = time.time() - job_start_time()
     tick = time.perf_counter()
-    plan, hosts = agree_on_hosts(ctx, plan, simulated_nodes=launched_here)
+    one_machine = launched_here or env.launcher == "submitit"  # both start every rank here
+    plan, hosts = agree_on_hosts(ctx, plan, simulated_nodes=one_machine)
     ctx.init_groups(plan)
     group_creation_s = time.perf_counter() - tick
     rank = env.rank
