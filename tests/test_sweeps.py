@@ -285,3 +285,17 @@ def test_the_shipped_layout_sweep_composes_into_twelve_jobs(tmp_path: Path) -> N
         for layout in ("single", "1t1r", "2t2r", "1t3r") for seed in (0, 1, 2)
     ]
     assert all((sweep / str(n) / "layout.png").exists() for n in range(12))
+
+
+def test_a_two_node_layout_through_the_local_submitit_launcher_simulates_its_nodes(
+    tmp_path: Path,
+) -> None:
+    # submitit's local executor starts every rank on this machine on purpose, like the app's
+    # own launcher: a layout's nodes are simulated there, not checked against the hosts.
+    sweep = tmp_path / "sweep"
+    proc = run_app("--multirun", "hydra/launcher=rlcomm_local", "layout=2x2", "loop=commcheck",
+                   "loop.bandwidth_bytes=65536", f"hydra.sweep.dir={sweep}", timeout=600)
+    assert proc.returncode == 0, describe(proc)
+    result = json.loads((sweep / "0" / "result.json").read_text())
+    intra = {tuple(r["groups"]["INTRA_NODE"]["ranks"]) for r in result["ranks"]}
+    assert intra == {(0, 1), (2, 3)}
