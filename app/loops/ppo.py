@@ -1,10 +1,16 @@
 """Distributed PPO on CartPole: rollout ranks step envs, trainer ranks update with DDP.
 
-Per update, every rank in lockstep:
-  1. each trainer sends its weights to its rollout ranks (WEIGHT_TRANSFER, bucketed);
-  2. rollout ranks collect a trajectory segment and gather it to their trainer as one tensor;
-  3. finished episodes are all-gathered (GLOBAL), so every rank takes the same stop decision;
-  4. trainers run PPO epochs; DDP averages gradients over TRAIN_DATA_PARALLEL.
+Per update:
+  1. rollout ranks collect a trajectory segment with the newest weights they hold and gather it,
+     tagged with that weights version, to their trainer as one tensor (WEIGHT_TRANSFER);
+  2. finished episodes are all-gathered (GLOBAL), so every rank takes the same stop decision;
+  3. trainers check the segments' staleness and run PPO epochs; DDP averages gradients over
+     TRAIN_DATA_PARALLEL; each trainer then sends the new weights to its rollout ranks
+     (zero-copy: the policy lives in the send buffer) without waiting for delivery;
+  4. rollout ranks post the receive of those weights into a spare buffer and wait for it only
+     when the weights they hold would be more than ``max_staleness`` versions behind the ones
+     their next segment will be trained with. With ``max_staleness=0`` every step waits: the
+     lockstep loop. With ``1`` the rollouts collect the next segment while the trainers update.
 With no rollout ranks (``layout=single``) each trainer collects for itself and nothing is sent.
 """
 
@@ -48,6 +54,10 @@ LOSSES = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac")
 CHECKPOINT_KEYS = ("policy", "optimizer", "update", "env_steps", "episodes", "metrics", "torch_rng")
 
 
+class StaleDataError(RuntimeError):
+    """A trainer was handed a segment older than ``loop.max_staleness`` allows."""
+
+
 @dataclass
 class PPOLoop:
     total_env_steps: int = 400_000  # budget: stop here if the target is not reached
@@ -57,6 +67,16 @@ class PPOLoop:
     resume: str | None = None  # a checkpoint file or a run dir holding checkpoints/
     progress: bool = True
     hparams: dict[str, Any] = field(default_factory=dict)
+    max_staleness: int = field(
+        default=0,
+        metadata={"help": "how many weights versions the data a trainer updates on may lag its "
+                  "own (0: lockstep; k >= 1: rollouts collect while trainers update)"},
+    )
+    verify_weights_every: int = field(
+        default=10,
+        metadata={"help": "every N-th weights version, rollouts check that what they loaded "
+                  "matches the trainer's bytes (0: never)"},
+    )
 
     def __post_init__(self) -> None:
         self.hp = PPOHyperParams(**dict(self.hparams))
@@ -65,6 +85,12 @@ class PPOLoop:
         """Checks the launcher runs before starting any rank."""
         if self.total_env_steps <= 0:
             raise ConfigError(f"loop.total_env_steps: must be positive, got {self.total_env_steps}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"loop.max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.verify_weights_every < 0:
+            raise ConfigError(
+                f"loop.verify_weights_every: must be >= 0, got {self.verify_weights_every}"
+            )
         if self.resume is not None:
             load_checkpoint(find_checkpoint(self.resume))
 
@@ -116,23 +142,36 @@ class _PPORun:
         obs_dim = self.worker.obs_dim
         num_actions = int(self.worker.envs.single_action_space.n)  # type: ignore[attr-defined]
         self.policy = ActorCritic(obs_dim, num_actions, self.hp.hidden_size)
-        self.flat_size = Rollout.flat_size(self.hp.num_steps, self.hp.num_envs, obs_dim)
+        # A segment travels as [weights version, rollout...]: the version it was collected with.
+        self.flat_size = 1 + Rollout.flat_size(self.hp.num_steps, self.hp.num_envs, obs_dim)
         self.episode_cap = self.hp.num_envs * (self.hp.num_steps // 8 + 1)
         self.generator = torch.Generator()
 
         self.model: torch.nn.Module = self.policy
         self.optimizer: torch.optim.Optimizer | None = None
+        self.sender: WeightSender | None = None
+        self.receiver: WeightReceiver | None = None
+        if self.split and self.is_trainer:
+            self.sender = WeightSender(ctx, WT, verify_every=loop.verify_weights_every)
+            # Before DDP wraps it: the parameters then live in the send buffer (zero-copy
+            # sends), and DDP and the optimizer hold the same Parameter objects as ever.
+            self.sender.bind(self.policy)
+        elif self.split:
+            self.receiver = WeightReceiver(ctx, WT, expected=self.policy.state_dict())
+            self.receiver.bind(self.policy)  # loads point the policy at the received bytes
         if self.is_trainer:
             self.model = DistributedDataParallel(self.policy, process_group=ctx.get_group(TDP))
             self.optimizer = make_optimizer(self.policy, self.hp)
-        self.sender = WeightSender(ctx, WT) if self.split and self.is_trainer else None
-        self.receiver = WeightReceiver(ctx, WT) if self.split and not self.is_trainer else None
 
         self.update = 0
         self.env_steps = 0
         self.episodes: list[tuple[float, int]] = []
         self.transfer_s = 0.0
         self.trainer_s = 0.0
+        self.wait_s = 0.0  # this update's time blocked on the other role (weights, segments)
+        self.wait_total_s = 0.0
+        self.staleness: dict[int, int] = {}  # version lag -> segments trained on (trainers)
+        self.acting_version = 0  # the weights version the policy holds (rollouts)
         self.metrics: list[dict[str, float]] = []
 
     # ---- the loop -------------------------------------------------------------------------
@@ -141,17 +180,19 @@ class _PPORun:
         start = time.perf_counter()
         reached_at: tuple[float, int] | None = None
         bar = self._progress_bar()
+        if self.env_steps < self.loop.total_env_steps:
+            self._sync_weights(first=True)
         while self.env_steps < self.loop.total_env_steps:
             tick = time.perf_counter()
-            version = self._sync_weights()
-            rollouts, new_episodes = self._collect()
+            version = self._version()
+            rollouts, new_episodes, shared = self._collect()
             self.episodes.extend(new_episodes)
             self.env_steps += self.collectors * self.hp.num_envs * self.hp.num_steps
             losses = self._train(rollouts) if self.is_trainer else {}
             if self.is_trainer:
                 self.trainer_s += time.perf_counter() - tick
             self.update += 1
-            row = self._record(version, new_episodes, losses, time.perf_counter() - start)
+            row = self._record(version, new_episodes, losses, shared, time.perf_counter() - start)
             if bar is not None:
                 bar.update(self.env_steps - bar.n)
                 bar.set_postfix(ret=f"{row['mean_return']:.0f}", v=version)
@@ -160,6 +201,8 @@ class _PPORun:
             if self._recent_return() >= self.loop.target_return:
                 reached_at = (time.perf_counter() - start, self.env_steps)
                 break
+            if self.env_steps < self.loop.total_env_steps:
+                self._sync_weights(first=False)
         if bar is not None:
             bar.close()
         if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
@@ -183,61 +226,122 @@ class _PPORun:
             "transfer_fraction": round(self.transfer_s / self.trainer_s, 4)
             if self.trainer_s
             else 0.0,
+            "max_staleness": self.loop.max_staleness,
+            "wait_fraction": round(self.wait_total_s / elapsed, 4) if elapsed else 0.0,
+            **({"staleness_histogram": {str(k): n for k, n in sorted(self.staleness.items())}}
+               if self.is_trainer else {}),
             "param_checksum": float(sum(p.detach().double().sum() for p in self.policy.parameters())),
         }
 
-    def _sync_weights(self) -> int:
+    def _sync_weights(self, first: bool) -> None:
+        """Trainers send the weights the next segment will be trained with; rollouts take the
+        newest weights that have arrived, waiting only as long as ``max_staleness`` requires.
+
+        The first transfer (it carries the layout) is complete on both sides when this returns.
+        Later sends are launched without waiting (the trainer waits before its next optimizer
+        step, which rewrites the bound send buffer); on the group they are issued, like the
+        rollouts' posted receives, between one segment's gather and the next, so every member
+        issues the same operations in the same order.
+        """
+        tick = time.perf_counter()
         if self.sender is not None:
-            tick = time.perf_counter()
-            self.sender.send(self.policy.state_dict())
+            self.sender.send(self.policy.state_dict(), wait=first)
             self.transfer_s += time.perf_counter() - tick
         elif self.receiver is not None:
-            self.receiver.receive_into(self.policy)
-        return self._version()
+            if first:
+                self.acting_version = self.receiver.receive_into(self.policy)
+            else:
+                self.receiver.post()
+                # The trainer will train the next segment with the version just posted.
+                newest = self.receiver.version + self.receiver.posted
+                while self.receiver.version < newest - self.loop.max_staleness:
+                    self.receiver.receive()  # completes the oldest posted receive
+                # A segment boundary: swap in the newest version that has arrived.
+                self.acting_version = self.receiver.load(self.policy)
+            self.wait_s += time.perf_counter() - tick
 
     def _version(self) -> int:
+        """The weights version this rank acts (rollouts) or trains (trainers) with."""
         if self.sender is not None:
             return self.sender.version
         if self.receiver is not None:
-            return self.receiver.version
+            return self.acting_version
         return self.update
 
-    def _collect(self) -> tuple[list[Rollout], list[tuple[float, int]]]:
+    def _collect(self) -> tuple[list[Rollout], list[tuple[float, int]], dict[str, float]]:
         own: Rollout | None = None
         mine: list[tuple[float, int]] = []
         if self.collects:
             own, mine = self.worker.collect(self.policy, self.hp.num_steps)
         rollouts = [own] if (own is not None and not self.split) else []
+        lag = 0
         if self.split:
             # Trajectories travel as one float32 tensor per rollout rank: data, not code.
-            flat = own.to_flat_tensor() if own is not None else torch.zeros(self.flat_size)
+            flat = torch.zeros(self.flat_size)
+            if own is not None:
+                flat = torch.cat([torch.tensor([float(self._version())]), own.to_flat_tensor()])
             trainer = self.ctx.get_declared_ranks(WT)[0]
+            tick = time.perf_counter()
             gathered = collectives.gather(self.ctx, WT, flat, dst=trainer)
+            self.wait_s += time.perf_counter() - tick
             if gathered is not None:
                 members = self.ctx.get_ranks_in_group(WT)
+                segments = [(r, t) for r, t in zip(members, gathered) if r != trainer]
+                lag = self._check_staleness([(r, int(t[0].item())) for r, t in segments])
                 rollouts = [
-                    Rollout.from_flat_tensor(t, self.hp.num_steps, self.hp.num_envs, self.worker.obs_dim)
-                    for r, t in zip(members, gathered)
-                    if r != trainer
+                    Rollout.from_flat_tensor(t[1:], self.hp.num_steps, self.hp.num_envs, self.worker.obs_dim)
+                    for _, t in segments
                 ]
-        return rollouts, self._share_episodes(mine)
+        return (rollouts, *self._share_episodes(mine, lag))
 
-    def _share_episodes(self, mine: list[tuple[float, int]]) -> list[tuple[float, int]]:
-        """Everyone learns every finished episode, so all ranks stop at the same update."""
-        packed = torch.full((self.episode_cap + 1, 2), float("nan"))
+    def _check_staleness(self, versions: list[tuple[int, int]]) -> int:
+        """Count each segment's version lag behind the weights about to be trained (the last
+        sent); a lag beyond ``max_staleness`` is an error, never trained on. Returns the max."""
+        current = self._version()
+        lags = [current - version for _, version in versions]
+        for (rank, version), lag in zip(versions, lags):
+            if not 0 <= lag <= self.loop.max_staleness:
+                raise StaleDataError(
+                    f"update {self.update + 1}: rank {rank}'s segment was collected with weights "
+                    f"version {version}, {lag} behind version {current} "
+                    f"(loop.max_staleness={self.loop.max_staleness})"
+                )
+            self.staleness[lag] = self.staleness.get(lag, 0) + 1
+        return max(lags, default=0)
+
+    def _share_episodes(
+        self, mine: list[tuple[float, int]], lag: int
+    ) -> tuple[list[tuple[float, int]], dict[str, float]]:
+        """Everyone learns every finished episode, so all ranks stop at the same update; the
+        same message carries each rank's waiting time and its data's version lag."""
+        packed = torch.full((self.episode_cap + 2, 2), float("nan"))
         kept = mine[-self.episode_cap :]
-        packed[0, 0] = len(kept)
+        packed[0] = torch.tensor([len(kept), float(self.is_trainer)])
+        packed[1] = torch.tensor([self.wait_s, lag])
         if kept:
-            packed[1 : len(kept) + 1] = torch.tensor(kept, dtype=torch.float32)
+            packed[2 : len(kept) + 2] = torch.tensor(kept, dtype=torch.float32)
         everyone = collectives.all_gather(self.ctx, GLOBAL, packed.unsqueeze(0))
+        self.wait_total_s += self.wait_s
+        self.wait_s = 0.0
         episodes = []
+        waits: dict[bool, list[float]] = {True: [], False: []}
         for block in everyone:
-            count = int(block[0, 0].item())
-            episodes += [(float(r), int(n)) for r, n in block[1 : count + 1].tolist()]
-        return episodes
+            count, trainer = int(block[0, 0].item()), bool(block[0, 1].item())
+            waits[trainer].append(float(block[1, 0]))
+            episodes += [(float(r), int(n)) for r, n in block[2 : count + 2].tolist()]
+        shared = {
+            "staleness": float(everyone[:, 1, 1].max()),
+            "trainer_wait_s": float(np.mean(waits[True])),
+            "rollout_wait_s": float(np.mean(waits[False])) if waits[False] else 0.0,
+        }
+        return episodes, shared
 
     def _train(self, rollouts: list[Rollout]) -> dict[str, float]:
         assert self.optimizer is not None
+        if self.sender is not None:
+            tick = time.perf_counter()
+            self.sender.wait()  # the optimizer is about to rewrite the bytes being sent
+            self.transfer_s += time.perf_counter() - tick
         set_lr(self.optimizer, self.hp, self.env_steps)
         # Minibatch order is a function of (seed, rank, update): a resumed run shuffles as the
         # uninterrupted one would, with no generator state to carry.
@@ -252,27 +356,42 @@ class _PPORun:
 
     # ---- metrics ---------------------------------------------------------------------------
     def _record(
-        self, version: int, new: list[tuple[float, int]], losses: dict[str, float], elapsed: float
+        self,
+        version: int,
+        new: list[tuple[float, int]],
+        losses: dict[str, float],
+        shared: dict[str, float],
+        elapsed: float,
     ) -> dict[str, float]:
+        """This update's metrics row. Only trainers reduce (over TRAIN_DATA_PARALLEL): a
+        collective with the rollouts here would make them wait for every update. Rollouts'
+        rows (never written) carry NaN losses."""
+        transfer_total = self.metrics[-1]["transfer_s_total"] if self.metrics else 0.0
         if self.is_trainer:
-            losses = collectives.all_reduce_dict(self.ctx, TDP, losses, average=True)
-        # Same keys on every rank; the first trainer contributes the (DP-averaged) losses.
-        reporter = self.rank == self.job.plan.trainers[0]
-        shared = collectives.all_reduce_dict(
-            self.ctx,
-            GLOBAL,
-            {"transfer_s": self.transfer_s, **{k: losses[k] if reporter else 0.0 for k in LOSSES}},
-        )
+            reduced = collectives.all_reduce_dict(
+                self.ctx, TDP, {"transfer_s": self.transfer_s, **losses}
+            )
+            trainers = len(self.job.plan.trainers)
+            losses = {k: reduced[k] / trainers for k in LOSSES}
+            transfer_now = reduced["transfer_s"]
+        else:
+            losses = dict.fromkeys(LOSSES, float("nan"))
+            transfer_now = transfer_total
+        recent = self._recent_return()
         row = {
             "update": float(self.update),
             "env_steps": float(self.env_steps),
+            "wall_s": elapsed,
             "mean_return": float(np.mean([r for r, _ in new])) if new else float("nan"),
+            "return_window": recent if recent > float("-inf") else float("nan"),
             "mean_length": float(np.mean([n for _, n in new])) if new else float("nan"),
             "episodes": float(len(new)),
             "env_steps_per_s": self.env_steps / elapsed if elapsed else 0.0,
             "weights_version": float(version),
-            "transfer_s_total": shared.pop("transfer_s"),
+            "transfer_s_total": transfer_now,
+            "transfer_s": transfer_now - transfer_total,
             **shared,
+            **losses,
         }
         self.metrics.append(row)
         return row
@@ -286,7 +405,7 @@ class _PPORun:
                     desc="[rank0] ppo", mininterval=1.0)
 
     def _write_outputs(self) -> None:
-        if not self.metrics:
+        if not self.metrics or not self.is_trainer:
             return
         path = self.job.run_dir / "metrics.csv"
         names = list(self.metrics[0])
@@ -306,7 +425,8 @@ class _PPORun:
         folder = self.job.run_dir / CHECKPOINT_DIR
         folder.mkdir(parents=True, exist_ok=True)
         state = {
-            "policy": self.policy.state_dict(),
+            # Clones: the parameters are views of the (larger) send buffer.
+            "policy": {k: v.clone() for k, v in self.policy.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "update": self.update,
             "env_steps": self.env_steps,
