@@ -469,6 +469,8 @@ class _PPORun:
 
 
 def plot_learning_curve(metrics_csv: Path, png: Path, target: float) -> None:
+    """The stop rule's quantity (mean return of the last ``window`` episodes) against env steps
+    and against wall time, with each update's mean return faint behind it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -476,12 +478,16 @@ def plot_learning_curve(metrics_csv: Path, png: Path, target: float) -> None:
 
     with metrics_csv.open() as handle:
         rows = [r for r in csv.DictReader(handle) if r["mean_return"] not in ("", "nan")]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([float(r["env_steps"]) for r in rows], [float(r["mean_return"]) for r in rows])
-    ax.axhline(target, linestyle="--", color="grey")
-    ax.set_xlabel("env steps")
-    ax.set_ylabel("episodic return")
-    ax.set_title("PPO CartPole-v1")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, x_key, label in zip(axes, ("env_steps", "wall_s"), ("env steps", "wall time (s)")):
+        x = [float(r[x_key]) for r in rows]
+        ax.plot(x, [float(r["mean_return"]) for r in rows], alpha=0.3, label="update mean")
+        ax.plot(x, [float(r["return_window"]) for r in rows], label="mean of last window")
+        ax.axhline(target, linestyle="--", color="grey")
+        ax.set_xlabel(label)
+    axes[0].set_ylabel("episodic return")
+    axes[0].legend(loc="lower right")
+    fig.suptitle("PPO CartPole-v1")
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
