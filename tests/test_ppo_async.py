@@ -5,7 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from app.errors import ConfigError
+from app.loops.ppo import PPOLoop
 from tests.lockstep_trajectory import FIXTURE, trajectory
+from tests.test_ppo import metrics, run_ppo
 
 
 def test_lockstep_reproduces_the_recorded_trajectory_to_the_bit(tmp_path: Path) -> None:
@@ -13,3 +18,32 @@ def test_lockstep_reproduces_the_recorded_trajectory_to_the_bit(tmp_path: Path) 
     now = trajectory(tmp_path, "loop.max_staleness=0")
     assert now["updates"] == recorded["updates"]
     assert now["param_checksum"] == recorded["param_checksum"]
+
+
+@pytest.mark.parametrize("layout", ["2t2r", "1t3r"])
+def test_one_version_of_staleness_reaches_the_target_with_the_bound_held(
+    layout: str, tmp_path: Path
+) -> None:
+    result = run_ppo(tmp_path, f"layout={layout}", "loop.max_staleness=1",
+                     "loop.checkpoint_every=0", "loop.verify_weights_every=5")
+    trainers = [r["result"] for r in result["ranks"] if r["role"] == "trainer"]
+    assert all(t["reached_target"] and t["mean_return_last_window"] >= 475 for t in trainers)
+    rows = metrics(tmp_path)
+    assert len(rows) == trainers[0]["updates"]
+    assert all(0 <= r["staleness"] <= 1 for r in rows)  # the bound, on every update
+    # Rollouts really collected ahead: after the first update, the data is one version old.
+    assert [r["staleness"] for r in rows[1:]] == [1.0] * (len(rows) - 1)
+    segments = (3 if layout == "1t3r" else 1) * len(rows)
+    for trainer in trainers:
+        assert trainer["max_staleness"] == 1
+        assert sum(trainer["staleness_histogram"].values()) == segments
+        assert set(trainer["staleness_histogram"]) <= {"0", "1"}
+    waits = {"trainer_wait_s", "rollout_wait_s", "transfer_s", "wall_s", "return_window"}
+    assert waits <= set(rows[0]) and all(r["rollout_wait_s"] >= 0 for r in rows)
+
+
+def test_max_staleness_and_verify_every_are_range_checked() -> None:
+    with pytest.raises(ConfigError, match=r"^loop.max_staleness: must be >= 0, got -1$"):
+        PPOLoop(max_staleness=-1).validate()
+    with pytest.raises(ConfigError, match=r"^loop.verify_weights_every: must be >= 0, got -2$"):
+        PPOLoop(verify_weights_every=-2).validate()

@@ -172,6 +172,7 @@ class _PPORun:
         self.wait_total_s = 0.0
         self.staleness: dict[int, int] = {}  # version lag -> segments trained on (trainers)
         self.acting_version = 0  # the weights version the policy holds (rollouts)
+        self.lag = 0  # the version lag of the data being trained on
         self.metrics: list[dict[str, float]] = []
 
     # ---- the loop -------------------------------------------------------------------------
@@ -274,7 +275,7 @@ class _PPORun:
         if self.collects:
             own, mine = self.worker.collect(self.policy, self.hp.num_steps)
         rollouts = [own] if (own is not None and not self.split) else []
-        lag = 0
+        lag = 0  # the oldest data's version lag (trainers)
         if self.split:
             # Trajectories travel as one float32 tensor per rollout rank: data, not code.
             flat = torch.zeros(self.flat_size)
@@ -292,6 +293,7 @@ class _PPORun:
                     Rollout.from_flat_tensor(t[1:], self.hp.num_steps, self.hp.num_envs, self.worker.obs_dim)
                     for _, t in segments
                 ]
+        self.lag = lag
         return (rollouts, *self._share_episodes(mine, lag))
 
     def _check_staleness(self, versions: list[tuple[int, int]]) -> int:
@@ -346,7 +348,8 @@ class _PPORun:
         # Minibatch order is a function of (seed, rank, update): a resumed run shuffles as the
         # uninterrupted one would, with no generator state to carry.
         self.generator.manual_seed((self.job.seed * 10_000 + self.rank) * 1_000_003 + self.update)
-        return ppo_update(self.model, self.policy, self.optimizer, rollouts, self.hp, self.generator)
+        return ppo_update(self.model, self.policy, self.optimizer, rollouts, self.hp, self.generator,
+                          decoupled=self.lag > 0)
 
     def _recent_return(self) -> float:
         recent = self.episodes[-self.loop.window :]
