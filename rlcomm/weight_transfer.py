@@ -382,9 +382,15 @@ class WeightSender(_Endpoint):
         self._sent: _FlatBuffers | None = None
         self._pending: list[dist.Work] = []
         self._copied = 0  # tensors the last send copied (those not bound in place)
+        # The module bind() bound, with each of its tensors and the view it must still be, when
+        # every entry of its state dict was bound (then send(module) needs no state dict).
+        self._bound: tuple[nn.Module, list[tuple[Tensor, Tensor]]] | None = None
 
-    def send(self, state_dict: Mapping[str, Tensor], wait: bool = True) -> int:
-        """Send ``state_dict`` as the next version and return that version.
+    def send(self, state_dict: Mapping[str, Tensor] | nn.Module, wait: bool = True) -> int:
+        """Send ``state_dict`` (or a module's) as the next version and return that version.
+
+        Passing the module bound with :meth:`bind` is the fastest path: while all its tensors
+        are still bound (a pointer check per tensor), no state dict is built or compared at all.
 
         The tensors are copied into the send buffers before this returns, so the caller may
         update them right away, except tensors of a module bound with :meth:`bind`: those are
@@ -396,10 +402,16 @@ class WeightSender(_Endpoint):
         self.wait()  # the buffers and header are about to be rewritten
         version = self._version + 1
         try:
-            metadata = describe_state_dict(state_dict)
-            changed = metadata != self._metadata
-            buffers = self._layout(metadata, changed)
-            self._copied = buffers.pack(state_dict)
+            if isinstance(state_dict, nn.Module) and self._still_bound(state_dict):
+                assert self._buffers is not None
+                changed, buffers, self._copied = False, self._buffers, 0
+            else:
+                if isinstance(state_dict, nn.Module):
+                    state_dict = state_dict.state_dict()
+                metadata = describe_state_dict(state_dict)
+                changed = metadata != self._metadata
+                buffers = self._layout(metadata, changed)
+                self._copied = buffers.pack(state_dict)
             checksummed = bool(self._verify_every) and version % self._verify_every == 0
             if checksummed:
                 buffers.write_checksums()  # of the exact bytes about to go out
@@ -407,7 +419,7 @@ class WeightSender(_Endpoint):
             # Receivers are waiting for a header; tell them instead of leaving them hanging.
             self._send_header(version, _SENDER_ABORTED, 0)
             raise
-        raw = encode_metadata(metadata) if changed else b""
+        raw = encode_metadata(buffers.metadata) if changed else b""
         self._pending = []
         if changed:
             self._pending = self._send_header(version, _NEW_METADATA, len(raw), async_op=True)
@@ -476,6 +488,19 @@ class WeightSender(_Endpoint):
         for tensor, view in targets:
             view.copy_(tensor)
             tensor.data = view
+        complete = len(targets) == len(state_dict)
+        self._bound = (module, [(t, t.data) for t, _ in targets]) if complete else None
+
+    def _still_bound(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the bound one, its every tensor still its view in the buffers
+        the receivers hold: then sending it needs no state dict, metadata check or copy."""
+        if self._bound is None or self._bound[0] is not module or self._buffers is None:
+            return False
+        if self._buffers.metadata is not self._metadata:
+            return False  # the receivers do not hold this layout yet: the full path sends it
+        return all(
+            t.data_ptr() == v.data_ptr() and t.shape == v.shape for t, v in self._bound[1]
+        )
 
     def _layout(self, metadata: Metadata, changed: bool) -> _FlatBuffers:
         """The send buffers for ``metadata``: the current ones when it matches, else new ones.
@@ -540,6 +565,9 @@ class WeightReceiver(_Endpoint):
         self._spares: list[_FlatBuffers] = []  # buffers of the current layout not in use
         self._posted: deque[tuple[_FlatBuffers, list[dist.Work]]] = deque()
         self._in_module: _FlatBuffers | None = None  # the buffers the bound module points at
+        # Per receive buffer (by id): the bound module's tensors and their views there, so a
+        # swap is one pointer assignment per tensor, without walking the module again.
+        self._pairs: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
     def receive(self) -> tuple[int, dict[str, Tensor]]:
         """Wait for the next transfer; returns its version and the state dict.
@@ -634,6 +662,7 @@ class WeightReceiver(_Endpoint):
         if self._expected is None:
             self._expected = {k: v.detach() for k, v in module.state_dict().items()}
         self._bound = module
+        self._pairs = {}
 
     def _complete_posted(self) -> tuple[int, dict[str, Tensor]]:
         buffers, works = self._posted.popleft()
@@ -681,12 +710,25 @@ class WeightReceiver(_Endpoint):
 
     @torch.no_grad()
     def _point(self, module: nn.Module, buffers: _FlatBuffers) -> None:
-        """Point the bound module's tensors at ``buffers``' views (a swap of pointers)."""
+        """Point the bound module's tensors at ``buffers``' views (a swap of pointers). The
+        module's tensors are looked up once per buffer: replacing a parameter object (not its
+        ``.data``) after the first load needs :meth:`bind` again."""
+        pairs = self._pairs.get(id(buffers))
+        if pairs is None:
+            pairs = self._pairs[id(buffers)] = self._pair_up(module, buffers)
+        for tensor, view in pairs:
+            if tensor.data_ptr() != view.data_ptr():
+                tensor.data = view
+        self._in_module = buffers
+
+    def _pair_up(self, module: nn.Module, buffers: _FlatBuffers) -> list[tuple[Tensor, Tensor]]:
+        """The bound module's tensors with their views in ``buffers``; checks the layout."""
         named = [
             *module.named_parameters(remove_duplicate=False),
             *module.named_buffers(remove_duplicate=False),
         ]
         found = set()
+        pairs: list[tuple[Tensor, Tensor]] = []
         for name, tensor in named:
             view = buffers.views.get(name)
             if view is None:
@@ -697,15 +739,14 @@ class WeightReceiver(_Endpoint):
                     f"{tensor.dtype}, weights version {self._version} has "
                     f"{list(view.shape)} {view.dtype}"
                 )
-            if not _is_view_of(tensor, view):
-                tensor.data = view
+            pairs.append((tensor, view))
             found.add(name)
         missing = [m.name for m in buffers.metadata if m.name not in found]
         if missing:
             raise WeightTransferError(
                 f"{self._name}: the bound module has no parameter or buffer {missing[0]!r}"
             )
-        self._in_module = buffers
+        return pairs
 
     def _verify(self, module: nn.Module, buffers: _FlatBuffers) -> None:
         """Each loaded tensor's checksum against the sender's; names the first that differs."""
@@ -746,4 +787,4 @@ class WeightReceiver(_Endpoint):
             )
         if metadata != self._metadata:
             self._metadata, self._buffers = metadata, _FlatBuffers(metadata, self._device)
-            self._spares = []  # of the old layout
+            self._spares, self._pairs = [], {}  # of the old layout

@@ -159,30 +159,37 @@ def _ddp_bound(rank: int, world_size: int) -> Any:
         if rank >= 2:
             inp = WeightReceiver(ctx, expected=module.state_dict())
             inp.bind(module)
-            return [(inp.receive_into(module), snapshot(module.state_dict())) for _ in range(2)]
+            return [(inp.receive_into(module), snapshot(module.state_dict())) for _ in range(3)]
         ctx.init_group([0, 1], TDP, backend="gloo")
         out = WeightSender(ctx, verify_every=1)
         out.bind(module)  # before DDP wraps it
         ddp = DistributedDataParallel(module, process_group=ctx.get_group(TDP))
         optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
-        sent = []
-        out.send(module.state_dict())
+        sent, copied = [], []
+        out.send(module)  # PPO's call: the bound module itself
         sent.append(snapshot(module.state_dict()))
         gen = torch.Generator().manual_seed(rank)  # different data: DDP must average
         optimizer.zero_grad()
         ddp(torch.randn(8, 6, generator=gen)).square().mean().backward()
         optimizer.step()
-        out.send(module.state_dict())
+        out.send(module)
         sent.append(snapshot(module.state_dict()))
-        return {"sent": sent, "copied": out._copied}
+        copied.append(out._copied)
+        weight = module[0].weight  # replacing .data breaks that tensor's binding: copied again
+        weight.data = weight.data.clone() * 2
+        out.send(module)
+        sent.append(snapshot(module.state_dict()))
+        copied.append(out._copied)
+        return {"sent": sent, "copied": copied}
 
 
 def test_the_bound_sender_under_ddp_delivers_the_stepped_weights() -> None:
     results = run_ranks(_ddp_bound, 4, timeout=TIMEOUT_S)
     for trainer, receiver in ((0, 2), (1, 3)):
         sent, got = results[trainer]["sent"], results[receiver]
-        assert results[trainer]["copied"] == 0  # still bound after DDP and an optimizer step
-        assert [v for v, _ in got] == [1, 2]
+        # Still bound after DDP and an optimizer step; one tensor copied once its .data changed.
+        assert results[trainer]["copied"] == [0, 1]
+        assert [v for v, _ in got] == [1, 2, 3]
         for (_, state), want in zip(got, sent):
             assert mismatches(restore(state), restore(want)) == []
         assert mismatches(restore(sent[0]), restore(sent[1]))  # the step changed the weights
