@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.errors import ConfigError
-from app.loops.ppo import PPOLoop
+from app.loops.ppo import PPOLoop, StaleDataError, check_staleness
 from tests.lockstep_trajectory import FIXTURE, trajectory
 from tests.test_ppo import metrics, run_ppo
 
@@ -38,6 +38,7 @@ def test_one_version_of_staleness_reaches_the_target_with_the_bound_held(
         assert trainer["max_staleness"] == 1
         assert sum(trainer["staleness_histogram"].values()) == segments
         assert set(trainer["staleness_histogram"]) <= {"0", "1"}
+    assert all(0 <= r["result"]["wait_fraction"] < 1 for r in result["ranks"])
     waits = {"trainer_wait_s", "rollout_wait_s", "transfer_s", "wall_s", "return_window"}
     assert waits <= set(rows[0]) and all(r["rollout_wait_s"] >= 0 for r in rows)
 
@@ -47,3 +48,12 @@ def test_max_staleness_and_verify_every_are_range_checked() -> None:
         PPOLoop(max_staleness=-1).validate()
     with pytest.raises(ConfigError, match=r"^loop.verify_weights_every: must be >= 0, got -2$"):
         PPOLoop(verify_weights_every=-2).validate()
+
+
+def test_data_older_than_the_bound_is_an_error_never_trained_on() -> None:
+    assert check_staleness([(2, 7), (3, 6)], current=7, max_staleness=1, update=9) == [0, 1]
+    with pytest.raises(StaleDataError, match=r"update 9: rank 3's segment was collected with "
+                       r"weights version 5, 2 behind version 7 \(loop.max_staleness=1\)"):
+        check_staleness([(2, 7), (3, 5)], current=7, max_staleness=1, update=9)
+    with pytest.raises(StaleDataError, match="-1 behind"):  # from the future: a protocol bug
+        check_staleness([(2, 8)], current=7, max_staleness=3, update=9)

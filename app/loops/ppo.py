@@ -98,6 +98,22 @@ class PPOLoop:
         return _PPORun(self, ctx, job).run()
 
 
+def check_staleness(
+    versions: list[tuple[int, int]], current: int, max_staleness: int, update: int
+) -> list[int]:
+    """Each segment's version lag behind ``current`` (the weights about to be trained) from its
+    ``(rank, version)``; a lag beyond ``max_staleness`` (or a version from the future) raises,
+    so such data is never trained on."""
+    lags = [current - version for _, version in versions]
+    for (rank, version), lag in zip(versions, lags):
+        if not 0 <= lag <= max_staleness:
+            raise StaleDataError(
+                f"update {update}: rank {rank}'s segment was collected with weights version "
+                f"{version}, {lag} behind version {current} (loop.max_staleness={max_staleness})"
+            )
+    return lags
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """The newest checkpoint at ``path`` (a file, a run dir, or its checkpoints/ dir)."""
     target = Path(path)
@@ -288,28 +304,18 @@ class _PPORun:
             if gathered is not None:
                 members = self.ctx.get_ranks_in_group(WT)
                 segments = [(r, t) for r, t in zip(members, gathered) if r != trainer]
-                lag = self._check_staleness([(r, int(t[0].item())) for r, t in segments])
+                versions = [(r, int(t[0].item())) for r, t in segments]
+                lags = check_staleness(versions, self._version(), self.loop.max_staleness,
+                                       self.update + 1)
+                for one in lags:
+                    self.staleness[one] = self.staleness.get(one, 0) + 1
+                lag = max(lags, default=0)
                 rollouts = [
                     Rollout.from_flat_tensor(t[1:], self.hp.num_steps, self.hp.num_envs, self.worker.obs_dim)
                     for _, t in segments
                 ]
         self.lag = lag
         return (rollouts, *self._share_episodes(mine, lag))
-
-    def _check_staleness(self, versions: list[tuple[int, int]]) -> int:
-        """Count each segment's version lag behind the weights about to be trained (the last
-        sent); a lag beyond ``max_staleness`` is an error, never trained on. Returns the max."""
-        current = self._version()
-        lags = [current - version for _, version in versions]
-        for (rank, version), lag in zip(versions, lags):
-            if not 0 <= lag <= self.loop.max_staleness:
-                raise StaleDataError(
-                    f"update {self.update + 1}: rank {rank}'s segment was collected with weights "
-                    f"version {version}, {lag} behind version {current} "
-                    f"(loop.max_staleness={self.loop.max_staleness})"
-                )
-            self.staleness[lag] = self.staleness.get(lag, 0) + 1
-        return max(lags, default=0)
 
     def _share_episodes(
         self, mine: list[tuple[float, int]], lag: int
