@@ -722,35 +722,35 @@ class WeightReceiver(_Endpoint):
         self._in_module = buffers
 
     def _pair_up(self, module: nn.Module, buffers: _FlatBuffers) -> list[tuple[Tensor, Tensor]]:
-        """The bound module's tensors with their views in ``buffers``; checks the layout."""
-        named = [
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
-        ]
-        found = set()
+        """The bound module's tensor for each tensor of the metadata, in its order, with its
+        view in ``buffers``; checks the layout."""
+        named = {
+            **dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False)),
+        }
         pairs: list[tuple[Tensor, Tensor]] = []
-        for name, tensor in named:
-            view = buffers.views.get(name)
-            if view is None:
-                continue
+        for meta in buffers.metadata:
+            tensor, view = named.get(meta.name), buffers.views[meta.name]
+            if tensor is None:
+                raise WeightTransferError(
+                    f"{self._name}: the bound module has no parameter or buffer {meta.name!r}"
+                )
             if tensor.shape != view.shape or tensor.dtype != view.dtype:
                 raise WeightTransferError(
-                    f"{self._name}: cannot load {name!r}: the module holds {list(tensor.shape)} "
-                    f"{tensor.dtype}, weights version {self._version} has "
+                    f"{self._name}: cannot load {meta.name!r}: the module holds "
+                    f"{list(tensor.shape)} {tensor.dtype}, weights version {self._version} has "
                     f"{list(view.shape)} {view.dtype}"
                 )
             pairs.append((tensor, view))
-            found.add(name)
-        missing = [m.name for m in buffers.metadata if m.name not in found]
-        if missing:
-            raise WeightTransferError(
-                f"{self._name}: the bound module has no parameter or buffer {missing[0]!r}"
-            )
         return pairs
 
     def _verify(self, module: nn.Module, buffers: _FlatBuffers) -> None:
         """Each loaded tensor's checksum against the sender's; names the first that differs."""
-        state = module.state_dict()
+        pairs = self._pairs.get(id(buffers)) if module is self._bound else None
+        if pairs is not None:  # the module's own tensors, without walking it again
+            state = {m.name: t for m, (t, _) in zip(buffers.metadata, pairs)}
+        else:
+            state = module.state_dict()
         theirs = buffers.checksums.tolist()
         for meta, want in zip(buffers.metadata, theirs):
             if meta.name not in state:  # not loaded (strict=False): nothing to compare
