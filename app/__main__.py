@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from rlcomm import RlcommError, format_plan
 
 from .config import register_configs
-from .environment import detect_placement, output_subdir, run_id
+from .environment import output_subdir, resolve_rank_env, run_id
+from .help import help_text
 from .planning import check_world_size, validate
 from .slurm import register_launcher_configs
 
@@ -23,6 +24,7 @@ log = logging.getLogger("app")
 
 OmegaConf.register_new_resolver("rlcomm_run_id", run_id, replace=True)
 OmegaConf.register_new_resolver("rlcomm_output_subdir", output_subdir, replace=True)
+OmegaConf.register_new_resolver("rlcomm_help", help_text, replace=True)
 register_configs()
 register_launcher_configs()  # hydra/launcher=rlcomm_slurm|rlcomm_local
 
@@ -33,22 +35,23 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     if cfg.plan_only:
         print(format_plan(plan))
         return None
-    placement = detect_placement()
-    if placement.note:
-        log.warning(placement.note)
-    if placement.kind != "local":
-        check_world_size(plan, placement.world_size, placement.rank)  # before importing torch
+    env = resolve_rank_env()
+    if env.note:
+        log.warning(env.note)
+    if env.joins:
+        check_world_size(plan, env.world_size, env.rank)  # before importing torch
     from rlcomm import resolve_backend
 
     resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process
-    if placement.kind == "local":
+    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    if not env.joins:
         from .local_launch import launch_local
 
         log.info("starting %d local ranks; run dir %s", plan.world_size, run_dir)
-        return launch_local(cfg, plan, run_dir)
+        return launch_local(config, plan, run_dir)
     from .job import run_rank
 
-    return run_rank(OmegaConf.to_container(cfg, resolve=True), str(run_dir))  # type: ignore[arg-type]
+    return run_rank(config, plan, str(run_dir))
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

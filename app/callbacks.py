@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from .environment import detect_placement
+from .environment import resolve_rank_env
 
 
 class SweepSummary(Callback):
@@ -23,7 +23,7 @@ class SweepSummary(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         hydra_cfg = HydraConfig.get()
-        if hydra_cfg.mode != RunMode.MULTIRUN or detect_placement().rank != 0:
+        if hydra_cfg.mode != RunMode.MULTIRUN or resolve_rank_env().rank != 0:
             return
         job_dir = Path(hydra_cfg.runtime.output_dir)
         ok = job_return.status == JobStatus.COMPLETED

@@ -1,17 +1,30 @@
 """Structured config schemas, registered in Hydra's ConfigStore.
 
-Plain dataclasses: OmegaConf type-checks every override against them (``comm.timeout=abc`` is
-rejected by Hydra before anything starts); rlcomm's planner validates what types cannot.
+Plain dataclasses whose fields carry a one-line doc (``setting(default, "doc")``, shown by
+``python -m app --help``): OmegaConf type-checks every override against them and rejects unknown
+keys (``comm.timeout=abc``, ``loop.hparams.num_envs=abc``, ``loop.nosuch=1``) before anything
+starts; ``app.planning.validate`` range-checks what types cannot. A loop is a dataclass too and is
+its own schema (:func:`loop_schema`); shipped loops are registered as ``loop/<name>_schema``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+
+def setting(default: Any = MISSING, doc: str = "", *, factory: Any = None) -> Any:
+    """A config field with its one-line doc; ``factory`` for mutable defaults."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
 
 
 class Backend(str, Enum):
@@ -22,45 +35,78 @@ class Backend(str, Enum):
 
 @dataclass
 class CommConfig:
-    backend: Backend = Backend.gloo
-    init_method: str = "env://"  # the seed's dist_url
-    timeout: float = 300.0  # seconds; for the rendezvous, init and every group
+    backend: Backend = setting(Backend.gloo, "gloo (CPU), nccl (CUDA) or auto (nccl if CUDA)")
+    init_method: str = setting("env://", "rendezvous URL: env://, tcp://host:port, file://path")
+    timeout: float = setting(300.0, "seconds; bounds the rendezvous, init and every group")
 
 
 @dataclass
 class LayoutConfig:
-    world_size: int = MISSING
-    ranks_per_node: int | None = None  # default: everything on one node
-    nodes: int | None = None
-    trainers: list[int] = field(default_factory=list)
-    rollouts: list[int] = field(default_factory=list)
-    groups: dict[str, list[list[int]]] = field(default_factory=dict)
-    tensor_parallel_size: int | None = None
-    sequence_parallel_size: int | None = None
-    data_parallel_size: int | None = None
+    world_size: int = setting(MISSING, "number of ranks")
+    ranks_per_node: int | None = setting(None, "ranks per node (null: all on one node)")
+    nodes: int | None = setting(None, "number of nodes (checked against ranks_per_node)")
+    trainers: list[int] = setting(doc="ranks that train (DDP over TRAIN_DATA_PARALLEL)", factory=list)
+    rollouts: list[int] = setting(doc="ranks that step environments (none: colocated)", factory=list)
+    groups: dict[str, list[list[int]]] = setting(
+        doc="explicit rank lists per mode; override what is derived", factory=dict
+    )
+    tensor_parallel_size: int | None = setting(None, "TENSOR_PARALLEL group size (Megatron grid)")
+    sequence_parallel_size: int | None = setting(None, "SEQUENCE_PARALLEL group size")
+    data_parallel_size: int | None = setting(None, "DATA_PARALLEL size (checked against the grid)")
 
 
 @dataclass
 class LauncherConfig:
     """How local ranks are started (torch's elastic agent)."""
 
-    max_restarts: int = 0  # restart every rank this many times after a failure
-    monitor_interval: float = 0.2  # seconds between the agent's health checks
-    shutdown_timeout: float = 5.0  # SIGTERM -> SIGKILL grace for surviving ranks
+    max_restarts: int = setting(0, "restart every rank this many times after a failure")
+    monitor_interval: float = setting(0.2, "seconds between the agent's health checks")
+    shutdown_timeout: float = setting(5.0, "seconds from SIGTERM to SIGKILL for surviving ranks")
 
 
 @dataclass
 class AppConfig:
-    comm: CommConfig = field(default_factory=CommConfig)
-    layout: LayoutConfig = field(default_factory=LayoutConfig)
-    loop: Any = MISSING  # a node with _target_, built by hydra.utils.instantiate
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    seed: int = 0
-    plan_only: bool = False
+    comm: CommConfig = setting(doc="backend, rendezvous and timeouts", factory=CommConfig)
+    layout: LayoutConfig = setting(doc="ranks, roles and groups", factory=LayoutConfig)
+    loop: Any = setting(MISSING, "the training loop: _target_ plus its settings")
+    launcher: LauncherConfig = setting(doc="local launch", factory=LauncherConfig)
+    seed: int = setting(0, "base seed; rank r uses seed + r")
+    plan_only: bool = setting(False, "print every rank's groups and exit; start nothing")
+
+
+@functools.cache
+def loop_schema(loop_cls: type) -> type:
+    """The structured config of a dataclass loop: its fields, typed, plus ``_target_``."""
+    if not dataclasses.is_dataclass(loop_cls):
+        raise TypeError(f"{loop_cls.__qualname__} is not a dataclass")
+    hints = typing.get_type_hints(loop_cls)
+    specs: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(loop_cls):
+        if not f.init:
+            continue
+        if f.default_factory is not dataclasses.MISSING:
+            copied = field(default_factory=f.default_factory, metadata=f.metadata)
+        else:
+            copied = field(default=f.default, metadata=f.metadata)
+        specs.append((f.name, hints[f.name], copied))
+    target = f"{loop_cls.__module__}.{loop_cls.__qualname__}"
+    specs.append(("_target_", str, field(default=target)))
+    return dataclasses.make_dataclass(f"{loop_cls.__name__}Config", specs)
+
+
+def register_loop(name: str, loop_cls: type) -> None:
+    """Make ``loop/<name>_schema`` the typed schema of ``loop_cls`` (a loop YAML file lists it in
+    its defaults, as ``conf/loop/ppo.yaml`` does)."""
+    ConfigStore.instance().store(group="loop", name=f"{name}_schema", node=loop_schema(loop_cls))
 
 
 def register_configs() -> None:
+    from .loops.commcheck import CommCheck
+    from .loops.ppo import PPOLoop
+
     cs = ConfigStore.instance()
     cs.store(name="app_schema", node=AppConfig)
     cs.store(group="comm", name="comm_schema", node=CommConfig)
     cs.store(group="layout", name="layout_schema", node=LayoutConfig)
+    register_loop("ppo", PPOLoop)
+    register_loop("commcheck", CommCheck)

@@ -1,6 +1,6 @@
-"""Where this process stands: launching ranks itself, or joining ranks that already exist.
+"""Who this process is (:class:`RankEnv`): launching the ranks itself, or one rank of a job.
 
-Join mode is detected from the environment, in this order:
+The only module that reads launcher variables. Join mode is detected in this order:
 
 1. torchrun/torchelastic (TORCHELASTIC_RUN_ID + RANK): first, since it can run inside SLURM.
 2. A task of an srun job step with more than one task (plain ``srun``, or a submitit SLURM job):
@@ -22,14 +22,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Placement:
-    kind: str  # "local" | "torchrun" | "slurm" | "submitit" | "env"
-    rank: int = 0
-    world_size: int = 1
-    note: str | None = None  # something the user should know about how the app was started
-
+from rlcomm.env import (
+    GLOO_SOCKET_IFNAME,
+    LOCAL_RANK,
+    LOCAL_WORLD_SIZE,
+    MASTER_ADDR,
+    MASTER_PORT,
+    RANK,
+    RANK_VARIABLES,
+    RESTART_COUNT,
+    WORLD_SIZE,
+)
 
 # SLURM gives the batch script, the extern step, the interactive step and pending steps ids near
 # 2**32 (22.05: 0xfffffffa-0xfffffffd; older releases 0xfffffffe-0xffffffff).
@@ -44,84 +47,158 @@ _PORT_BASE = 15000
 _PORT_SPAN = 16000
 _STEPS_PER_JOB = 8
 
+# Every variable through which a launcher describes a rank: tests scrub these to start the app as
+# from a fresh shell, and the SLURM launcher keeps the submitting shell's out of its jobs.
+LAUNCHER_VARIABLES = (*RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", "RLCOMM_RUN_ID", GLOO_SOCKET_IFNAME)
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_")
 
-def slurm_step(env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
-    """``(job id, step id)`` when this process is a task of an srun job step, else None."""
+
+def is_launcher_variable(name: str) -> bool:
+    return name in LAUNCHER_VARIABLES or name.startswith(LAUNCHER_PREFIXES)
+
+
+def without_launcher_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as a shell outside any launcher would have it."""
+    return {k: v for k, v in env.items() if not is_launcher_variable(k)}
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """How this process was started and which rank it is.
+
+    ``launcher`` is ``local`` when this process launches the layout's ranks itself; otherwise how
+    the rank was started: ``torchrun`` (torch's elastic agent, the app's own local launch
+    included), ``slurm``, ``submitit`` (a local submitit task) or ``env`` (RANK/WORLD_SIZE by hand).
+    """
+
+    launcher: str
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node: str = ""  # this host's name
+    master_addr: str = ""
+    master_port: int | None = None
+    restart_count: int = 0  # how often torch's elastic agent restarted the ranks
+    run_name: str | None = None  # the run directory every rank of a joined run agrees on
+    note: str | None = None  # something the user should know about how the app was started
+
+    @property
+    def joins(self) -> bool:
+        """True when this process is one rank of a job something else launched."""
+        return self.launcher != "local"
+
+    def torch_variables(self) -> dict[str, str]:
+        """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torch
+        and rlcomm read them (none for a process that launches the ranks itself)."""
+        if not self.joins:
+            return {}
+        values = {
+            RANK: self.rank,
+            WORLD_SIZE: self.world_size,
+            LOCAL_RANK: self.local_rank,
+            LOCAL_WORLD_SIZE: self.local_world_size,
+            MASTER_ADDR: self.master_addr,
+            MASTER_PORT: self.master_port,
+        }
+        return {name: str(value) for name, value in values.items() if value not in ("", None)}
+
+
+def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
+    """This process's :class:`RankEnv`, from ``env`` (default: the process environment)."""
     env = os.environ if env is None else env
+    node = socket.gethostname()
+    restarts = int(env.get(RESTART_COUNT) or 0)
+    if "TORCHELASTIC_RUN_ID" in env and RANK in env:
+        return _from_torch_variables("torchrun", env, node, restarts, _torchrun_name(env))
+    step = slurm_step(env)
+    if step is not None:
+        ntasks = int(env["SLURM_NTASKS"])
+        if ntasks <= 1:
+            return RankEnv("local", node=node)  # e.g. srun --pty bash; srun -n1 python -m app
+        node_id = int(env.get("SLURM_NODEID", "0"))
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        job = str(step[0])
+        if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+            job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+        return RankEnv(
+            "slurm",
+            rank=int(env["SLURM_PROCID"]),
+            world_size=ntasks,
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            local_world_size=tasks_on_node(per_node, node_id) or ntasks,
+            node=node,
+            master_addr=first_host(nodelist) if nodelist else node,
+            master_port=int(env.get(MASTER_PORT) or master_port(*step)),
+            restart_count=restarts,
+            run_name=env.get("RLCOMM_RUN_ID") or f"slurm-{job}.{step[1]}",
+        )
+    if env.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in env:
+        ntasks = int(env.get("SUBMITIT_LOCAL_NTASKS", "1"))
+        if ntasks > 1:
+            rank = int(env["SUBMITIT_LOCAL_GLOBALID"])
+            job_id = int(env["SUBMITIT_LOCAL_JOB_ID"])
+            return RankEnv(
+                "submitit",
+                rank=rank,
+                world_size=ntasks,
+                local_rank=int(env.get("SUBMITIT_LOCAL_LOCALID", str(rank))),
+                local_world_size=ntasks,
+                node=node,
+                master_addr="127.0.0.1",
+                master_port=int(env.get(MASTER_PORT) or master_port(job_id)),
+                restart_count=restarts,
+                run_name=env.get("RLCOMM_RUN_ID"),
+            )
+    if RANK in env and WORLD_SIZE in env:
+        name = f"join-{env.get(MASTER_ADDR, 'local')}-{env[MASTER_PORT]}" if MASTER_PORT in env else None
+        return _from_torch_variables("env", env, node, restarts, name)
+    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        note = (
+            f"inside SLURM job {env['SLURM_JOB_ID']} ({env['SLURM_NTASKS']} tasks) but not in an "
+            "srun job step: launching every rank on this node; run `srun python -m app ...` to "
+            "make each SLURM task one rank"
+        )
+        return RankEnv("local", node=node, run_name=env.get("RLCOMM_RUN_ID"), note=note)
+    return RankEnv("local", node=node, run_name=env.get("RLCOMM_RUN_ID"))
+
+
+def _from_torch_variables(
+    launcher: str, env: Mapping[str, str], node: str, restarts: int, run_name: str | None
+) -> RankEnv:
+    rank, world = int(env[RANK]), int(env[WORLD_SIZE])
+    port = env.get(MASTER_PORT)
+    return RankEnv(
+        launcher,
+        rank=rank,
+        world_size=world,
+        local_rank=int(env.get(LOCAL_RANK) or rank),
+        local_world_size=int(env.get(LOCAL_WORLD_SIZE) or world),
+        node=node,
+        master_addr=env.get(MASTER_ADDR, ""),
+        master_port=int(port) if port else None,
+        restart_count=restarts,
+        run_name=env.get("RLCOMM_RUN_ID") or run_name,
+    )
+
+
+def _torchrun_name(env: Mapping[str, str]) -> str:
+    rdzv = env["TORCHELASTIC_RUN_ID"]
+    if rdzv not in ("", "none"):
+        return f"torchrun-{rdzv}"
+    # Every local worker shares its agent (the parent): name the run after it.
+    return f"torchrun-{os.getppid()}-{_start_ticks(os.getppid())}"
+
+
+def slurm_step(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """``(job id, step id)`` when this process is a task of an srun job step, else None."""
     step, job = env.get("SLURM_STEP_ID", ""), env.get("SLURM_JOB_ID", "")
     if not (step.isdigit() and job.isdigit()) or int(step) >= _FIRST_SPECIAL_STEP_ID:
         return None
     if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
         return None
     return int(job), int(step)
-
-
-def detect_placement() -> Placement:
-    env = os.environ
-    if "TORCHELASTIC_RUN_ID" in env and "RANK" in env:
-        return Placement("torchrun", int(env["RANK"]), int(env["WORLD_SIZE"]))
-    if slurm_step(env) is not None:
-        ntasks = int(env["SLURM_NTASKS"])
-        if ntasks > 1:
-            return Placement("slurm", int(env["SLURM_PROCID"]), ntasks)
-        return Placement("local")  # e.g. srun --pty bash; srun -n1 python -m app
-    if env.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in env:
-        ntasks = int(env.get("SUBMITIT_LOCAL_NTASKS", "1"))
-        if ntasks > 1:
-            return Placement("submitit", int(env["SUBMITIT_LOCAL_GLOBALID"]), ntasks)
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return Placement("env", int(env["RANK"]), int(env["WORLD_SIZE"]))
-    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return Placement(
-            "local",
-            note=(
-                f"inside SLURM job {env['SLURM_JOB_ID']} ({env['SLURM_NTASKS']} tasks) but not in "
-                "an srun job step: launching every rank on this node; run "
-                "`srun python -m app ...` to make each SLURM task one rank"
-            ),
-        )
-    return Placement("local")
-
-
-def distributed_env(placement: Placement, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for a SLURM or
-    submitit-local task (empty for the other placements, which have them already).
-
-    MASTER_ADDR is the first host of the step (SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST),
-    where rank 0 runs; MASTER_PORT is kept when set, else derived from the job and step ids
-    (see ``master_port``). Unlike ``submitit.helpers.TorchDistributedEnvironment``, this works in
-    plain srun steps too (submitit's needs SUBMITIT_EXECUTOR) and never gives two jobs of one
-    array the same port (submitit's draws it at random, seeded by the job id).
-    """
-    env = os.environ if env is None else env
-    if placement.kind == "slurm":
-        job_id, step_id = slurm_step(env) or (0, 0)
-        node = int(env.get("SLURM_NODEID", "0"))
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
-        local_world = tasks_on_node(per_node, node) or placement.world_size
-        local_rank = env.get("SLURM_LOCALID", "0")
-        addr = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
-    elif placement.kind == "submitit":
-        job_id, step_id = int(env["SUBMITIT_LOCAL_JOB_ID"]), 0
-        local_world = placement.world_size
-        local_rank = env.get("SUBMITIT_LOCAL_LOCALID", str(placement.rank))
-        addr = "127.0.0.1"
-    else:
-        return {}
-    return {
-        "RANK": str(placement.rank),
-        "WORLD_SIZE": str(placement.world_size),
-        "LOCAL_RANK": local_rank,
-        "LOCAL_WORLD_SIZE": str(local_world),
-        "MASTER_ADDR": addr,
-        "MASTER_PORT": env.get("MASTER_PORT") or str(master_port(job_id, step_id)),
-    }
-
-
-def export_distributed_env(placement: Placement) -> None:
-    """Make RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe
-    this process, whatever started it (local agent and torchrun set them already)."""
-    os.environ.update(distributed_env(placement))
 
 
 def master_port(job_id: int, step_id: int = 0) -> int:
@@ -158,25 +235,11 @@ def run_id() -> str:
     Each rank of a joined run is its own Hydra process and would otherwise resolve ``${now:}``
     itself and scatter the run over several folders. A SLURM job step is named like sacct names
     it: ``slurm-<job>.<step>`` (``<job>`` is ``<array job>_<index>`` in an array), so several
-    ``srun`` steps of one batch script get one folder each.
+    ``srun`` steps of one batch script get one folder each. RLCOMM_RUN_ID, when set, wins.
     """
-    env = os.environ
-    if env.get("RLCOMM_RUN_ID"):
-        return env["RLCOMM_RUN_ID"]
-    step = slurm_step(env)
-    if step is not None:
-        job = str(step[0])
-        if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
-            job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-        return f"slurm-{job}.{step[1]}"
-    if "TORCHELASTIC_RUN_ID" in env:
-        rdzv = env["TORCHELASTIC_RUN_ID"]
-        if rdzv not in ("", "none"):
-            return f"torchrun-{rdzv}"
-        # Every local worker shares its agent (the parent): name the run after it.
-        return f"torchrun-{os.getppid()}-{_start_ticks(os.getppid())}"
-    if "RANK" in env and "MASTER_PORT" in env:
-        return f"join-{env.get('MASTER_ADDR', 'local')}-{env['MASTER_PORT']}"
+    name = resolve_rank_env().run_name
+    if name:
+        return name
     from datetime import datetime
 
     return datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f")
@@ -184,7 +247,7 @@ def run_id() -> str:
 
 def output_subdir() -> str | None:
     """Only the first rank of a joined run writes Hydra's ``.hydra/`` folder."""
-    return ".hydra" if detect_placement().rank == 0 else None
+    return ".hydra" if resolve_rank_env().rank == 0 else None
 
 
 def _start_ticks(pid: int) -> str:

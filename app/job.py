@@ -18,7 +18,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 
-from .planning import build_loop, build_plan, check_world_size
+from .environment import RankEnv, resolve_rank_env
+from .planning import build_loop, check_world_size
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class JobInfo:
     run_dir: Path
     seed: int
     rank: int
+    env: RankEnv  # how this rank was started (restart count, host, launcher)
 
 
 class Loop(Protocol):
@@ -44,42 +46,43 @@ class Loop(Protocol):
 
 
 @record
-def run_rank(config: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
-    """One rank, from environment to result; returns the run summary on rank 0."""
-    from .environment import detect_placement, export_distributed_env
+def run_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> dict[str, Any] | None:
+    """One rank, from environment to result; returns the run summary on rank 0.
+
+    ``plan`` was validated by the process that launched this rank (or, for a rank started by
+    torchrun or SLURM, by this process before it came here): it is not validated again.
+    """
     from .logs import setup_rank_logging
 
-    export_distributed_env(detect_placement())
+    env = resolve_rank_env()
+    os.environ.update(env.torch_variables())
     # torch and the app are imported: move those objects out of the collector's way, so a full
     # collection does not land in the middle of creating thousands of groups.
     gc.freeze()
     cfg: DictConfig = OmegaConf.create(config)
-    plan = build_plan(cfg)
-    rank = int(os.environ.get("RANK", "0"))
-    setup_rank_logging(Path(run_dir), rank)
+    setup_rank_logging(Path(run_dir), env.rank)
     try:
-        return _run(cfg, plan, rank, Path(run_dir))
+        return _run(cfg, plan, env, Path(run_dir))
     except BaseException:
-        log.exception("rank %d failed", rank)  # the traceback lands in this rank's log file
+        log.exception("rank %d failed", env.rank)  # the traceback lands in this rank's log file
         raise
 
 
-def _run(cfg: DictConfig, plan: LayoutPlan, rank: int, run_dir: Path) -> dict[str, Any] | None:
-    check_world_size(plan, int(os.environ.get("WORLD_SIZE", plan.world_size)), rank)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict[str, Any] | None:
+    check_world_size(plan, env.world_size, env.rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
 
     ctx = CommContext()
     ctx.init_distributed_env(
         backend=cfg.comm.backend, dist_url=cfg.comm.init_method, timeout=cfg.comm.timeout
     )
-    for spec in plan.groups:
-        ctx.init_group([list(r) for r in spec.rank_lists], spec.mode, backend=ctx.backend)
+    ctx.init_groups(plan)
+    rank = env.rank
     log.info("rank %d (%s) groups: %s", rank, plan.role(rank), sorted(ctx.describe()))
 
     _seed_everything(cfg.seed + rank)
     loop: Loop = build_loop(cfg.loop)
-    result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank))
+    result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank, env=env))
     report = {
         "rank": rank,
         "role": plan.role(rank),

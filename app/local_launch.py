@@ -14,10 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch.distributed import PrefixStore, TCPStore
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
@@ -78,10 +77,10 @@ def _create_handler(params: RendezvousParameters) -> LoopbackRendezvous:
     return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, int(params.get("timeout", 600)))
 
 
-def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
+def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
     """Run every rank locally; returns rank 0's summary or raises RankFailedError."""
-    if _BACKEND not in rendezvous_handler_registry._registry:
-        rendezvous_handler_registry.register(_BACKEND, _create_handler)
+    cfg = OmegaConf.create(config)
+    rendezvous_handler_registry.register(_BACKEND, _create_handler)  # the same creator: a no-op
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     agent_log.setLevel(logging.INFO)
@@ -102,9 +101,8 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
     )
     launch.shutdown_timeout = cfg.launcher.shutdown_timeout
-    config = OmegaConf.to_container(cfg, resolve=True)
     try:
-        results = elastic_launch(launch, run_rank)(config, str(run_dir))
+        elastic_launch(launch, _local_rank)(config, plan, str(run_dir))
     except ChildFailedError as err:
         raise RankFailedError(_describe_failures(err, run_dir, launch.run_id)) from None
     except SignalException as err:  # the agent forwarded the signal to every rank and waited
@@ -114,7 +112,13 @@ def launch_local(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, 
             f"(logs: {run_dir / 'logs'})",
             int(err.sigval),
         ) from None
-    return results[0]
+    # Rank 0 reports through result.json (JSON), not through the agent's pickled return values.
+    summary: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
+    return summary
+
+
+def _local_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> None:
+    run_rank(config, plan, run_dir)
 
 
 # Ranks that fail only because a peer died first: reported when nothing else is.

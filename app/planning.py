@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import inspect
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
 
+from .config import loop_schema
 from .errors import ConfigError
 
 
@@ -35,41 +37,50 @@ def validate(cfg: DictConfig) -> LayoutPlan:
     if cfg.launcher.max_restarts < 0:
         raise ConfigError(f"launcher.max_restarts: must be >= 0, got {cfg.launcher.max_restarts}")
     _check_target(cfg.loop)
-    _check_loop(cfg.loop)
-    return build_plan(cfg)
+    plan = build_plan(cfg)
+    _check_loop(cfg.loop, plan)
+    return plan
 
 
 def build_loop(loop: DictConfig) -> Any:
-    """``instantiate(loop)``, keeping only the arguments the target accepts.
+    """The loop object: ``instantiate(loop)``, nested schemas as their dataclasses."""
+    from hydra.utils import instantiate
 
-    ``loop._target_=mypkg.MyLoop`` on top of the default ``loop=ppo`` would otherwise hand
-    PPO's settings to a class that has none of them; typos cannot slip through this way, since
-    Hydra rejects unknown keys when composing.
-    """
-    from hydra.utils import get_object, instantiate
+    return instantiate(loop, _convert_="object")
+
+
+def _check_loop(loop: DictConfig, plan: LayoutPlan) -> None:
+    """Type-check the loop's settings against its dataclass (unknown keys included), build it
+    once so bad arguments fail before any rank starts, then run its own ``validate(plan)``."""
+    from hydra.utils import get_object
+    from omegaconf.errors import OmegaConfBaseException
 
     target = get_object(str(loop._target_))
-    try:
-        params = inspect.signature(target).parameters.values()
-    except (TypeError, ValueError):
-        return instantiate(loop)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return instantiate(loop)
-    accepted = {p.name for p in params}
-    kept = {k: v for k, v in loop.items() if str(k).startswith("_") or k in accepted}
-    return instantiate(OmegaConf.create(kept))
-
-
-def _check_loop(loop: DictConfig) -> None:
-    """Build the loop once here so bad arguments fail before any rank starts; a loop may add
-    its own checks in a ``validate()`` method (e.g. that a resume path holds a checkpoint)."""
+    if dataclasses.is_dataclass(target):
+        try:
+            settings = OmegaConf.to_container(loop, resolve=True)
+            OmegaConf.merge(OmegaConf.structured(loop_schema(target)), settings)  # type: ignore[arg-type]
+        except OmegaConfBaseException as err:
+            raise ConfigError(_schema_error(err, target, loop)) from None
     try:
         built = build_loop(loop)
     except Exception as err:
         raise ConfigError(f"loop: cannot build {loop.get('_target_')!r}: {err}") from None
     check = getattr(built, "validate", None)
     if callable(check):
-        check()
+        check(plan)
+
+
+def _schema_error(err: Exception, target: Any, loop: DictConfig) -> str:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or ""
+    first = str(err).splitlines()[0]
+    if isinstance(err, ConfigKeyError):
+        name = f"{target.__module__}.{target.__qualname__}"
+        hint = ""
+        if OmegaConf.get_type(loop) is not dict:  # a shipped loop's settings, kept under a new target
+            hint = "; to run your own loop start from loop=custom: loop=custom loop._target_=..."
+        return f"loop.{key}: not a setting of {name}{hint}"
+    return f"loop.{key}: {first}"
 
 
 def _check_target(loop: Any) -> None:

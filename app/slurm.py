@@ -35,6 +35,8 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
 
+from rlcomm.env import RANK_VARIABLES
+
 from .errors import JobFailedError, RankFailedError
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,6 @@ log = logging.getLogger(__name__)
 # Rank-related variables of the submitting shell must not leak into the jobs (sbatch and the local
 # controller copy the environment): an inherited MASTER_PORT would give every job of an array the
 # same rendezvous port.
-_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _RANK_FAILED_MARK = "RankFailedError: "
 _SHAPE_KEYS = ("nodes", "tasks_per_node", "mem_gb")
 
@@ -126,12 +127,12 @@ class RlcommLauncher(BaseSubmititLauncher):
         """In each task: run the Hydra job; a failure exits this task non-zero."""
         ret = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
         if ret.status == JobStatus.FAILED:
-            from .environment import detect_placement
+            from .environment import resolve_rank_env
 
-            placement = detect_placement()
+            env = resolve_rank_env()
             err = ret._return_value
             raise RankFailedError(
-                f"rank {placement.rank} of {placement.world_size} failed: "
+                f"rank {env.rank} of {env.world_size} failed: "
                 f"{type(err).__name__}: {err}"
             ) from err
         return ret
@@ -158,7 +159,7 @@ class RlcommLauncher(BaseSubmititLauncher):
         groups: dict[tuple[Any, ...], list[int]] = {}
         for pos, (_, _, shape) in enumerate(planned):
             groups.setdefault(tuple(shape.values()), []).append(pos)
-        with _without_env(_RANK_ENV):
+        with _without_env(RANK_VARIABLES):
             for positions in groups.values():
                 executor = self._executor(planned[positions[0]][2])
                 args = [

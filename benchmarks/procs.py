@@ -17,13 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from app.environment import without_launcher_variables
 from rlcomm.testing import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# Variables that would make ``python -m app`` join an existing job instead of launching its own.
-_JOIN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_PROCID")
-
 
 def backend_for(world_size: int) -> str:
     """nccl when every rank can have its own GPU, else gloo."""
@@ -70,7 +67,7 @@ def timed_command(
     The command runs in its own session, so that on timeout the ranks it launched are killed
     with it (by its process group) instead of being left running.
     """
-    env = {k: v for k, v in os.environ.items() if k not in _JOIN_VARIABLES}
+    env = without_launcher_variables(os.environ)
     start = time.perf_counter()
     proc = subprocess.Popen(
         list(argv),

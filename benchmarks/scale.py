@@ -4,7 +4,7 @@ for weight transfer), 8 ranks per node. Each measurement runs in a freshly forke
 rank 0 and as the last rank (a rollout rank), recording times and peak RSS:
 
 - ``rlcomm``: ``plan_layout`` (plan + validate), ``init_distributed_env(backend="fake")`` and
-  ``init_group`` for every planned mode;
+  ``init_groups(plan)`` (what every rank of the app does);
 - ``raw``: the same rank lists from plain comprehensions, ``init_process_group("fake")`` and a
   ``new_group`` loop;
 - ``device_mesh``: ``init_device_mesh`` for the meshes that express the layout: (nodes, 8) gives
@@ -105,8 +105,7 @@ def measure_rlcomm(world: int, rank: int) -> Measurement:
     ctx = CommContext()
     ctx.init_distributed_env(world, rank, backend="fake", timeout=600)
     phases.mark("init")
-    for spec in plan.groups:
-        ctx.init_group([list(r) for r in spec.rank_lists], spec.mode, backend="gloo")
+    ctx.init_groups(plan)
     phases.mark("create")
     return phases.finish()
 

@@ -120,11 +120,9 @@ def as_module(state_dict: dict[str, Tensor]) -> nn.Module:
         *path, leaf = name.split(".")
         owner = root
         for part in path:
-            child = owner._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                owner.add_module(part, child)
-            owner = child
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = owner.get_submodule(part)
         owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=False))
     return root
 

@@ -9,24 +9,32 @@ one mode, names its groups, supports every mode, and can be destroyed and initia
 from __future__ import annotations
 
 import datetime
-import os
+import hashlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import env
 from .errors import (
     BackendError,
     EnvironmentConfigError,
     GroupRegistrationError,
+    LayoutError,
     ModeNotRegisteredError,
     RlcommError,
 )
 from .group_initializer import get_initializer, group_description
+from .layout import LayoutPlan
 from .modes import CommMode, Mode, ParallelMode, mode_name
-from .utils import SingletonMeta, env_int, format_ranks
+from .utils import SingletonMeta, format_ranks
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 BACKENDS = ("nccl", "gloo", "auto")
 
@@ -53,6 +61,17 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def plan_digest(plan: LayoutPlan) -> str:
+    """A digest of everything ``init_groups`` creates. Tuples of ints hash alike in every
+    process (only str/bytes hashing is salted), so the rank lists, the bulk of a 65,536-rank
+    plan, go through ``hash`` in C; the rest is small."""
+    lists = tuple(spec.rank_lists for spec in plan.groups)
+    names = [spec.mode for spec in plan.groups]
+    roles = hash((plan.trainers, plan.rollouts, plan.ranks_per_node))
+    text = f"{plan.world_size}/{names}/{[len(rl) for rl in lists]}/{hash(lists)}/{roles}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     """One registered group as plain data (what ``describe`` returns per mode)."""
@@ -61,6 +80,25 @@ class GroupInfo:
     world_size: int
     ranks: list[int]
     declared_ranks: list[int]
+
+
+_GRID_MODES = (
+    ParallelMode.DATA_PARALLEL.value,
+    ParallelMode.SEQUENCE_PARALLEL.value,
+    ParallelMode.TENSOR_PARALLEL.value,
+)
+
+
+def _default_mesh_modes(plan: LayoutPlan) -> list[str]:
+    present = [m for m in _GRID_MODES if plan.group(m) is not None]
+    sized = [m for m in present if len(plan.group(m).rank_lists[0]) > 1]  # type: ignore[union-attr]
+    return sized or present[-1:]
+
+
+def _slices(mesh: torch.Tensor, dim: int) -> set[tuple[int, ...]]:
+    """The rank lists along ``dim`` of ``mesh``: one group per combination of the other dims."""
+    rows = mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim])
+    return {tuple(row) for row in rows.tolist()}
 
 
 class CommContext(metaclass=SingletonMeta):
@@ -84,6 +122,7 @@ class CommContext(metaclass=SingletonMeta):
         self._groups: dict[str, ProcessGroup] = {}
         self._backend: str = ""
         self._store: dist.Store | None = None
+        self._plan: LayoutPlan | None = None
         self._timeout: datetime.timedelta | None = None
         self._tensor_parallel_size: int = 1
         self._train_data_parallel_size: int = 1
@@ -113,10 +152,7 @@ class CommContext(metaclass=SingletonMeta):
         backend = resolve_backend(backend)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        world_size = env_int("WORLD_SIZE") if world_size is None else world_size
-        rank = env_int("RANK") if rank is None else rank
-        if not 0 <= rank < world_size:
-            raise EnvironmentConfigError(f"rank {rank} is out of range for world_size {world_size}")
+        world_size, rank = env.world_size_and_rank(world_size, rank)
         wait = datetime.timedelta(seconds=timeout)
 
         device_id = None
@@ -202,9 +238,9 @@ class CommContext(metaclass=SingletonMeta):
 
     def get_in_node_rank(self) -> int:
         """Rank within this node: LOCAL_RANK, else SLURM_LOCALID, else the INTRA_NODE group."""
-        for name in ("LOCAL_RANK", "SLURM_LOCALID"):
-            if os.environ.get(name):
-                return env_int(name)
+        from_env = env.in_node_rank()
+        if from_env is not None:
+            return from_env
         if CommMode.INTRA_NODE in self._local_ranks:
             return self._local_ranks[CommMode.INTRA_NODE]
         raise EnvironmentConfigError(
@@ -218,8 +254,9 @@ class CommContext(metaclass=SingletonMeta):
 
     def get_local_world_size(self) -> int:
         """Ranks on this node: LOCAL_WORLD_SIZE, else the INTRA_NODE group's size."""
-        if os.environ.get("LOCAL_WORLD_SIZE"):
-            return env_int("LOCAL_WORLD_SIZE")
+        from_env = env.local_world_size()
+        if from_env is not None:
+            return from_env
         if CommMode.INTRA_NODE in self._world_sizes:
             return self._world_sizes[CommMode.INTRA_NODE]
         raise EnvironmentConfigError(
@@ -245,13 +282,15 @@ class CommContext(metaclass=SingletonMeta):
         use_cpu: bool = False,
         *,
         group_size: int | None = None,
+        tensor_parallel_size: int | None = None,
     ) -> None:
         """Create the group(s) of ``mode`` from ``ranks`` and register the one this rank is in.
 
-        ``ranks`` is one list or several disjoint lists (one group each); every rank must make
-        the same call. For DATA/TENSOR/SEQUENCE_PARALLEL, a flat list plus ``group_size`` builds
-        the Megatron grid (initialise TENSOR_PARALLEL before SEQUENCE_PARALLEL). ``use_cpu``
-        makes a gloo group for CPU tensors whatever ``backend`` says.
+        For hand-written layouts; :meth:`init_groups` creates a whole planned layout. ``ranks``
+        is one list or several disjoint lists (one group each), validated here; every rank must
+        make the same call. For DATA/TENSOR/SEQUENCE_PARALLEL, a flat list plus ``group_size``
+        builds the Megatron grid (SEQUENCE_PARALLEL also needs ``tensor_parallel_size``).
+        ``use_cpu`` makes a gloo group for CPU tensors whatever ``backend`` says.
 
         Raises:
             NotImplementedError: If no initializer is registered for ``mode``.
@@ -267,9 +306,86 @@ class CommContext(metaclass=SingletonMeta):
             mode=mode,
             timeout=self._timeout,
             group_size=group_size,
-            tensor_parallel_size=self._tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self._register_group(*initializer.init_dist_group(group_backend, use_cpu))
+
+    def init_groups(self, plan: LayoutPlan) -> None:
+        """Create every group of a planned layout, in the plan's order, on the context's backend.
+
+        ``plan`` comes from :func:`rlcomm.plan_layout`, which validated it: nothing is validated
+        again here. Every rank must pass the same plan; ranks check that cheaply (a digest agreed
+        over the rendezvous store) before creating any group, so a rank started with another
+        config fails at once instead of hanging in ``new_group``.
+        """
+        world_size = self.get_world_size(CommMode.GLOBAL)
+        if plan.world_size != world_size:
+            raise LayoutError(
+                f"layout.world_size: the plan has {plan.world_size} ranks but "
+                f"init_distributed_env joined {world_size}"
+            )
+        if self._backend != "fake":  # the fake backend's store holds nothing
+            self._agree_on_plan(plan)
+        rank = self.get_global_rank()
+        for spec in plan.groups:
+            initializer = get_initializer(spec.mode)(
+                rank, world_size, spec.rank_lists, mode=spec.mode, timeout=self._timeout
+            )
+            self._register_group(*initializer.create(spec.rank_lists, self._backend))
+        self._plan = plan
+
+    def _agree_on_plan(self, plan: LayoutPlan) -> None:
+        """One tiny all_reduce: max of the digests and of their negations. Every rank learns
+        whether all digests are equal, so a disagreement fails every rank at once."""
+        mine = plan_digest(plan)
+        if self.get_global_rank() == 0:
+            self.store.set("plan_digest", mine)
+        value = int(mine[:15], 16)  # fits int64
+        device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else None
+        extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        if int(extremes[0]) == -int(extremes[1]):
+            return
+        rank = self.get_global_rank()
+        leader = self.store.get("plan_digest").decode()
+        if leader != mine:
+            raise LayoutError(
+                f"rank {rank}: its layout plan differs from rank 0's (digest {mine[:12]} vs "
+                f"{leader[:12]}); start every rank with the same layout config"
+            )
+        raise LayoutError(
+            f"rank {rank}: some ranks were started with another layout plan than rank 0's "
+            f"(digest {leader[:12]}); start every rank with the same layout config"
+        )
+
+    def device_mesh(self, modes: Sequence[Mode] | None = None) -> DeviceMesh:
+        """A ``DeviceMesh`` over the planned DATA/SEQUENCE/TENSOR_PARALLEL grid, for DTensor /
+        FSDP2 users. Its dimensions are named after the modes and reuse the groups rlcomm created
+        (no second communicator). ``modes`` are outer to inner; by default DATA_PARALLEL,
+        SEQUENCE_PARALLEL (when its groups have more than one rank) and TENSOR_PARALLEL."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._plan is None:
+            raise RlcommError("device_mesh() needs a planned layout: call init_groups(plan) first")
+        names = [mode_name(m) for m in modes] if modes is not None else _default_mesh_modes(self._plan)
+        planned: list[set[tuple[int, ...]]] = []
+        for name in names:
+            spec = self._plan.group(name)
+            if spec is None:
+                raise ModeNotRegisteredError(f"device_mesh: the layout plans no {name} groups")
+            planned.append({tuple(sorted(g)) for g in spec.rank_lists})
+        shape = [len(next(iter(groups))) for groups in planned]
+        world = self._plan.world_size
+        mesh = torch.arange(world).reshape(shape) if math.prod(shape) == world else None
+        if mesh is None or any(_slices(mesh, d) != planned[d] for d in range(len(names))):
+            raise LayoutError(
+                f"device_mesh: the {', '.join(names)} groups of this layout do not form one "
+                f"row-major grid of the {world} ranks (sizes {shape})"
+            )
+        device = "cuda" if self._backend == "nccl" else "cpu"
+        return DeviceMesh.from_group(
+            [self.get_group(name) for name in names], device, mesh=mesh, mesh_dim_names=tuple(names)
+        )
 
     def describe(self) -> dict[str, GroupInfo]:
         """This rank's registry as data: mode -> local rank, group size, ranks."""

@@ -64,9 +64,16 @@ class GroupInitializer:
         return validate_rank_lists(self.mode_name, self.ranks, self.world_size)
 
     def init_dist_group(self, backend: str | None, use_cpu: bool = False) -> GroupRegistration:
-        backend = "gloo" if use_cpu else backend
+        """Validate this mode's rank lists, then create its groups (see :meth:`create`)."""
+        return self.create(self.rank_lists(), "gloo" if use_cpu else backend)
+
+    def create(self, rank_lists: RankLists, backend: str | None) -> GroupRegistration:
+        """One ``new_group`` per list, in order, on every rank; returns this rank's group (or a
+        registration whose ``local_rank`` is None when it is in none). ``rank_lists`` must be
+        valid already: ``init_dist_group`` validates, a planned layout was validated by the
+        planner."""
         mine = GroupRegistration(None, 0, None, [], self.mode_name, [])
-        for declared in self.rank_lists():
+        for declared in rank_lists:
             member = self.rank in declared
             # torch keeps a description only for groups this rank is in; skip building the rest.
             group = dist.new_group(
@@ -106,15 +113,21 @@ class WeightTransferGroupInitializer(GroupInitializer):
 
 class SizeGroupInitializer(GroupInitializer):
     """DATA/TENSOR/SEQUENCE_PARALLEL: explicit rank lists, or a flat list of ranks plus
-    ``group_size`` for the usual Megatron grid (TP contiguous, SP inside TP blocks, DP strided)."""
+    ``group_size`` for the usual Megatron grid (TP contiguous, SP inside TP blocks, DP strided;
+    SEQUENCE_PARALLEL also needs ``tensor_parallel_size``)."""
 
     def rank_lists(self) -> RankLists:
         size = self.options.get("group_size")
         if size is None:
             return super().rank_lists()
         flat = validate_rank_lists(self.mode_name, [self.ranks], self.world_size)[0]
-        inner = int(self.options.get("tensor_parallel_size") or 1)
-        return grid_groups(flat, self.mode_name, int(size), inner)
+        inner = self.options.get("tensor_parallel_size")
+        if self.mode_name == ParallelMode.SEQUENCE_PARALLEL and inner is None:
+            raise LayoutError(
+                "SEQUENCE_PARALLEL: group_size needs tensor_parallel_size= too (SP groups are "
+                "strided by the TP size inside blocks of group_size x tensor_parallel_size)"
+            )
+        return grid_groups(flat, self.mode_name, int(size), int(inner or 1))
 
 
 class TensorParallelGroupInitializer(SizeGroupInitializer):

@@ -135,10 +135,6 @@ def validate_rank_lists(
         lists = [lists]  # a single flat list is one group
     if not isinstance(lists, Sequence) or isinstance(lists, str) or not lists:
         raise LayoutError(f"{where}: expected a non-empty list of rank lists, got {lists!r}")
-    valid = _valid_fast(lists, world_size)
-    if valid is not None:
-        return valid
-    # Something is wrong: find the first offence and say exactly what it is.
     owner: dict[int, int] = {}
     result: list[tuple[int, ...]] = []
     for index, ranks in enumerate(lists):
@@ -161,25 +157,6 @@ def validate_rank_lists(
             owner[rank] = index
         result.append(group)
     return tuple(result)
-
-
-def _valid_fast(lists: Sequence[object], world_size: int) -> RankLists | None:
-    """The lists as tuples if they are valid, else None; whole-list checks, no per-rank loop
-    in Python, so re-validating a 65,536-rank plan costs milliseconds."""
-    try:
-        groups: RankLists = tuple(tuple(g) for g in lists)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-    flat = [rank for group in groups for rank in group]
-    if (
-        not all(groups)
-        or set(map(type, flat)) != {int}
-        or min(flat) < 0
-        or max(flat) >= world_size
-        or len(set(flat)) != len(flat)
-    ):
-        return None
-    return groups
 
 
 def grid_groups(ranks: Sequence[int], mode: str, size: int, inner_size: int = 1) -> RankLists:

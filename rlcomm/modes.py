@@ -42,6 +42,7 @@ class ParallelMode(_StrMode):
 Mode = str | CommMode | ParallelMode
 
 _user_modes: set[str] = set()
+_BUILT_IN = frozenset(m.value for m in ParallelMode)
 
 
 def mode_name(mode: Mode) -> str:
@@ -61,4 +62,4 @@ def known_mode_names() -> list[str]:
 
 
 def is_known_mode(name: str) -> bool:
-    return name in ParallelMode._value2member_map_ or name in _user_modes
+    return name in _BUILT_IN or name in _user_modes

@@ -20,8 +20,9 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from .errors import EnvironmentConfigError, JoinTimeoutError
-from .utils import env_int, format_ranks
+from . import env
+from .errors import JoinTimeoutError
+from .utils import format_ranks
 
 _stores: dict[tuple[str, int, int], dist.Store] = {}
 _listeners: list[socket.socket] = []
@@ -45,7 +46,7 @@ def join_world(
     base = _base_store(dist_url, rank, world_size, timeout)
     _generation += 1
     # Agent stores outlive worker restarts; the restart count keeps attempts apart.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = env.restart_count()
     store = dist.PrefixStore(f"rlcomm/{attempt}/{_generation}/", base)
     _wait_for_ranks(store, rank, world_size, timeout, hosts_store=base in _hosted)
     return store
@@ -56,10 +57,7 @@ def _base_store(
 ) -> dist.Store:
     url = urlparse(dist_url)
     if url.scheme == "env":
-        host = os.environ.get("MASTER_ADDR")
-        if not host:
-            raise EnvironmentConfigError("environment variable MASTER_ADDR is not set (env://)")
-        port = env_int("MASTER_PORT")
+        host, port = env.master_address()
     elif url.scheme == "tcp" and url.hostname and url.port:
         host, port = url.hostname, url.port
     else:  # file:// and anything else torch knows
@@ -81,14 +79,14 @@ def _keep_gloo_on_loopback(host: str) -> None:
     global _gloo_iface_set
     if not _is_loopback(host):
         if _gloo_iface_set:  # a later init of this process with a remote store: undo ours
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            os.environ.pop(env.GLOO_SOCKET_IFNAME, None)
             _gloo_iface_set = False
         return
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
+    if os.environ.get(env.GLOO_SOCKET_IFNAME):
         return
     iface = _loopback_interface()
     if iface:
-        os.environ["GLOO_SOCKET_IFNAME"] = iface
+        os.environ[env.GLOO_SOCKET_IFNAME] = iface
         _gloo_iface_set = True
 
 
@@ -117,7 +115,7 @@ def _tcp_store(
     host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> dist.TCPStore:
     # Under torchrun the agent hosts the store already; every worker is a client.
-    is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    is_master = rank == 0 and not env.uses_agent_store()
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout)
     listener = socket.create_server((host, port), backlog=4096, reuse_port=False)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, ClassVar
-
-from .errors import EnvironmentConfigError
 
 
 class SingletonMeta(type):
@@ -24,21 +21,6 @@ class SingletonMeta(type):
     def reset_instance(cls) -> None:
         with SingletonMeta._lock:
             SingletonMeta._instances.pop(cls, None)
-
-
-def env_int(name: str, default: int | None = None) -> int:
-    """An integer environment variable; a missing or malformed one is an error naming it."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        if default is not None:
-            return default
-        raise EnvironmentConfigError(f"environment variable {name} is not set")
-    try:
-        return int(raw)
-    except ValueError:
-        raise EnvironmentConfigError(
-            f"environment variable {name}={raw!r} is not an integer"
-        ) from None
 
 
 def format_ranks(ranks: list[int] | tuple[int, ...], limit: int = 8) -> str:

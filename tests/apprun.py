@@ -12,6 +12,8 @@ from typing import Any
 
 import psutil
 
+from app.environment import without_launcher_variables
+
 REPO = Path(__file__).resolve().parent.parent
 MARKER = "RLCOMM_TEST_MARKER"
 
@@ -44,9 +46,10 @@ def run_app(
     module: tuple[str, ...] = (sys.executable, "-m", "app"),
 ) -> subprocess.CompletedProcess[str]:
     marker = uuid.uuid4().hex
-    full_env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(name, None)
+    full_env = {
+        **without_launcher_variables(os.environ), MARKER: marker, "PYTHONPATH": str(REPO),
+        **(env or {}),
+    }
     try:
         return subprocess.run(
             [*module, *args], cwd=cwd, env=full_env, capture_output=True, text=True,

@@ -6,11 +6,13 @@ import json
 import shutil
 import sys
 import textwrap
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
+from app.errors import ConfigError
 from app.planning import validate
 from tests.apprun import REPO, describe, run_app
 
@@ -117,32 +119,46 @@ from dataclasses import dataclass
 
 import torch
 
+from app.config import setting
 from rlcomm import collectives
 
 
 @dataclass
 class CountRanks:
-    scale: int = 1
+    scale: int = setting(1, "what each rank adds")
 
     def __call__(self, ctx, job):
         total = collectives.all_reduce(ctx, "GLOBAL", torch.tensor([self.scale]))
         return {"total": int(total.item()), "role": job.plan.role(job.rank)}
 '''
 
+# Hydra imports every module under hydra_plugins/ before composing: a user's package registers
+# its loop's schema there, as app/config.py registers the shipped ones.
+USER_PLUGIN = """
+from app.config import register_loop
+from mypkg.loops import CountRanks
 
-def test_user_loop_plugged_from_outside_the_repo(tmp_path: Path) -> None:
+register_loop("count", CountRanks)
+"""
+
+
+def _user_package(tmp_path: Path) -> dict[str, str]:
     package = tmp_path / "mypkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "loops.py").write_text(textwrap.dedent(USER_LOOP))
+    return {"PYTHONPATH": f"{REPO}:{tmp_path}"}
+
+
+def test_user_loop_plugged_from_outside_the_repo(tmp_path: Path) -> None:
+    env = _user_package(tmp_path)
     conf = tmp_path / "myconf" / "loop"
     conf.mkdir(parents=True)
     (conf / "count.yaml").write_text("_target_: mypkg.loops.CountRanks\nscale: 3\n")
-    env = {"PYTHONPATH": f"{REPO}:{tmp_path}"}
 
     by_target = tmp_path / "by_target"
-    proc = run_app("layout=1t1r", "loop._target_=mypkg.loops.CountRanks", "+loop.scale=2",
-                   f"hydra.run.dir={by_target}", env=env, cwd=tmp_path)
+    proc = run_app("layout=1t1r", "loop=custom", "loop._target_=mypkg.loops.CountRanks",
+                   "+loop.scale=2", f"hydra.run.dir={by_target}", env=env, cwd=tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert [r["result"]["total"] for r in read_result(by_target)["ranks"]] == [4, 4]
 
@@ -154,6 +170,65 @@ def test_user_loop_plugged_from_outside_the_repo(tmp_path: Path) -> None:
     assert [r["result"] for r in ranks] == [{"total": 12, "role": "trainer"}] + [
         {"total": 12, "role": "rollout"}
     ] * 3
+
+
+def test_a_user_loop_is_type_checked_against_its_dataclass(tmp_path: Path) -> None:
+    env = _user_package(tmp_path)
+    conf = tmp_path / "myconf" / "loop"
+    conf.mkdir(parents=True)
+    (conf / "count.yaml").write_text("_target_: mypkg.loops.CountRanks\nscal: 3\n")  # a typo
+    proc = run_app("loop=count", f"hydra.searchpath=[file://{tmp_path / 'myconf'}]",
+                   f"hydra.run.dir={tmp_path / 'run'}", env=env, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: loop.scal: not a setting of mypkg.loops.CountRanks"
+    )
+    proc = run_app("loop=custom", "loop._target_=mypkg.loops.CountRanks", "+loop.scale=abc",
+                   f"hydra.run.dir={tmp_path / 'run'}", env=env, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: loop.scale: Value 'abc'")
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_user_loop_registers_its_schema_like_the_shipped_ones(tmp_path: Path) -> None:
+    env = _user_package(tmp_path)
+    plugin = tmp_path / "hydra_plugins" / "mypkg_loops"
+    plugin.mkdir(parents=True)
+    (plugin / "__init__.py").write_text(USER_PLUGIN)
+    conf = tmp_path / "myconf" / "loop"
+    conf.mkdir(parents=True)
+    (conf / "count.yaml").write_text("defaults: [count_schema, _self_]\nscale: 3\n")
+    args = ("loop=count", f"hydra.searchpath=[file://{tmp_path / 'myconf'}]")
+    proc = run_app(*args, "--help", env=env, cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    assert "loop.scale: int = 3  # what each rank adds" in proc.stdout
+    assert "count*" in proc.stdout and "count_schema" not in proc.stdout
+    proc = run_app(*args, "loop.scale=abc", env=env, cwd=tmp_path)  # Hydra rejects it
+    assert proc.returncode == 1 and "loop.scale" in proc.stderr, describe(proc)
+
+
+def test_help_lists_groups_and_every_setting_with_its_doc() -> None:
+    proc = run_app("--help")
+    assert proc.returncode == 0, describe(proc)
+    out = proc.stdout
+    assert "layout:         1t1r, 1t3r, 2t2r*, 2x2, single, tp2dp2" in out
+    assert "_schema" not in out  # schema entries are not options to pick
+    assert "comm.timeout: float = 300.0  # seconds; bounds the rendezvous, init and every group" in out
+    assert "loop.hparams.gamma: float = 0.99  # discount factor, in (0, 1]" in out
+    from app.config import AppConfig, CommConfig, LauncherConfig, LayoutConfig
+    from app.loops.ppo import PPOLoop
+    from app.loops.ppo_core import PPOHyperParams
+
+    for prefix, schema in [("comm", CommConfig), ("layout", LayoutConfig),
+                           ("launcher", LauncherConfig), ("loop", PPOLoop),
+                           ("loop.hparams", PPOHyperParams)]:
+        for f in fields(schema):
+            if f.name != "hparams":
+                assert f.metadata["doc"], f"{prefix}.{f.name} has no doc"
+                assert f"  {prefix}.{f.name}: " in out
+    assert all(f.metadata["doc"] for f in fields(AppConfig))
+    proc = run_app("loop=commcheck", "layout=1t3r", "--help")  # the composed values
+    assert "loop.latency_iters: int = 20" in proc.stdout and "layout.rollouts: list[int] = [1,2,3]" in proc.stdout
 
 
 BAD_OVERRIDES = [
@@ -173,17 +248,57 @@ BAD_OVERRIDES = [
     (["layout.ranks_per_node=3"], "layout.world_size: 4 is not a multiple of ranks_per_node 3"),
     (["loop._target_=nosuch.module.Loop"], "loop._target_: cannot import 'nosuch.module.Loop'"),
     (["comm.backend=mpi"], "comm.backend"),
+    (["launcher.max_restarts=-1"], "launcher.max_restarts: must be >= 0, got -1"),
+    # PPO's settings are typed and range-checked before any rank starts.
+    (["loop=ppo", "loop.hparams.num_envs=0"], "loop.hparams.num_envs: must be a positive integer, got 0"),
+    (["loop=ppo", "loop.hparams.num_envs=abc"], "loop.hparams.num_envs"),
+    (["loop=ppo", "loop.hparams.num_minibatches=0"], "loop.hparams.num_minibatches: must be a positive integer, got 0"),
+    (["loop=ppo", "loop.hparams.num_minibatches=5000"], "loop.hparams.num_minibatches: must be at most the 1024 samples each trainer gets per update, got 5000"),
+    (["loop=ppo", "loop.hparams.lr=-0.1"], "loop.hparams.lr: must be > 0, got -0.1"),
+    (["loop=ppo", "loop.hparams.gamma=1.5"], "loop.hparams.gamma: must be in (0, 1], got 1.5"),
+    (["loop=ppo", "loop.hparams.gae_lambda=-0.5"], "loop.hparams.gae_lambda: must be in [0, 1], got -0.5"),
+    (["loop=ppo", "loop.hparams.nosuch=1"], "Key 'nosuch'"),
+    (["loop=ppo", "loop.nosuch=1"], "Key 'nosuch'"),
+    (["loop=ppo", "loop.window=0"], "loop.window: must be a positive integer, got 0"),
+    (["loop=ppo", "loop.total_env_steps=100"], "loop.total_env_steps: must allow at least one update (2048 env steps"),
+    (["loop=ppo", "loop.checkpoint_every=-1"], "loop.checkpoint_every: must be >= 0, got -1"),
+    (["loop=ppo", "loop.resume=/nonexistent/run"], "loop.resume: '/nonexistent/run' does not exist"),
+    (["loop.latency_iters=0"], "loop.latency_iters: must be a positive integer, got 0"),
+    (["loop=ppo", "loop._target_=app.loops.commcheck.CommCheck"],
+     "loop.total_env_steps: not a setting of app.loops.commcheck.CommCheck; to run your own loop start from loop=custom"),
+    (["loop=custom"], "loop._target_: missing"),
 ]
 
 
-@pytest.mark.parametrize(("overrides", "message"), BAD_OVERRIDES, ids=[o[0][0] for o in BAD_OVERRIDES])
-def test_bad_overrides_fail_before_any_rank_starts(
-    overrides: list[str], message: str, tmp_path: Path
-) -> None:
-    proc = run_app(*overrides, "loop=commcheck", f"hydra.run.dir={tmp_path}")
-    assert proc.returncode != 0
-    assert message in proc.stderr, describe(proc)
+def compose_and_validate(overrides: list[str]) -> None:
+    """What ``python -m app`` does before starting anything: Hydra composes, the app validates."""
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["loop=commcheck", *overrides])
+    validate(cfg)
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_OVERRIDES, ids=[" ".join(o[0]) for o in BAD_OVERRIDES])
+def test_bad_overrides_are_rejected_before_launch(overrides: list[str], message: str) -> None:
+    with pytest.raises(Exception) as failure:
+        compose_and_validate(overrides)
+    said = f"{failure.value}\n{failure.value.__cause__}"
+    assert message in said
+    if isinstance(failure.value, ConfigError):
+        assert "\n" not in str(failure.value)  # one line
+
+
+def test_a_bad_override_is_one_line_and_exit_2_before_any_rank_starts(tmp_path: Path) -> None:
+    proc = run_app("layout.rollouts=[2,9]", "loop=commcheck", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: layout.rollouts: rank 9 in group [2,9] is out of range for world_size 4"
+    )
     assert not (tmp_path / "logs").exists()  # no rank ever started
+    proc = run_app("loop.hparams.num_envs=abc", f"hydra.run.dir={tmp_path}")  # Hydra's own check
+    assert proc.returncode == 1 and "loop.hparams.num_envs" in proc.stderr, describe(proc)
+    assert not (tmp_path / "logs").exists()
 
 
 def test_nccl_without_cuda_fails_before_any_rank_starts(tmp_path: Path) -> None:

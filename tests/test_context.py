@@ -14,6 +14,7 @@ from rlcomm import (
     CommMode,
     EnvironmentConfigError,
     GroupRegistrationError,
+    LayoutError,
     ModeNotRegisteredError,
     ParallelMode,
 )
@@ -77,7 +78,10 @@ def _every_mode(rank: int, world_size: int) -> dict[str, Any]:
     ctx.init_group([[0, 1, 2, 3]], CommMode.INTRA_NODE, backend="gloo")
     ctx.init_group([[0], [1], [2], [3]], ParallelMode.INTER_NODE, backend="gloo")
     ctx.init_group([0, 1, 2, 3], ParallelMode.TENSOR_PARALLEL, backend="gloo", group_size=2)
-    ctx.init_group([0, 1, 2, 3], ParallelMode.SEQUENCE_PARALLEL, backend="gloo", group_size=1)
+    ctx.init_group(
+        [0, 1, 2, 3], ParallelMode.SEQUENCE_PARALLEL, backend="gloo", group_size=1,
+        tensor_parallel_size=2,
+    )
     ctx.init_group([0, 1, 2, 3], ParallelMode.DATA_PARALLEL, backend="gloo", group_size=2)
     info = ctx.describe()
     out: dict[str, Any] = {m: (i.local_rank, i.world_size, i.ranks) for m, i in info.items()}
@@ -242,3 +246,61 @@ def _derive_local_rank(rank: int, world_size: int) -> tuple[int, int]:
 
 def test_local_rank_derived_from_intra_node_group() -> None:
     assert run_ranks(_derive_local_rank, 4) == {0: (0, 2), 1: (1, 2), 2: (0, 2), 3: (1, 2)}
+
+
+def _init_groups_with_own_plan(rank: int, world_size: int) -> dict[str, Any]:
+    from rlcomm import LayoutSpec, plan_layout
+
+    # rank 1 was started with another layout: it must fail before any group is created
+    rollouts = [2, 3] if rank != 1 else [3, 2]
+    plan = plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=rollouts))
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=60)
+    try:
+        ctx.init_groups(plan)
+        return {"groups": sorted(ctx.describe())}
+    except LayoutError as err:
+        return {"error": str(err), "groups": sorted(ctx.describe())}
+    finally:
+        ctx.destroy()
+
+
+def test_a_rank_with_another_plan_fails_every_rank_before_any_group_exists() -> None:
+    results = run_ranks(_init_groups_with_own_plan, 4, timeout=120)
+    assert results[1]["error"].startswith("rank 1: its layout plan differs from rank 0's")
+    for rank in (0, 2, 3):
+        assert results[rank]["error"].startswith(
+            f"rank {rank}: some ranks were started with another layout plan than rank 0's"
+        )
+    assert all(r["groups"] == ["GLOBAL"] for r in results.values())
+
+
+def _init_groups_agreeing(rank: int, world_size: int) -> list[str]:
+    from rlcomm import LayoutSpec, plan_layout
+
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=60)
+    ctx.init_groups(plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3])))
+    groups = sorted(ctx.describe())
+    ctx.destroy()
+    return groups
+
+
+def test_init_groups_creates_every_planned_group() -> None:
+    results = run_ranks(_init_groups_agreeing, 4)
+    assert results[0] == ["GLOBAL", "INTER_NODE", "INTRA_NODE", "TRAIN_DATA_PARALLEL", "WEIGHT_TRANSFER"]
+    assert results[2] == ["GLOBAL", "INTER_NODE", "INTRA_NODE", "WEIGHT_TRANSFER"]
+
+
+def test_init_groups_needs_a_plan_of_the_joined_world_size() -> None:
+    from rlcomm import LayoutSpec, plan_layout
+
+    ctx = CommContext()
+    ctx.init_distributed_env(8, 0, backend="fake", timeout=60)
+    try:
+        with pytest.raises(LayoutError, match="the plan has 4 ranks but init_distributed_env joined 8"):
+            ctx.init_groups(plan_layout(LayoutSpec(world_size=4, trainers=[0, 1, 2, 3])))
+        with pytest.raises(LayoutError, match="SEQUENCE_PARALLEL: group_size needs tensor_parallel_size"):
+            ctx.init_group(list(range(8)), ParallelMode.SEQUENCE_PARALLEL, backend="gloo", group_size=2)
+    finally:
+        ctx.destroy()

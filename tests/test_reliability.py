@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
+from app.environment import without_launcher_variables
 from tests.apprun import MARKER, REPO, assert_no_survivors, describe, run_app
 from tests.multiproc import free_port, run_ranks
 
@@ -36,8 +37,6 @@ STOP_S = 60.0  # a failed or interrupted run must be over this soon after the ev
 PPO_SMALL = ("loop.hparams={num_envs:4,num_steps:64}", "loop.progress=false", "loop.target_return=1e9")
 STEPS_PER_UPDATE = 2 * 4 * 64  # layout 2t2r: 2 rollout ranks x num_envs x num_steps
 PPO_FOREVER = (*PPO_SMALL, f"loop.total_env_steps={10**10}")
-_LEAKED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "GLOO_SOCKET_IFNAME", "RLCOMM_RUN_ID")
 
 
 class AppProcess:
@@ -49,10 +48,7 @@ class AppProcess:
         self.marker = uuid.uuid4().hex
         self._stdout_path = workdir / f"{name}.stdout"
         self._stderr_path = workdir / f"{name}.stderr"
-        full_env = {
-            k: v for k, v in os.environ.items()
-            if k not in _LEAKED_ENV and not k.startswith(("SLURM_", "TORCHELASTIC_", "SUBMITIT_"))
-        }
+        full_env = without_launcher_variables(os.environ)
         full_env.update({MARKER: self.marker, "PYTHONPATH": str(REPO), **env})
         with self._stdout_path.open("w") as out, self._stderr_path.open("w") as err:
             self.proc = subprocess.Popen(
@@ -415,6 +411,23 @@ def test_sigint_sigterm_and_ctrl_c_stop_every_rank_then_a_new_run_starts_cleanly
     assert again.wait() == 0, again.describe()
     assert read_result(again.run_dir)["status"] == "ok"
     again.assert_all_ended()
+
+
+def test_an_interrupted_multirun_stops_at_the_interrupted_job(
+    start_app: Callable[..., AppProcess], tmp_path: Path
+) -> None:
+    sweep = tmp_path / "sweep"
+    app = start_app("sweep", "--multirun", "layout=1t1r", "seed=0,1", *PPO_FOREVER,
+                    f"hydra.sweep.dir={sweep}")
+    first = sweep / "0" / "logs"
+    app.wait_until("job 0 training", lambda: all(
+        (first / f"rank{r}.log").exists() and "groups:" in (first / f"rank{r}.log").read_text()
+        for r in range(2)))
+    os.kill(app.pid, signal.SIGTERM)
+    assert app.wait() == 128 + signal.SIGTERM, app.describe()
+    assert app.last_line == f"error: interrupted by SIGTERM: stopped all 2 ranks (logs: {first})"
+    assert not (sweep / "1").exists(), "the sweep went on after the interrupt"
+    app.assert_all_ended()
 
 
 # ---- 6. ports and exposure ------------------------------------------------------------------

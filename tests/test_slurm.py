@@ -136,25 +136,24 @@ STEP_ENV = {"SLURM_JOB_ID": "26", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SL
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    from app.environment import is_launcher_variable
+
     for name in list(os.environ):
-        if name.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_")) or name in (
-            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "RLCOMM_RUN_ID",
-        ):
+        if is_launcher_variable(name):
             monkeypatch.delenv(name)
     return monkeypatch
 
 
 def test_an_srun_task_is_a_rank_even_under_salloc(clean_env: pytest.MonkeyPatch) -> None:
-    from app.environment import detect_placement, distributed_env, run_id
+    from app.environment import resolve_rank_env, run_id
 
     for name, value in STEP_ENV.items():
         clean_env.setenv(name, value)
-    placement = detect_placement()
-    assert (placement.kind, placement.rank, placement.world_size) == ("slurm", 1, 4)
-    assert distributed_env(placement) == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-                                          "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "vm",
-                                          "MASTER_PORT": "15208"}
+    env = resolve_rank_env()
+    assert (env.launcher, env.rank, env.world_size) == ("slurm", 1, 4)
+    assert env.torch_variables() == {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                     "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "vm",
+                                     "MASTER_PORT": "15208"}
     assert run_id() == "slurm-26.0"
     clean_env.setenv("SLURM_ARRAY_JOB_ID", "25")
     clean_env.setenv("SLURM_ARRAY_TASK_ID", "1")
@@ -164,31 +163,33 @@ def test_an_srun_task_is_a_rank_even_under_salloc(clean_env: pytest.MonkeyPatch)
 def test_the_batch_script_and_one_task_steps_launch_ranks_themselves(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
-    from app.environment import Placement, detect_placement
+    from app.environment import resolve_rank_env
 
     # what sbatch sets in the batch script itself: SLURM_PROCID and SLURM_NTASKS, no step
     for name in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"):
         clean_env.setenv(name, STEP_ENV[name])
-    placement = detect_placement()
-    assert placement.kind == "local" and placement.note and "srun" in placement.note
+    env = resolve_rank_env()
+    assert env.launcher == "local" and env.note and "srun" in env.note
     clean_env.setenv("SLURM_STEP_ID", "4294967291")  # the batch step's id in 22.05
-    assert detect_placement().kind == "local"
+    assert resolve_rank_env().launcher == "local"
     clean_env.setenv("SLURM_STEP_ID", "0")
     clean_env.setenv("SLURM_NTASKS", "1")  # srun --pty bash, srun -n1 python -m app
-    assert detect_placement() == Placement("local")
+    env = resolve_rank_env()
+    assert (env.launcher, env.note, env.torch_variables()) == ("local", None, {})
 
 
 def test_a_submitit_local_task_is_a_rank(clean_env: pytest.MonkeyPatch) -> None:
-    from app.environment import detect_placement, distributed_env, master_port
+    from app.environment import master_port, resolve_rank_env
 
     for name, value in {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "2",
                         "SUBMITIT_LOCAL_LOCALID": "2", "SUBMITIT_LOCAL_NTASKS": "4",
                         "SUBMITIT_LOCAL_JOB_ID": "7144"}.items():
         clean_env.setenv(name, value)
-    placement = detect_placement()
-    assert (placement.kind, placement.rank, placement.world_size) == ("submitit", 2, 4)
-    env = distributed_env(placement)
-    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == str(master_port(7144))
+    env = resolve_rank_env()
+    assert (env.launcher, env.rank, env.world_size) == ("submitit", 2, 4)
+    variables = env.torch_variables()
+    assert variables["MASTER_ADDR"] == "127.0.0.1"
+    assert variables["MASTER_PORT"] == str(master_port(7144))
 
 
 def test_master_ports_differ_between_nearby_jobs_and_steps() -> None:

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
-from rlcomm import CommContext, collectives
+from rlcomm import CommContext, LayoutPlan, collectives
 
+from ..config import setting
+from ..errors import ConfigError
 from ..job import JobInfo
 
 
@@ -25,9 +27,14 @@ class CommCheckError(AssertionError):
 
 @dataclass
 class CommCheck:
-    latency_iters: int = 20
-    bandwidth_bytes: int = 4 * 1024 * 1024
-    bandwidth_iters: int = 3
+    latency_iters: int = setting(20, "small all_reduces timed per group (median reported)")
+    bandwidth_bytes: int = setting(4 * 1024 * 1024, "bytes broadcast per bandwidth measurement")
+    bandwidth_iters: int = setting(3, "broadcasts timed per group (median reported)")
+
+    def validate(self, plan: LayoutPlan) -> None:
+        for name in ("latency_iters", "bandwidth_bytes", "bandwidth_iters"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"loop.{name}: must be a positive integer, got {getattr(self, name)}")
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
         report = {}

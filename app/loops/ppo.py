@@ -20,7 +20,7 @@ import csv
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,10 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from rlcomm import CommContext, ParallelMode, collectives
+from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 from rlcomm.weight_transfer import WeightReceiver, WeightSender
 
+from ..config import setting
 from ..errors import ConfigError
 from ..job import JobInfo
 from .ppo_core import (
@@ -60,37 +61,48 @@ class StaleDataError(RuntimeError):
 
 @dataclass
 class PPOLoop:
-    total_env_steps: int = 400_000  # budget: stop here if the target is not reached
-    target_return: float = 475.0  # stop once the mean of the last `window` episodes reaches it
-    window: int = 20
-    checkpoint_every: int = 10  # updates; 0 disables checkpoints
-    resume: str | None = None  # a checkpoint file or a run dir holding checkpoints/
-    progress: bool = True
-    hparams: dict[str, Any] = field(default_factory=dict)
-    max_staleness: int = field(
-        default=0,
-        metadata={"help": "how many weights versions the data a trainer updates on may lag its "
-                  "own (0: lockstep; k >= 1: rollouts collect while trainers update)"},
+    total_env_steps: int = setting(400_000, "budget: stop here if the target is not reached")
+    target_return: float = setting(475.0, "stop once the mean return of the last `window` episodes reaches it")
+    window: int = setting(20, "episodes in the stop rule's mean return")
+    checkpoint_every: int = setting(10, "updates between checkpoints; 0 disables them")
+    resume: str | None = setting(None, "a checkpoint file, or a run dir holding checkpoints/")
+    progress: bool = setting(True, "show a progress bar on rank 0")
+    hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
+    max_staleness: int = setting(
+        0, "weights versions a trainer's data may lag its own (0: lockstep; >= 1: rollouts "
+        "collect while trainers update)"
     )
-    verify_weights_every: int = field(
-        default=10,
-        metadata={"help": "every N-th weights version, rollouts check that what they loaded "
-                  "matches the trainer's bytes (0: never)"},
+    verify_weights_every: int = setting(
+        10, "every N-th weights version, rollouts check what they loaded against the "
+        "trainer's bytes (0: never)"
     )
 
     def __post_init__(self) -> None:
-        self.hp = PPOHyperParams(**dict(self.hparams))
+        if not isinstance(self.hparams, PPOHyperParams):  # built from a plain mapping
+            self.hparams = PPOHyperParams(**dict(self.hparams))
+        self.hp = self.hparams
 
-    def validate(self) -> None:
-        """Checks the launcher runs before starting any rank."""
-        if self.total_env_steps <= 0:
-            raise ConfigError(f"loop.total_env_steps: must be positive, got {self.total_env_steps}")
+    def validate(self, plan: LayoutPlan) -> None:
+        """Range checks, run by the launcher before any rank starts."""
+        collectors = len(plan.rollouts) if plan.rollouts else len(plan.trainers)
+        per_update = collectors * self.hp.num_envs * self.hp.num_steps
+        batch_per_trainer = per_update // len(plan.trainers)
+        errors = [f"hparams.{e}" for e in self.hp.range_errors(batch_per_trainer)]
+        if self.window < 1:
+            errors.append(f"window: must be a positive integer, got {self.window}")
+        if self.checkpoint_every < 0:
+            errors.append(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
         if self.max_staleness < 0:
-            raise ConfigError(f"loop.max_staleness: must be >= 0, got {self.max_staleness}")
+            errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.verify_weights_every < 0:
-            raise ConfigError(
-                f"loop.verify_weights_every: must be >= 0, got {self.verify_weights_every}"
+            errors.append(f"verify_weights_every: must be >= 0, got {self.verify_weights_every}")
+        if not errors and self.total_env_steps < per_update:
+            errors.append(
+                f"total_env_steps: must allow at least one update ({per_update} env steps with "
+                f"this layout and hparams), got {self.total_env_steps}"
             )
+        if errors:
+            raise ConfigError(f"loop.{errors[0]}")
         if self.resume is not None:
             load_checkpoint(find_checkpoint(self.resume))
 
@@ -112,6 +124,12 @@ def check_staleness(
                 f"{version}, {lag} behind version {current} (loop.max_staleness={max_staleness})"
             )
     return lags
+
+
+def policy_receiver(ctx: CommContext, policy: torch.nn.Module) -> WeightReceiver:
+    """The rollout side of WEIGHT_TRANSFER: it accepts exactly ``policy``'s names, shapes and
+    dtypes (anything else is an error naming the tensor, on both sides, before data moves)."""
+    return WeightReceiver(ctx, WT, expected=policy.state_dict())
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -173,7 +191,7 @@ class _PPORun:
             # sends), and DDP and the optimizer hold the same Parameter objects as ever.
             self.sender.bind(self.policy)
         elif self.split:
-            self.receiver = WeightReceiver(ctx, WT, expected=self.policy.state_dict())
+            self.receiver = policy_receiver(ctx, self.policy)
             self.receiver.bind(self.policy)  # loads point the policy at the received bytes
         if self.is_trainer:
             self.model = DistributedDataParallel(self.policy, process_group=ctx.get_group(TDP))
@@ -455,7 +473,7 @@ class _PPORun:
 
     def _maybe_resume(self) -> None:
         source: Path | None = None
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        if self.job.env.restart_count > 0:
             # Restarted by the agent after a failure: this run's newest checkpoint wins.
             try:
                 source = find_checkpoint(self.job.run_dir)

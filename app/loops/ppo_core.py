@@ -18,6 +18,8 @@ from gymnasium.wrappers.vector import RecordEpisodeStatistics
 from torch import nn
 from torch.distributions import Categorical
 
+from ..config import setting
+
 ENV_ID = "CartPole-v1"
 
 # (episodic return, episode length) of one finished episode.
@@ -31,33 +33,57 @@ class PPOHyperParams:
     Tuned by simulating two rollout workers + two DDP trainers in one process
     (2 x 16 x 64 = 2048 env steps per update): 30/30 seeds reached a mean
     return >= 475 over the last 20 episodes, after ~96k env steps on average
-    (max 172k), ~6 s single-threaded CPU.
+    (max 172k), ~6 s single-threaded CPU. 16 envs x 64 steps because the per-vector-step overhead
+    dominates rollout cost, so more envs is cheaper per env step than longer rollouts.
     """
 
-    # 16 envs x 64 steps: per-vector-step overhead dominates rollout cost, so
-    # more envs is cheaper per env step than longer rollouts.
-    num_envs: int = 16
-    num_steps: int = 64  # rollout length per env
-    gamma: float = 0.99
-    gae_lambda: float = 0.95
-    lr: float = 2.5e-3
-    anneal_lr: bool = True
-    # Horizon of the linear LR annealing, in env steps (all collectors together), so a layout
-    # with fewer collectors (smaller updates) anneals over the same amount of experience.
-    anneal_env_steps: int = 204_800
-    update_epochs: int = 4
-    # Per trainer, per epoch; fixed by config so all DDP ranks do the same
-    # number of optimizer steps (2 was unstable: 3/10 seeds never solved).
-    num_minibatches: int = 4
-    clip_coef: float = 0.2
-    clip_vloss: bool = True
-    ent_coef: float = 0.0  # CartPole needs no entropy bonus; 0.01 solved ~25% slower
-    vf_coef: float = 0.5
-    max_grad_norm: float = 0.5
-    hidden_size: int = 64
-    # Treat time-limit truncation as non-terminal by bootstrapping V(final_obs)
-    # into the last reward; otherwise the critic learns that step 500 "fails".
-    bootstrap_truncated: bool = True
+    num_envs: int = setting(16, "environments per collecting rank (one vector env)")
+    num_steps: int = setting(64, "steps per environment per update (rollout length)")
+    gamma: float = setting(0.99, "discount factor, in (0, 1]")
+    gae_lambda: float = setting(0.95, "GAE lambda, in [0, 1]")
+    lr: float = setting(2.5e-3, "Adam learning rate (> 0)")
+    anneal_lr: bool = setting(True, "anneal the learning rate linearly to 0")
+    # Over env steps (all collectors together), so a layout with fewer collectors (smaller
+    # updates) anneals over the same amount of experience.
+    anneal_env_steps: int = setting(204_800, "env steps over which the learning rate anneals")
+    update_epochs: int = setting(4, "passes over each batch")
+    # Per trainer, per epoch; fixed by config so all DDP ranks do the same number of optimizer
+    # steps (2 was unstable: 3/10 seeds never solved).
+    num_minibatches: int = setting(4, "minibatches per epoch and trainer")
+    clip_coef: float = setting(0.2, "PPO ratio clip (> 0)")
+    clip_vloss: bool = setting(True, "clip the value loss too")
+    # CartPole needs no entropy bonus; 0.01 solved ~25% slower.
+    ent_coef: float = setting(0.0, "entropy bonus coefficient (>= 0)")
+    vf_coef: float = setting(0.5, "value loss coefficient (>= 0)")
+    max_grad_norm: float = setting(0.5, "gradient clipping norm (> 0)")
+    hidden_size: int = setting(64, "width of the actor and critic MLPs")
+    # Otherwise the critic learns that step 500 "fails".
+    bootstrap_truncated: bool = setting(True, "bootstrap V(final obs) at time-limit truncation")
+
+    def range_errors(self, batch_per_trainer: int) -> list[str]:
+        """Out-of-range settings as ``field: must be ..., got value`` (empty when all fit)."""
+        checks = [
+            ("num_envs", self.num_envs >= 1, "a positive integer"),
+            ("num_steps", self.num_steps >= 1, "a positive integer"),
+            ("gamma", 0 < self.gamma <= 1, "in (0, 1]"),
+            ("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
+            ("lr", self.lr > 0, "> 0"),
+            ("anneal_env_steps", self.anneal_env_steps >= 1, "a positive integer"),
+            ("update_epochs", self.update_epochs >= 1, "a positive integer"),
+            ("num_minibatches", self.num_minibatches >= 1, "a positive integer"),
+            ("clip_coef", self.clip_coef > 0, "> 0"),
+            ("ent_coef", self.ent_coef >= 0, ">= 0"),
+            ("vf_coef", self.vf_coef >= 0, ">= 0"),
+            ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
+            ("hidden_size", self.hidden_size >= 1, "a positive integer"),
+        ]
+        errors = [f"{name}: must be {want}, got {getattr(self, name)}" for name, ok, want in checks if not ok]
+        if not errors and self.num_minibatches > batch_per_trainer:
+            errors.append(
+                f"num_minibatches: must be at most the {batch_per_trainer} samples each trainer "
+                f"gets per update, got {self.num_minibatches}"
+            )
+        return errors
 
 
 def make_envs(num_envs: int, seed: int) -> gym.vector.VectorEnv:

@@ -1,0 +1,112 @@
+"""``python -m app --help``: the config groups a user picks from and every setting, with its
+type, current value (defaults plus the overrides on the command line) and one-line doc."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from .config import AppConfig, loop_schema
+
+GROUPS = ("comm", "layout", "loop", "hydra/launcher")
+
+
+def help_text(*, _root_: DictConfig) -> str:
+    """The help page for the config as composed (an OmegaConf resolver: ``${rlcomm_help:}``)."""
+    lines = [
+        "python -m app [group=option ...] [key=value ...] [--multirun] [--help]",
+        "",
+        "Config groups (group=option; * marks the current choice):",
+        *_group_lines(_root_),
+        "",
+        "Settings (key=value; type, current value, what it does):",
+    ]
+    for f in dataclasses.fields(AppConfig):
+        if f.name == "loop":
+            continue
+        lines += _field_lines(f.name, AppConfig, f, _root_.get(f.name))
+    loop = _root_.get("loop")
+    target = loop.get("_target_") if isinstance(loop, DictConfig) else None
+    lines += ["", f"loop settings of {target}:"]
+    lines += _loop_lines(loop, target)
+    lines += ["", "Hydra's own flags:", "$FLAGS_HELP"]
+    return "\n".join(lines)
+
+
+def _group_lines(root: DictConfig) -> list[str]:
+    chosen = {str(c).split("=")[0]: str(c).split("=")[-1] for c in _choices(root)}
+    lines = []
+    for group in GROUPS:
+        current = chosen.get(group)
+        options = sorted({*_options(group, root), *([current] if current else [])})
+        options = [o for o in options if not o.endswith("_schema")]
+        marked = [f"{o}*" if o == current else o for o in options]
+        lines.append(f"  {group + ':':<16}{', '.join(marked)}")
+    return lines
+
+
+def _options(group: str, root: DictConfig) -> set[str]:
+    """Every option of ``group``: the app's, plugins' and those in ``hydra.searchpath`` dirs."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    options = set(GlobalHydra.instance().config_loader().get_group_options(group))
+    for entry in OmegaConf.select(root, "hydra.searchpath") or []:
+        if str(entry).startswith("file://"):
+            options |= {p.stem for p in Path(str(entry)[7:], group).glob("*.yaml")}
+    return options
+
+
+def _choices(root: DictConfig) -> list[str]:
+    runtime = OmegaConf.select(root, "hydra.runtime.choices")
+    return [f"{k}={v}" for k, v in (runtime or {}).items()]
+
+
+def _field_lines(key: str, owner: type, f: dataclasses.Field[Any], value: Any) -> list[str]:
+    hint = typing.get_type_hints(owner)[f.name]
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        lines = []
+        for sub in dataclasses.fields(hint):
+            sub_value = value.get(sub.name) if isinstance(value, DictConfig) else None
+            lines += _field_lines(f"{key}.{sub.name}", hint, sub, sub_value)
+        return lines
+    shown = "???" if value is None and f.default is MISSING else _value(value)
+    return [f"  {key}: {_type_name(hint)} = {shown}  # {f.metadata.get('doc', '')}".rstrip(" #")]
+
+
+def _loop_lines(loop: Any, target: Any) -> list[str]:
+    try:
+        from hydra.utils import get_object
+
+        cls = get_object(str(target))
+    except Exception:
+        return ["  (the loop's class cannot be imported; see loop._target_)"]
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return ["  (not a dataclass: its arguments are not documented here)"]
+    schema = loop_schema(cls)
+    lines = []
+    for f in dataclasses.fields(schema):
+        if f.name != "_target_":
+            value = loop.get(f.name) if isinstance(loop, DictConfig) else None
+            lines += _field_lines(f"loop.{f.name}", schema, f, value)
+    return lines
+
+
+def _type_name(hint: Any) -> str:
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "|".join(str(m.value) for m in hint)
+    if isinstance(hint, type) and not typing.get_args(hint):
+        return hint.__name__
+    return str(hint).replace("typing.", "").replace("NoneType", "None")
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, DictConfig) or OmegaConf.is_list(value):
+        return str(OmegaConf.to_container(value)).replace(" ", "")
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    return "null" if value is None else str(value)

@@ -1,0 +1,101 @@
+"""ctx.device_mesh(): the planned DATA/SEQUENCE/TENSOR_PARALLEL grid as a torch DeviceMesh that
+reuses rlcomm's groups, for DTensor / FSDP2 code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlcomm import CommContext, LayoutError, LayoutSpec, ParallelMode, plan_layout
+from tests.multiproc import run_ranks
+
+TP, DP = ParallelMode.TENSOR_PARALLEL.value, ParallelMode.DATA_PARALLEL.value
+
+
+def _sharded_linear(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    plan = plan_layout(
+        LayoutSpec(world_size=4, trainers=[0, 1, 2, 3], tensor_parallel_size=2, data_parallel_size=2)
+    )
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=60)
+    ctx.init_groups(plan)
+    try:
+        mesh = ctx.device_mesh()
+        torch.manual_seed(0)  # the same dense layer and input on every rank
+        dense = torch.nn.Linear(8, 6)
+        x = torch.randn(5, 8)
+        expected = dense(x)
+        sharded = parallelize_module(
+            torch.nn.Linear(8, 6), mesh[TP], ColwiseParallel(use_local_output=False)
+        )
+        me = mesh[TP].get_local_rank()
+        with torch.no_grad():  # each TP rank takes its rows of the dense layer's own weights
+            sharded.weight.to_local().copy_(dense.weight.chunk(2)[me])
+            sharded.bias.to_local().copy_(dense.bias.chunk(2)[me])
+        out = sharded(x)
+        full = out.full_tensor() if isinstance(out, DTensor) else out
+        return {
+            "names": mesh.mesh_dim_names,
+            "mesh": mesh.mesh.tolist(),
+            "same_groups": all(mesh.get_group(m) is ctx.get_group(m) for m in (TP, DP)),
+            "tp_ranks": dist.get_process_group_ranks(mesh.get_group(TP)),
+            "max_error": float((full - expected).abs().max()),
+            "local_shape": list(sharded.weight.to_local().shape),
+        }
+    finally:
+        ctx.destroy()
+
+
+def test_a_tensor_parallel_linear_on_the_planned_mesh_matches_the_dense_layer() -> None:
+    results = run_ranks(_sharded_linear, 4)
+    for rank, got in results.items():
+        assert got["names"] == (DP, TP)
+        assert got["mesh"] == [[0, 1], [2, 3]]
+        assert got["same_groups"], "the mesh must reuse rlcomm's groups, not create new ones"
+        assert got["tp_ranks"] == ([0, 1] if rank < 2 else [2, 3])
+        assert got["local_shape"] == [3, 8]  # each TP rank holds half of the output features
+        assert got["max_error"] < 1e-5
+
+
+@pytest.mark.parametrize("rank", [0, 4095])
+def test_the_mesh_of_a_4096_rank_grid_has_the_planned_groups(rank: int) -> None:
+    world = 4096
+    plan = plan_layout(
+        LayoutSpec(
+            world_size=world, trainers=list(range(world)), tensor_parallel_size=8,
+            sequence_parallel_size=4,
+        )
+    )
+    ctx = CommContext()
+    ctx.init_distributed_env(world, rank, backend="fake", timeout=60)
+    try:
+        ctx.init_groups(plan)
+        mesh = ctx.device_mesh()
+        names = (DP, ParallelMode.SEQUENCE_PARALLEL.value, TP)
+        assert mesh.mesh_dim_names == names and tuple(mesh.mesh.shape) == (128, 4, 8)
+        for name in names:
+            planned = sorted(plan.groups_of(rank)[name])
+            assert dist.get_process_group_ranks(mesh.get_group(name)) == planned
+            assert mesh.get_group(name) is ctx.get_group(name)
+    finally:
+        ctx.destroy()
+
+
+def test_a_mesh_needs_grid_groups() -> None:
+    plan = plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3]))
+    ctx = CommContext()
+    ctx.init_distributed_env(4, 0, backend="fake", timeout=60)
+    try:
+        ctx.init_groups(plan)
+        with pytest.raises(Exception, match="the layout plans no DATA_PARALLEL groups"):
+            ctx.device_mesh([DP])
+        with pytest.raises(LayoutError, match="do not form one row-major grid"):
+            ctx.device_mesh([ParallelMode.WEIGHT_TRANSFER, ParallelMode.INTRA_NODE])
+    finally:
+        ctx.destroy()

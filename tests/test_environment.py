@@ -1,0 +1,53 @@
+"""RankEnv: who a process is, resolved once from the launcher's variables."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from app.environment import (
+    LAUNCHER_VARIABLES,
+    RankEnv,
+    is_launcher_variable,
+    resolve_rank_env,
+    without_launcher_variables,
+)
+
+
+def test_a_plain_shell_launches_the_ranks_itself() -> None:
+    env = resolve_rank_env({"PATH": "/bin"})
+    assert env == RankEnv("local", node=socket.gethostname())
+    assert not env.joins and env.torch_variables() == {}
+
+
+def test_a_torchrun_worker_is_a_rank_with_its_restart_count() -> None:
+    env = resolve_rank_env({
+        "TORCHELASTIC_RUN_ID": "abc", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "host1", "MASTER_PORT": "29500",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    })
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == (
+        "torchrun", 3, 4, 1, 2)
+    assert (env.master_addr, env.master_port, env.restart_count) == ("host1", 29500, 2)
+    assert env.run_name == "torchrun-abc" and env.joins
+
+
+def test_ranks_started_by_hand_and_run_names() -> None:
+    env = resolve_rank_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": "1234"})
+    assert (env.launcher, env.rank, env.local_rank, env.local_world_size) == ("env", 1, 1, 2)
+    assert env.run_name == "join-127.0.0.1-1234"
+    assert env.torch_variables() == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                     "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                     "MASTER_PORT": "1234"}
+    named = resolve_rank_env({"RANK": "0", "WORLD_SIZE": "2", "RLCOMM_RUN_ID": "mine"})
+    assert named.run_name == "mine"
+
+
+@pytest.mark.parametrize("name", ["RANK", "MASTER_PORT", "SLURM_PROCID", "TORCHELASTIC_RUN_ID",
+                                  "SUBMITIT_EXECUTOR", "RLCOMM_RUN_ID", "GLOO_SOCKET_IFNAME"])
+def test_one_list_of_launcher_variables(name: str) -> None:
+    assert is_launcher_variable(name)
+    assert without_launcher_variables({name: "1", "HOME": "/root"}) == {"HOME": "/root"}
+    assert not is_launcher_variable("PYTHONPATH") and "PYTHONPATH" not in LAUNCHER_VARIABLES
