@@ -17,6 +17,8 @@ from rlcomm import RlcommError, format_plan
 from .config import register_configs
 from .environment import output_subdir, resolve_rank_env, run_id
 from .help import help_text
+from .layout_picture import write_layout_files
+from .metrics import mark_job_start
 from .planning import check_world_size, validate
 from .slurm import register_launcher_configs
 
@@ -34,10 +36,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     plan = validate(cfg)
     if cfg.plan_only:
         print(format_plan(plan))
+        print(f"layout picture: {write_layout_files(plan, run_dir)}")
         return None
     env = resolve_rank_env()
     if env.note:
         log.warning(env.note)
+    if env.rank == 0:
+        write_layout_files(plan, run_dir)  # one picture per run, from one process
     if env.joins:
         check_world_size(plan, env.world_size, env.rank)  # before importing torch
     from rlcomm import resolve_backend
@@ -56,6 +61,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    mark_job_start()
     hydra_cfg = HydraConfig.get()
     try:
         return run(cfg, Path(hydra_cfg.runtime.output_dir))

@@ -1,10 +1,20 @@
-"""Hydra callbacks: a sweep summary that lists every job, failed ones included."""
+"""Hydra callbacks: a sweep summary that lists every job, failed ones included, and ranks them.
+
+Per job (``on_job_end``, in the job's rank-0 process): its entry in ``summary.json``. After the
+sweep (``on_multirun_end``, in the process that ran the sweep, for the basic and the submitit
+launchers alike): every job's metrics in ``summary.json``, the ranked table in ``summary.md`` and
+on stdout, and ``sweep.png``. Hydra skips ``on_multirun_end`` when a job failed (the sweeper
+raises the job's error first), so the same report is also written at exit in that case.
+"""
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
+import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +22,44 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .environment import resolve_rank_env
+from .errors import ConfigError
+from .metrics import check_metric_name
 
 
 class SweepSummary(Callback):
     """After each sweep job, records its overrides, status and result in
-    ``<sweep dir>/summary.json`` (written per job, so a failing job hides nothing)."""
+    ``<sweep dir>/summary.json`` (written per job, so a failing job hides nothing); after the
+    sweep, ranks the jobs (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._pending: tuple[Path, str | None, str | None] | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        rank_by = OmegaConf.select(config, "sweep.rank_by")
+        try:
+            if rank_by is not None:
+                check_metric_name(str(rank_by))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)  # before any job starts
+            sys.exit(2)
+        loop = OmegaConf.select(config, "loop._target_")
+        self._pending = (Path(str(config.hydra.sweep.dir)), rank_by, loop)
+        atexit.register(self._report)  # runs when a failed job ended the sweep early
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._report()
+
+    def _report(self) -> None:
+        if self._pending is None:
+            return
+        sweep_dir, rank_by, loop = self._pending
+        self._pending = None
+        table = write_sweep_report(sweep_dir, rank_by, loop)
+        if table is not None:
+            print(f"\nsweep summary: {sweep_dir / 'summary.md'}\n{table}", flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         hydra_cfg = HydraConfig.get()
@@ -47,3 +87,30 @@ def record_job(sweep_dir: Path, entry: dict[str, Any]) -> None:
         tmp = path.with_name(f".summary.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"jobs": sorted(jobs, key=lambda j: j["job"])}, indent=2))
         os.replace(tmp, path)
+
+
+def write_sweep_report(sweep_dir: Path, rank_by: str | None, loop: str | None) -> str | None:
+    """Every job's metrics into ``summary.json``, the ranked metric into ``sweep.png`` (what it
+    plots under ``plot`` in summary.json) and the ranked table into ``summary.md`` (returned);
+    None when no job was recorded."""
+    from .sweep_plot import plot_sweep
+    from .sweep_report import build_report, format_table, read_jobs, report_json
+
+    path = sweep_dir / "summary.json"
+    if not path.exists():
+        return None
+    with open(sweep_dir / ".summary.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = json.loads(path.read_text())["jobs"]
+        jobs = read_jobs(entries)
+        report = build_report(jobs, rank_by, loop)
+        for entry, job in zip(entries, jobs):
+            entry["metrics"] = job.metrics
+        plotted = plot_sweep(report, sweep_dir / "sweep.png")
+        summary = {**report_json(report), "plot": asdict(plotted), "jobs": entries}
+        tmp = path.with_name(f".summary.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, path)
+    table = format_table(report)
+    (sweep_dir / "summary.md").write_text(table)
+    return table

@@ -65,11 +65,21 @@ class LauncherConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How a ``--multirun`` is summarised (app/callbacks.py, app/sweep_report.py)."""
+
+    rank_by: str | None = setting(
+        None, "metric to rank sweep jobs by (app/metrics.py); default: the loop's headline one"
+    )
+
+
+@dataclass
 class AppConfig:
     comm: CommConfig = setting(doc="backend, rendezvous and timeouts", factory=CommConfig)
     layout: LayoutConfig = setting(doc="ranks, roles and groups", factory=LayoutConfig)
     loop: Any = setting(MISSING, "the training loop: _target_ plus its settings")
     launcher: LauncherConfig = setting(doc="local launch", factory=LauncherConfig)
+    sweep: SweepConfig = setting(doc="how a --multirun is ranked", factory=SweepConfig)
     seed: int = setting(0, "base seed; rank r uses seed + r")
     plan_only: bool = setting(False, "print every rank's groups and exit; start nothing")
 

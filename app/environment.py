@@ -49,7 +49,10 @@ _STEPS_PER_JOB = 8
 
 # Every variable through which a launcher describes a rank: tests scrub these to start the app as
 # from a fresh shell, and the SLURM launcher keeps the submitting shell's out of its jobs.
-LAUNCHER_VARIABLES = (*RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", "RLCOMM_RUN_ID", GLOO_SOCKET_IFNAME)
+LAUNCHER_VARIABLES = (
+    *RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", "RLCOMM_RUN_ID", "RLCOMM_JOB_START",
+    GLOO_SOCKET_IFNAME,
+)
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_")
 
 

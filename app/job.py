@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 
 from .environment import RankEnv, resolve_rank_env
+from .metrics import job_start_time
 from .planning import build_loop, check_world_size
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,10 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
     ctx.init_distributed_env(
         backend=cfg.comm.backend, dist_url=cfg.comm.init_method, timeout=cfg.comm.timeout
     )
+    startup_s = time.time() - job_start_time()
+    tick = time.perf_counter()
     ctx.init_groups(plan)
+    group_creation_s = time.perf_counter() - tick
     rank = env.rank
     log.info("rank %d (%s) groups: %s", rank, plan.role(rank), sorted(ctx.describe()))
 
@@ -97,6 +102,13 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
         "status": "ok",
         "world_size": plan.world_size,
         "loop": cfg.loop.get("_target_"),
+        # The figures a sweep compares (app/metrics.py): the loop's, as rank 0 reports them.
+        "metrics": {
+            **((result.get("metrics") or {}) if isinstance(result, dict) else {}),
+            "startup_s": round(startup_s, 3),
+            "group_creation_s": round(group_creation_s, 3),
+            "wall_s": round(time.time() - job_start_time(), 2),
+        },
         "ranks": reports,
     }
     (run_dir / "result.json").write_text(json.dumps(summary, indent=2))

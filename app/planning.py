@@ -13,6 +13,7 @@ from rlcomm import LayoutPlan, LayoutSpec, plan_layout
 
 from .config import loop_schema
 from .errors import ConfigError
+from .metrics import check_metric_name
 
 
 def build_plan(cfg: DictConfig) -> LayoutPlan:
@@ -36,6 +37,8 @@ def validate(cfg: DictConfig) -> LayoutPlan:
         raise ConfigError(f"comm.timeout: must be a positive number of seconds, got {timeout}")
     if cfg.launcher.max_restarts < 0:
         raise ConfigError(f"launcher.max_restarts: must be >= 0, got {cfg.launcher.max_restarts}")
+    if cfg.sweep.rank_by is not None:
+        check_metric_name(cfg.sweep.rank_by)
     _check_target(cfg.loop)
     plan = build_plan(cfg)
     _check_loop(cfg.loop, plan)

@@ -27,8 +27,9 @@ def assert_commcheck_passed(result: dict, world_size: int) -> None:
     assert result["status"] == "ok" and result["world_size"] == world_size
     assert sorted(r["rank"] for r in result["ranks"]) == list(range(world_size))
     for report in result["ranks"]:
-        assert set(report["result"]) == set(report["groups"])  # every group was checked
-        assert all(g["checks"] == "passed" for g in report["result"].values())
+        checked = {k: v for k, v in report["result"].items() if k not in ("metrics", "slowest_group")}
+        assert set(checked) == set(report["groups"])  # every group was checked
+        assert all(g["checks"] == "passed" for g in checked.values())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -88,6 +89,15 @@ def test_multirun_over_three_layouts_leaves_one_result_per_job(tmp_path: Path) -
         assert_commcheck_passed(read_result(tmp_path / str(job)), world)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [j["status"] for j in summary["jobs"]] == ["ok", "ok", "ok"]
+    # Ranked by commcheck's default: the slowest group's latency, lowest first.
+    assert summary["rank_by"] == "max_latency_us"
+    best = summary["ranking"][0]["median"]
+    assert best == min(j["metrics"]["max_latency_us"] for j in summary["jobs"])
+    first = read_result(tmp_path / "0")
+    assert "latency_us:WEIGHT_TRANSFER[0,1]" in first["metrics"]
+    assert first["ranks"][0]["result"]["slowest_group"] in {
+        key.split(":", 1)[1] for key in first["metrics"] if key.startswith("latency_us:")
+    }
 
 
 def test_a_failing_sweep_job_does_not_hide_the_others(tmp_path: Path) -> None:

@@ -323,7 +323,7 @@ def test_a_loop_that_raises_on_one_rank_fails_the_run_promptly(
 ) -> None:
     env = user_package(tmp_path, BOOM_LOOP)
     # A long comm timeout: only the agent noticing the failure can end this run in time.
-    app = start_app("boom", "loop._target_=mypkg.loops.Boom", "comm.timeout=600", env=env)
+    app = start_app("boom", "loop=custom", "loop._target_=mypkg.loops.Boom", "comm.timeout=600", env=env)
     app.wait_until("rank 1's error in its log", lambda: "boom on rank 1" in app.log(1))
     failed_at = time.monotonic()
     code = app.wait()
@@ -487,7 +487,7 @@ def test_two_runs_at_once_succeed_and_listen_on_loopback_only(
     env = user_package(tmp_path, LINGER_LOOP)
     release = tmp_path / "release"
     prefix = _hostname_prefix()
-    apps = [start_app(f"run{i}", "layout=1t1r", "loop._target_=mypkg.loops.Linger",
+    apps = [start_app(f"run{i}", "layout=1t1r", "loop=custom", "loop._target_=mypkg.loops.Linger",
                       f"+loop.release={release}", env=env, prefix=prefix) for i in range(2)]
     try:
         for app in apps:
@@ -548,12 +548,16 @@ def _forbid_unpickling(calls: list[str]) -> None:
 
 def _ppo_rank_without_unpickling(rank: int, world_size: int, config: dict[str, Any],
                                  run_dir: str) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
     from app.job import run_rank
+    from app.planning import validate
     from rlcomm import CommContext, collectives
 
     calls: list[str] = []
     _forbid_unpickling(calls)
-    result = run_rank(config, run_dir)  # the real rank: weight transfer, trajectory gather, ...
+    plan = validate(OmegaConf.create(config))  # as the launcher does
+    result = run_rank(config, plan, run_dir)  # the real rank: weight transfer, trajectory gather, ...
     assert not calls, calls  # nothing swallowed a trap
     # The trap is live in this process: the one pickle-based helper rlcomm has trips it.
     ctx = CommContext()

@@ -250,6 +250,9 @@ def test_multirun_over_two_layouts_leaves_one_result_per_job(
         assert rank_logs(sweep / job) == [f"rank{r}.log" for r in range(4)]
     summary = json.loads((sweep / "summary.json").read_text())
     assert [(j["job"], j["status"]) for j in summary["jobs"]] == [(0, "ok"), (1, "ok")]
+    # Ranked after the sweep, in the submitting process (commcheck's default metric).
+    assert summary["rank_by"] == "max_latency_us" and len(summary["ranking"]) == 2
+    assert (sweep / "summary.md").read_text().strip() in proc.stdout
     if preset == "rlcomm_slurm":
         ids = array_jobs(sweep)
         assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1  # one job array

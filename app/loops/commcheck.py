@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from rlcomm import CommContext, LayoutPlan, collectives
+from rlcomm import CommContext, CommMode, LayoutPlan, collectives
+from rlcomm.utils import format_ranks
 
 from ..config import setting
 from ..errors import ConfigError
@@ -37,7 +38,7 @@ class CommCheck:
                 raise ConfigError(f"loop.{name}: must be a positive integer, got {getattr(self, name)}")
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
-        report = {}
+        report: dict[str, Any] = {}
         for mode, info in ctx.describe().items():
             self._check(ctx, mode, info.ranks)
             report[mode] = {
@@ -46,6 +47,10 @@ class CommCheck:
                 "allreduce_latency_us": self._latency_us(ctx, mode),
                 "broadcast_gbps": self._bandwidth_gbps(ctx, mode),
             }
+        everyone = collectives.gather_json(ctx, CommMode.GLOBAL, report, dst=0)
+        report["metrics"] = group_metrics(everyone) if everyone is not None else {}
+        if everyone is not None:
+            report["slowest_group"] = slowest_group(report["metrics"])
         return report
 
     def _check(self, ctx: CommContext, mode: str, ranks: list[int]) -> None:
@@ -82,6 +87,29 @@ class CommCheck:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         return round(self.bandwidth_bytes / statistics.median(times) / 1e9, 3)
+
+
+def group_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """Per group, as its slowest member measured it (``latency_us:<MODE>[ranks]``,
+    ``bandwidth_gbps:<MODE>[ranks]``), and the slowest group of the job."""
+    latency: dict[str, float] = {}
+    bandwidth: dict[str, float] = {}
+    for report in reports:
+        for mode, figures in report.items():
+            group = f"{mode}{format_ranks(figures['ranks'])}"
+            latency[group] = max(latency.get(group, 0.0), figures["allreduce_latency_us"])
+            bandwidth[group] = min(bandwidth.get(group, float("inf")), figures["broadcast_gbps"])
+    metrics = {f"latency_us:{g}": v for g, v in latency.items()}
+    metrics |= {f"bandwidth_gbps:{g}": v for g, v in bandwidth.items()}
+    metrics["max_latency_us"] = max(latency.values())
+    metrics["min_bandwidth_gbps"] = min(bandwidth.values())
+    return metrics
+
+
+def slowest_group(metrics: dict[str, float]) -> str:
+    """The group with the highest latency, e.g. ``WEIGHT_TRANSFER[0,2]``."""
+    worst = max((k for k in metrics if k.startswith("latency_us:")), key=metrics.__getitem__)
+    return worst.split(":", 1)[1]
 
 
 def _expect(mode: str, what: str, got: Any, want: Any) -> None:

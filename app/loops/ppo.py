@@ -171,6 +171,9 @@ class _PPORun:
         self.split = not plan.colocated
         self.collectors = len(plan.trainers) if plan.colocated else len(plan.rollouts)
 
+        # A 64-wide MLP gains nothing from intra-op threads, and on shared cores they spin
+        # against each other (layout=single under load: 459 s to the target with 2, 25 s with 1).
+        torch.set_num_threads(1)
         torch.manual_seed(job.seed)  # same initial weights on every rank
         self.worker = RolloutWorker.from_hparams(self.hp, seed=job.seed * 10_000 + self.rank)
         obs_dim = self.worker.obs_dim
@@ -202,7 +205,7 @@ class _PPORun:
         self.episodes: list[tuple[float, int]] = []
         self.transfer_s = 0.0
         self.trainer_s = 0.0
-        self.wait_s = 0.0  # this update's time blocked on the other role (weights, segments)
+        self.wait_s = 0.0  # this update's time blocked in the trainer <-> rollout hand-off
         self.wait_total_s = 0.0
         self.staleness: dict[int, int] = {}  # version lag -> segments trained on (trainers)
         self.acting_version = 0  # the weights version the policy holds (rollouts)
@@ -212,6 +215,7 @@ class _PPORun:
     # ---- the loop -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         self._maybe_resume()
+        first_update, first_steps = self.update, self.env_steps
         start = time.perf_counter()
         reached_at: tuple[float, int] | None = None
         bar = self._progress_bar()
@@ -246,6 +250,9 @@ class _PPORun:
         if self.rank == 0:
             self._write_outputs()
         self.worker.close()
+        metrics = self._job_metrics(
+            elapsed, reached_at, self.update - first_update, self.env_steps - first_steps
+        )
         return {
             "role": self.job.plan.role(self.rank),
             "updates": self.update,
@@ -266,6 +273,7 @@ class _PPORun:
             **({"staleness_histogram": {str(k): n for k, n in sorted(self.staleness.items())}}
                if self.is_trainer else {}),
             "param_checksum": float(sum(p.detach().double().sum() for p in self.policy.parameters())),
+            "metrics": metrics,
         }
 
     def _sync_weights(self, first: bool) -> None:
@@ -422,6 +430,39 @@ class _PPORun:
         }
         self.metrics.append(row)
         return row
+
+    def _job_metrics(
+        self, elapsed: float, reached_at: tuple[float, int] | None, updates: int, steps: int
+    ) -> dict[str, float | None]:
+        """The figures that compare jobs (app/metrics.py), the same on every rank: per-role
+        times are summed over GLOBAL in one collective, so the fractions are the whole job's."""
+        rollout = not self.is_trainer
+        totals = collectives.all_reduce_dict(self.ctx, GLOBAL, {
+            "trainers": float(self.is_trainer),
+            "trainer_s": elapsed if self.is_trainer else 0.0,
+            "trainer_wait_s": self.wait_total_s if self.is_trainer else 0.0,
+            "transfer_s": self.transfer_s,
+            "rollouts": float(rollout),
+            "rollout_s": elapsed if rollout else 0.0,
+            "rollout_wait_s": self.wait_total_s if rollout else 0.0,
+        })
+
+        def share(part: float, whole: float) -> float | None:
+            return round(part / whole, 4) if whole > 0 else None
+
+        recent = self._recent_return()  # -inf before `window` episodes finished
+        return {
+            "env_steps_per_s": round(steps / elapsed, 1) if elapsed else None,
+            "time_to_target_s": round(reached_at[0], 2) if reached_at else None,
+            "env_steps_to_target": reached_at[1] if reached_at else None,
+            "reached_target": 1 if reached_at else 0,
+            "updates_per_s": round(updates / elapsed, 2) if elapsed else None,
+            "transfer_s": round(totals["transfer_s"] / totals["trainers"], 3),
+            "transfer_share": share(totals["transfer_s"], totals["trainer_s"]),
+            "trainer_wait_fraction": share(totals["trainer_wait_s"], totals["trainer_s"]),
+            "rollout_wait_fraction": share(totals["rollout_wait_s"], totals["rollout_s"]),
+            "final_mean_return": round(recent, 2) if recent > float("-inf") else None,
+        }
 
     def _progress_bar(self) -> Any:
         if self.rank != 0 or not self.loop.progress:

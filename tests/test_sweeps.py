@@ -1,0 +1,287 @@
+"""Sweeps that rank their jobs (summary.json / summary.md / sweep.png) and layout pictures."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from app.errors import ConfigError
+from app.layout_picture import describe_layout, draw_layout, write_layout_files
+from app.loops.commcheck import group_metrics, slowest_group
+from app.metrics import DIRECTIONS, check_metric_name, default_rank_by, direction
+from app.planning import validate
+from app.sweep_plot import sweep_plot_data
+from app.sweep_report import JobRecord, build_report, format_table, group_by_seed, rank_groups
+from rlcomm import LayoutPlan, LayoutSpec, plan_layout
+from tests.apprun import REPO, describe, run_app
+
+PNG = b"\x89PNG\r\n\x1a\n"
+PPO = "app.loops.ppo.PPOLoop"
+# A PPO budget of 2-4 updates per job; a target the first updates can reach (window 5).
+SHORT_PPO = (
+    "loop.progress=false", "loop.hparams.num_envs=4", "loop.hparams.num_steps=32",
+    "loop.total_env_steps=512", "loop.target_return=20", "loop.window=5",
+    "loop.checkpoint_every=0", "comm.timeout=120",
+)
+PPO_METRICS = {
+    "env_steps_per_s", "time_to_target_s", "env_steps_to_target", "reached_target",
+    "updates_per_s", "transfer_s", "transfer_share", "trainer_wait_fraction",
+    "rollout_wait_fraction", "final_mean_return", "startup_s", "group_creation_s", "wall_s",
+}
+
+
+# ---- pure functions: ranking and grouping ---------------------------------------------------
+
+
+def job(num: int, layout: str, seed: int, value: float | None, status: str = "ok",
+        metric: str = "time_to_target_s") -> JobRecord:
+    return JobRecord(num, (f"layout={layout}", f"seed={seed}", "loop.target_return=475"), status,
+                     {metric: value, "env_steps_per_s": 100.0 * (num + 1)}, loop=PPO,
+                     error="boom" if status == "failed" else None)
+
+
+def test_jobs_that_differ_only_in_seed_form_one_group_labelled_by_what_varies() -> None:
+    jobs = [job(0, "single", 0, 5.0), job(1, "single", 1, 7.0), job(2, "2t2r", 0, 3.0)]
+    groups = group_by_seed(jobs, "time_to_target_s")
+    assert [(g.label, [j.job for j in g.jobs]) for g in groups] == [
+        ("layout=single", [0, 1]), ("layout=2t2r", [2])
+    ]  # loop.target_return=475 is common to all jobs: not in the labels
+    assert (groups[0].median, min(groups[0].values), max(groups[0].values)) == (6.0, 5.0, 7.0)
+    assert [j.seed for j in groups[0].jobs] == ["0", "1"]
+
+
+def test_ranking_follows_the_metrics_direction_and_puts_missing_values_last() -> None:
+    jobs = [
+        job(0, "a", 0, 5.0), job(1, "a", 1, 9.0),  # median 7
+        job(2, "b", 0, 4.0), job(3, "b", 1, None),  # one seed did not reach the target
+        job(4, "c", 0, 6.0), job(5, "c", 1, 6.5),  # median 6.25
+        job(6, "d", 0, None), job(7, "d", 1, None),  # no value at all
+    ]
+    lowest = rank_groups(group_by_seed(jobs, "time_to_target_s"), "min")
+    assert [g.label for g in lowest] == ["layout=c", "layout=a", "layout=b", "layout=d"]
+    highest = rank_groups(group_by_seed(jobs, "time_to_target_s"), "max")
+    assert [g.label for g in highest] == ["layout=a", "layout=c", "layout=b", "layout=d"]
+
+
+def test_report_uses_the_loops_default_metric_and_lists_failed_jobs_last() -> None:
+    jobs = [job(0, "x", 0, None, status="failed"), job(1, "a", 0, 8.0), job(2, "b", 0, 2.0)]
+    report = build_report(jobs)
+    assert report.rank_by == "time_to_target_s" and report.direction == "min"
+    table = format_table(report)
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [r.split(" | ")[:3] for r in rows] == [
+        ["| 1", "layout=b", "#2"], ["| 2", "layout=a", "#1"], ["| failed", "layout=x seed=0 loop.target_return=475", "#0"],
+    ]
+    assert "boom" in rows[-1]
+    assert "lower is better" in table
+    by_speed = build_report(jobs, rank_by="env_steps_per_s")
+    assert [g.label for g in by_speed.groups] == ["layout=b", "layout=a"]  # 300/s before 200/s
+    plot = sweep_plot_data(by_speed)
+    assert plot.labels == ("layout=b", "layout=a") and plot.medians == (300.0, 200.0)
+
+
+def test_metric_registry_knows_every_direction_and_rejects_unknown_names() -> None:
+    assert direction("time_to_target_s") == "min" and direction("env_steps_per_s") == "max"
+    assert direction("latency_us:WEIGHT_TRANSFER[0,2]") == "min"
+    assert set(DIRECTIONS.values()) == {"min", "max"}
+    assert default_rank_by(PPO) == "time_to_target_s"
+    assert default_rank_by("app.loops.commcheck.CommCheck") == "max_latency_us"
+    assert default_rank_by("mypkg.loops.CountRanks") == "wall_s"
+    with pytest.raises(ConfigError, match=r"^sweep.rank_by: unknown metric 'speed'; known: "):
+        check_metric_name("speed")
+
+
+def test_commcheck_metrics_take_each_groups_slowest_member() -> None:
+    def figures(ranks: list[int], latency: float, gbps: float) -> dict:
+        return {"ranks": ranks, "allreduce_latency_us": latency, "broadcast_gbps": gbps}
+
+    reports = [
+        {"GLOBAL": figures([0, 1], 50.0, 2.0), "WEIGHT_TRANSFER": figures([0, 1], 80.0, 1.0)},
+        {"GLOBAL": figures([0, 1], 60.0, 1.5), "WEIGHT_TRANSFER": figures([0, 1], 70.0, 1.2)},
+    ]
+    metrics = group_metrics(reports)
+    assert metrics["latency_us:GLOBAL[0,1]"] == 60.0 and metrics["bandwidth_gbps:GLOBAL[0,1]"] == 1.5
+    assert metrics["max_latency_us"] == 80.0 and metrics["min_bandwidth_gbps"] == 1.0
+    assert slowest_group(metrics) == "WEIGHT_TRANSFER[0,1]"
+
+
+# ---- layout pictures ------------------------------------------------------------------------
+
+
+def shipped_plan(layout: str) -> LayoutPlan:
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return validate(compose("config", overrides=[f"layout={layout}", "loop=commcheck"]))
+
+
+def spans(picture: object, mode: str) -> list[tuple[int, ...]]:
+    band = next(b for b in picture.bands if b.mode == mode)  # type: ignore[attr-defined]
+    return [s.ranks for s in band.spans]
+
+
+def test_layout_pictures_of_the_shipped_layouts(tmp_path: Path) -> None:
+    single = describe_layout(shipped_plan("single"))
+    assert [(c.rank, c.role) for c in single.cells] == [(0, "trainer+rollout")]
+    assert len(single.boxes) == 1 and single.hidden_ranks == 0
+
+    default = describe_layout(shipped_plan("2t2r"))
+    assert [(c.rank, c.role) for c in default.cells] == [
+        (0, "trainer"), (1, "trainer"), (2, "rollout"), (3, "rollout")
+    ]
+    assert spans(default, "WEIGHT_TRANSFER") == [(0, 2), (1, 3)]
+    assert spans(default, "TRAIN_DATA_PARALLEL") == [(0, 1)]
+
+    nodes = describe_layout(shipped_plan("2x2"))
+    assert [[c.rank for c in box.cells] for box in nodes.boxes] == [[0, 1], [2, 3]]
+    assert spans(nodes, "INTRA_NODE") == [(0, 1), (2, 3)]
+    assert spans(nodes, "INTER_NODE") == [(0, 2), (1, 3)]
+    assert spans(nodes, "WEIGHT_TRANSFER") == [(0, 1), (2, 3)]
+    assert nodes.column(1) < nodes.column(2)  # node 1's ranks sit right of node 0's
+
+    grid = describe_layout(shipped_plan("tp2dp2"))
+    assert spans(grid, "TENSOR_PARALLEL") == [(0, 1), (2, 3)]
+    assert spans(grid, "DATA_PARALLEL") == [(0, 2), (1, 3)]
+    assert all(c.role == "trainer+rollout" for c in grid.cells)
+
+    png = write_layout_files(shipped_plan("2x2"), tmp_path)
+    assert png.read_bytes()[:8] == PNG
+    assert "WEIGHT_TRANSFER" in (tmp_path / "layout.txt").read_text()
+
+
+def test_a_65536_rank_layout_is_drawn_summarised_in_under_two_seconds(tmp_path: Path) -> None:
+    world = 65_536
+    plan = plan_layout(LayoutSpec(
+        world, ranks_per_node=8, trainers=list(range(0, world, 8)),
+        rollouts=[r for r in range(world) if r % 8], tensor_parallel_size=2,
+    ))
+    draw_layout(describe_layout(plan_layout(LayoutSpec(2, trainers=[0, 1]))), tmp_path / "w.png")
+    # matplotlib is imported above: this times the drawing itself, in CPU time, since on a
+    # shared 2-core machine the wall clock measures the neighbours (0.6 s CPU here).
+    start = time.process_time()
+    picture = describe_layout(plan)
+    draw_layout(picture, tmp_path / "layout.png")
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, elapsed
+    assert [box.node for box in picture.boxes] == [0, 1, 2, 8191]  # first nodes and the last
+    assert picture.hidden_nodes == 8188 and len(picture.cells) == 32
+    assert picture.hidden_ranks == world - 32
+    assert [c.role for c in picture.boxes[-1].cells] == ["trainer"] + ["rollout"] * 7
+    assert spans(picture, "WEIGHT_TRANSFER")[-1] == tuple(range(world - 8, world))
+    wt = next(b for b in picture.bands if b.mode == "WEIGHT_TRANSFER")
+    assert wt.groups == 8192 and len(wt.spans) == 4
+    assert (tmp_path / "layout.png").read_bytes()[:8] == PNG
+
+
+def test_plan_only_writes_layout_png_and_txt(tmp_path: Path) -> None:
+    proc = run_app("plan_only=true", "layout=2x2", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, describe(proc)
+    assert f"layout picture: {tmp_path / 'layout.png'}" in proc.stdout
+    assert (tmp_path / "layout.png").read_bytes()[:8] == PNG
+    assert (tmp_path / "layout.txt").read_text().strip() in proc.stdout
+    assert not (tmp_path / "logs").exists()
+
+
+# ---- real sweeps ----------------------------------------------------------------------------
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    rows = [line for line in markdown.splitlines() if line.startswith("| ")][1:]
+    return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows]
+
+
+def check_sweep(sweep: Path, stdout: str, layouts: list[str], seeds: list[int], metric: str,
+                failed: int = 0) -> None:
+    """summary.json / summary.md / sweep.png against the jobs' own result.json."""
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["rank_by"] == metric
+    jobs = {j["job"]: j for j in summary["jobs"]}
+    ok = [j for j in jobs.values() if j["status"] == "ok"]
+    assert len(ok) == len(layouts) * len(seeds) and len(jobs) == len(ok) + failed
+    values: dict[str, list[float]] = {}
+    for entry in ok:
+        result = json.loads((sweep / str(entry["job"]) / "result.json").read_text())
+        assert entry["metrics"] == result["metrics"]
+        assert set(result["metrics"]) >= PPO_METRICS
+        layout = next(o.split("=")[1] for o in entry["overrides"] if o.startswith("layout="))
+        if result["metrics"][metric] is not None:
+            values.setdefault(f"layout={layout}", []).append(result["metrics"][metric])
+        assert (sweep / str(entry["job"]) / "layout.png").read_bytes()[:8] == PNG
+        assert f"world_size={result['world_size']}" in (sweep / str(entry["job"]) / "layout.txt").read_text()
+        rollout_wait = result["metrics"]["rollout_wait_fraction"]
+        assert (rollout_wait is None) == (layout == "single")
+        assert 0 < result["metrics"]["startup_s"] < result["metrics"]["wall_s"]
+    sign = 1 if direction(metric) == "min" else -1
+    expected = sorted(values, key=lambda label: sign * statistics.median(values[label]))
+    rows = table_rows((sweep / "summary.md").read_text())
+    ranked = [r for r in rows if r[0] != "failed"]
+    assert [r[1] for r in ranked][: len(expected)] == expected
+    for row in ranked:  # seeds grouped: one row per layout, with each seed's job
+        assert len(row[2].split()) == len(seeds)
+    assert [r[0] for r in rows[len(ranked):]] == ["failed"] * failed  # failed jobs last
+    assert summary["plot"]["labels"] == expected
+    assert summary["plot"]["medians"] == [statistics.median(values[k]) for k in expected]
+    assert summary["plot"]["lows"] == [min(values[k]) for k in expected]
+    assert summary["plot"]["highs"] == [max(values[k]) for k in expected]
+    assert [sorted(p) for p in summary["plot"]["points"]] == [sorted(values[k]) for k in expected]
+    assert (sweep / "sweep.png").read_bytes()[:8] == PNG
+    assert f"sweep summary: {sweep / 'summary.md'}" in stdout
+    assert (sweep / "summary.md").read_text().strip() in stdout  # the multirun ends with it
+
+
+@pytest.mark.timeout(900)  # 10 jobs, 22 rank processes: about 2 minutes on 2 idle cores
+def test_sweep_over_four_layouts_and_two_seeds_ranks_its_jobs(tmp_path: Path) -> None:
+    conf = tmp_path / "conf" / "layout"
+    conf.mkdir(parents=True)  # a layout that fails in its job: rank 2 has no role
+    (conf / "broken.yaml").write_text("defaults: [layout_schema, _self_]\nworld_size: 3\n"
+                                      "trainers: [0]\nrollouts: [1]\n")
+    sweep = tmp_path / "sweep"
+    proc = run_app("--multirun", "layout=broken,single,1t1r,2t2r,1t3r", "seed=0,1",
+                   "sweep.rank_by=env_steps_per_s", *SHORT_PPO, f"hydra.sweep.dir={sweep}",
+                   f"hydra.searchpath=[file://{tmp_path / 'conf'}]", timeout=840)
+    assert proc.returncode != 0, describe(proc)  # the broken jobs fail the multirun...
+    check_sweep(sweep, proc.stdout, ["single", "1t1r", "2t2r", "1t3r"], [0, 1],
+                "env_steps_per_s", failed=2)  # ...yet the report covers every job
+    failed = [r for r in table_rows((sweep / "summary.md").read_text()) if r[0] == "failed"]
+    assert [r[2] for r in failed] == ["#0", "#1"]
+    assert all("ranks [2] are neither trainers nor rollouts" in r[3] for r in failed)
+
+
+def test_sweep_through_the_local_submitit_launcher_ranks_its_jobs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_app("--multirun", "hydra/launcher=rlcomm_local", "layout=single,1t1r", "seed=0,1",
+                   "+sweep.rank_by=env_steps_per_s", *SHORT_PPO, f"hydra.sweep.dir={sweep}",
+                   timeout=540)
+    assert proc.returncode == 0, describe(proc)
+    check_sweep(sweep, proc.stdout, ["single", "1t1r"], [0, 1], "env_steps_per_s")
+
+
+def test_unknown_rank_by_metric_fails_before_any_job(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_app("--multirun", "layout=single,1t1r", "sweep.rank_by=speed",
+                   f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 2, describe(proc)
+    assert re.fullmatch(r"error: sweep\.rank_by: unknown metric 'speed'; known: .*",
+                        proc.stderr.strip().splitlines()[-1])
+    assert not list(sweep.glob("*/result.json")) and not (sweep / "0").exists()
+
+
+def test_the_shipped_layout_sweep_composes_into_twelve_jobs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_app("--multirun", "+experiment=layouts", "plan_only=true",
+                   f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, describe(proc)
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["rank_by"] == "time_to_target_s"
+    assert [sorted(o for o in j["overrides"] if o.startswith(("layout=", "seed=")))
+            for j in summary["jobs"]] == [
+        [f"layout={layout}", f"seed={seed}"]
+        for layout in ("single", "1t1r", "2t2r", "1t3r") for seed in (0, 1, 2)
+    ]
+    assert all((sweep / str(n) / "layout.png").exists() for n in range(12))
