@@ -21,6 +21,7 @@ from .layout_picture import write_layout_files
 from .metrics import mark_job_start
 from .planning import check_world_size, validate
 from .slurm import register_launcher_configs
+from .summary import format_summary
 
 log = logging.getLogger("app")
 
@@ -53,10 +54,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         from .local_launch import launch_local
 
         log.info("starting %d local ranks; run dir %s", plan.world_size, run_dir)
-        return launch_local(config, plan, run_dir)
-    from .job import run_rank
+        result: dict[str, Any] | None = launch_local(config, plan, run_dir)
+    else:
+        from .job import run_rank
 
-    return run_rank(config, plan, str(run_dir))
+        result = run_rank(config, plan, str(run_dir))
+    if result is not None:  # rank 0's summary (a joined job: on rank 0 only)
+        print(format_summary(result["summary"]), flush=True)
+    return result
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -13,7 +13,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .config import AppConfig, loop_schema
 
-GROUPS = ("comm", "layout", "loop", "hydra/launcher")
+GROUPS = ("comm", "layout", "loop", "hydra/launcher", "experiment")
+OPTIONAL = {"experiment"}  # no default: picked with +experiment=NAME
 
 
 def help_text(*, _root_: DictConfig) -> str:
@@ -46,7 +47,8 @@ def _group_lines(root: DictConfig) -> list[str]:
         options = sorted({*_options(group, root), *([current] if current else [])})
         options = [o for o in options if not o.endswith("_schema")]
         marked = [f"{o}*" if o == current else o for o in options]
-        lines.append(f"  {group + ':':<16}{', '.join(marked)}")
+        name = f"+{group}" if group in OPTIONAL else group
+        lines.append(f"  {name + ':':<16}{', '.join(marked)}")
     return lines
 
 

@@ -20,8 +20,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 
 from .environment import RankEnv, resolve_rank_env
+from .logs import FILE_ONLY
 from .metrics import job_start_time
 from .planning import build_loop, check_world_size
+from .summary import run_summary
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,9 @@ class Loop(Protocol):
     """A training loop: ``loop(ctx, job) -> dict`` (JSON-serialisable), called on every rank.
 
     Build one with ``loop._target_=mypkg.MyLoop`` plus its constructor arguments; it receives the
-    registry explicitly and must not reach for ``CommContext()`` itself.
+    registry explicitly and must not reach for ``CommContext()`` itself. Optionally, a method
+    ``summary(result, run_dir) -> dict`` adds figures (and ``files``: name -> path) to the
+    closing summary, from rank 0's result.
     """
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]: ...
@@ -66,7 +70,8 @@ def run_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> dict[str
     try:
         return _run(cfg, plan, env, Path(run_dir))
     except BaseException:
-        log.exception("rank %d failed", env.rank)  # the traceback lands in this rank's log file
+        # The traceback lands in this rank's log file; the console gets the launcher's error line.
+        log.exception("rank %d failed", env.rank, extra=FILE_ONLY)
         raise
 
 
@@ -98,6 +103,8 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
     ctx.destroy()
     if reports is None:
         return None
+    loop_summary = getattr(loop, "summary", None)  # a loop may add its own figures and files
+    wall_s = time.time() - job_start_time()
     summary = {
         "status": "ok",
         "world_size": plan.world_size,
@@ -107,12 +114,22 @@ def _run(cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path) -> dict
             **((result.get("metrics") or {}) if isinstance(result, dict) else {}),
             "startup_s": round(startup_s, 3),
             "group_creation_s": round(group_creation_s, 3),
-            "wall_s": round(time.time() - job_start_time(), 2),
+            "wall_s": round(wall_s, 2),
         },
+        "summary": run_summary(
+            str(cfg.loop.get("_target_")),
+            plan.world_size,
+            restarts=env.restart_count,
+            wall_s=wall_s,
+            run_dir=run_dir,
+            loop_summary=loop_summary(result, run_dir) if callable(loop_summary) else None,
+        ),
         "ranks": reports,
     }
     (run_dir / "result.json").write_text(json.dumps(summary, indent=2))
-    log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json")
+    # The launcher prints the closing summary (app.summary.format_summary) once the ranks end.
+    log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",
+             extra=FILE_ONLY)
     return summary
 
 

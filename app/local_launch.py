@@ -31,6 +31,7 @@ from rlcomm import LayoutPlan
 
 from .errors import LaunchInterruptedError, RankFailedError
 from .job import run_rank
+from .logs import console_handler
 
 LOOPBACK = "127.0.0.1"
 _BACKEND = "rlcomm-loopback"
@@ -86,6 +87,9 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
     agent_log.setLevel(logging.INFO)
     if not any(isinstance(f, _RestartNotice) for f in agent_log.filters):
         agent_log.addFilter(_RestartNotice())
+        # The agent speaks while rank 0's progress bar is on the same terminal: above it.
+        agent_log.addHandler(console_handler("launcher"))
+        agent_log.propagate = False
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

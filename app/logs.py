@@ -1,16 +1,60 @@
-"""One log file per rank in the run directory; rank 0 also on the console, with a prefix."""
+"""One log file per rank in the run directory; the console gets rank 0's records and every
+rank's warnings, each line prefixed with the rank.
+
+Everything a rank prints to the console goes through ``write_console``, which prints above
+rank 0's progress bar instead of through it.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 from pathlib import Path
+from typing import TextIO
+
+from tqdm import tqdm
 
 FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
+# ``log.info(..., extra=FILE_ONLY)``: a record for the rank's log file, not the console.
+FILE_ONLY = {"console": False}
 
 
-class _ConsoleFormatter(logging.Formatter):
-    """Rank 0's console: one line per record; tracebacks go to the rank's log file only."""
+_bar_on_screen = False  # set by this process's progress bar (app.progress) while it is shown
+
+
+def bar_on_screen(shown: bool) -> None:
+    """Called by the progress bar when it appears and when it is closed."""
+    global _bar_on_screen
+    _bar_on_screen = shown
+
+
+def write_console(text: str, stream: TextIO | None = None) -> None:
+    """Prints ``text`` as whole lines above any progress bar on ``stream`` (default stderr).
+
+    While this process shows a bar, tqdm clears it, prints and redraws it. On a terminal the
+    current line is cleared first too, so a bar drawn by another process (rank 0's, seen from
+    the launcher or another rank) is not written through either.
+    """
+    stream = stream if stream is not None else sys.stderr
+    try:
+        terminal = stream.isatty()
+    except (AttributeError, ValueError):
+        terminal = False
+    if terminal:
+        stream.write("\r\x1b[K")
+    if _bar_on_screen:
+        tqdm.write(text, file=stream)
+    else:
+        stream.write(text + "\n")
+    stream.flush()
+
+
+class _ConsoleHandler(logging.StreamHandler[TextIO]):
+    """The console: one line per record, above the progress bar; tracebacks go to the rank's
+    log file only, and so do records logged with ``extra=FILE_ONLY``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "console", True) and bool(super().filter(record))
 
     def format(self, record: logging.LogRecord) -> str:
         saved = record.exc_info, record.exc_text
@@ -19,6 +63,20 @@ class _ConsoleFormatter(logging.Formatter):
             return super().format(record)
         finally:
             record.exc_info, record.exc_text = saved
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write_console(self.format(record), self.stream)
+        except Exception:
+            self.handleError(record)
+
+
+def console_handler(label: str, level: int = logging.INFO) -> logging.Handler:
+    """A stderr handler that prints records as ``[label] message`` through ``write_console``."""
+    handler = _ConsoleHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[{label}] %(message)s"))
+    handler.setLevel(level)
+    return handler
 
 
 def setup_rank_logging(run_dir: Path, rank: int) -> Path:
@@ -32,9 +90,9 @@ def setup_rank_logging(run_dir: Path, rank: int) -> Path:
     file_handler = logging.FileHandler(path)
     file_handler.setFormatter(formatter)
     root.addHandler(file_handler)
-    if rank == 0:
-        console = logging.StreamHandler(sys.stderr)
-        console.setFormatter(_ConsoleFormatter(f"[rank{rank}] %(message)s"))
-        root.addHandler(console)
+    # Python's warnings become log records, so they too reach the console above the bar.
+    logging.captureWarnings(True)
+    # Rank 0 tells what happens; the other ranks only warn.
+    root.addHandler(console_handler(f"rank{rank}", logging.INFO if rank == 0 else logging.WARNING))
     root.setLevel(logging.INFO)
     return path

@@ -4,7 +4,7 @@ rollout worker) against ``python -m app loop=ppo layout=single`` (one colocated 
 Each run is a subprocess with its own ``hydra.run.dir`` under this benchmark's output folder;
 its metrics come from ``<run dir>/result.json`` (looked up by key pattern, so the loop may nest
 them). A run that exceeds its share of the time budget is killed; its env steps/s then come
-from the last progress-bar line it printed. Without a ``loop=ppo`` config the row is skipped.
+from the last progress line it printed. Without a ``loop=ppo`` config the row is skipped.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "weight-transfer share of trainer time": (NUMBER, r"(weight_)?transfer_?(share|fraction)"),
 }
 TARGET_METRIC = "time to return >= 475"
-# tqdm's "165888/400000 [04:44<03:15, ...": steps done and elapsed [h:]mm:ss
-PROGRESS = re.compile(r"(\d+)/\d+ \[(?:(\d+):)?(\d+):(\d+)<")
+# The progress line off a terminal (app/progress.py): "..., 11,402 steps/s, weights v30, 0:10"
+PROGRESS = re.compile(r"([\d,]+) steps/s, weights v\d+")
 
 
 @dataclass
@@ -70,13 +70,9 @@ def find_metric(result: dict[str, Any], pattern: str) -> float | None:
 
 
 def progress_rate(output: str) -> float | None:
-    """Env steps/s from the last progress-bar line of a run that was stopped."""
+    """Env steps/s from the last progress line of a run that was stopped."""
     found = PROGRESS.findall(output)
-    if not found:
-        return None
-    steps, hours, minutes, seconds = found[-1]
-    elapsed = int(hours or 0) * 3600 + int(minutes) * 60 + int(seconds)
-    return int(steps) / elapsed if elapsed else None
+    return float(found[-1].replace(",", "")) if found else None
 
 
 def ppo_available(run_dir: Path) -> tuple[bool, str]:

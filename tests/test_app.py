@@ -63,6 +63,15 @@ def test_default_layout_runs_four_ranks_and_checks_every_group(tmp_path: Path) -
         f"rank{r}.log" for r in range(4)
     ]
     assert "[rank0]" in proc.stderr
+    # A loop without figures of its own still ends with the closing summary: who, how long, where.
+    summary = result["summary"]
+    assert summary["loop"] == "app.loops.commcheck.CommCheck" and summary["restarts"] == 0
+    assert proc.stdout.splitlines()[-4:] == [
+        f"app.loops.commcheck.CommCheck finished on 4 ranks in {summary['wall_s']:.1f} s, 0 restarts",
+        f"logs         {tmp_path / 'logs'}",
+        f"result.json  {tmp_path / 'result.json'}",
+        "-" * 72,
+    ], describe(proc)
     wt = {r["rank"]: r["groups"]["WEIGHT_TRANSFER"]["ranks"] for r in result["ranks"]}
     assert wt == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
 

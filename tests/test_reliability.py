@@ -63,6 +63,10 @@ class AppProcess:
         return self._stderr_path.read_text(errors="replace")
 
     @property
+    def stdout(self) -> str:
+        return self._stdout_path.read_text(errors="replace")
+
+    @property
     def last_line(self) -> str:
         lines = self.stderr.strip().splitlines()
         return lines[-1] if lines else ""
@@ -76,7 +80,7 @@ class AppProcess:
 
     def describe(self) -> str:
         return (f"{self.name}: exit {self.proc.poll()}\n--- stdout\n"
-                f"{self._stdout_path.read_text(errors='replace')[-3000:]}\n--- stderr\n"
+                f"{self.stdout[-3000:]}\n--- stderr\n"
                 f"{self.stderr[-5000:]}")
 
     def wait_until(self, what: str, condition: Callable[[], bool], timeout: float = HANG_S) -> None:
@@ -365,6 +369,13 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
 
     result = read_result(app.run_dir)
     assert per_rank(result, "updates", "env_steps") == expected, app.describe()
+    # The closing summary counts the restart (the uninterrupted run had none).
+    assert read_result(clean.run_dir)["summary"]["restarts"] == 0
+    assert result["summary"]["restarts"] == 1, app.describe()
+    assert ", 1 restart, 4 ranks for " in app.stdout, app.describe()
+    # The agent's restart notice goes through the console path too (above any progress bar).
+    assert re.search(r"^\[launcher\] .*will restart worker group$", app.stderr, re.MULTILINE), \
+        app.describe()
     resumed = {r: re.findall(r"resumed from \S+ckpt_(\d+)\.pt at update (\d+)", app.log(r))
                for r in range(4)}
     assert all(len(found) == 1 for found in resumed.values()), (resumed, app.describe())

@@ -34,7 +34,10 @@ from rlcomm.weight_transfer import WeightReceiver, WeightSender
 from ..config import setting
 from ..errors import ConfigError
 from ..job import JobInfo
+from ..progress import RunProgress, Snapshot, StopRule
+from ..scalars import SUBDIR, ScalarLog, check_tensorboard
 from .ppo_core import (
+    MAX_RETURN,
     ActorCritic,
     PPOHyperParams,
     Rollout,
@@ -66,7 +69,8 @@ class PPOLoop:
     window: int = setting(20, "episodes in the stop rule's mean return")
     checkpoint_every: int = setting(10, "updates between checkpoints; 0 disables them")
     resume: str | None = setting(None, "a checkpoint file, or a run dir holding checkpoints/")
-    progress: bool = setting(True, "show a progress bar on rank 0")
+    progress: bool = setting(True, "rank 0's progress line: a bar on a terminal, plain lines otherwise")
+    tensorboard: bool = setting(False, "TensorBoard scalars under <run dir>/tensorboard (the tensorboard extra)")
     hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
     max_staleness: int = setting(
         0, "weights versions a trainer's data may lag its own (0: lockstep; >= 1: rollouts "
@@ -105,6 +109,38 @@ class PPOLoop:
             raise ConfigError(f"loop.{errors[0]}")
         if self.resume is not None:
             load_checkpoint(find_checkpoint(self.resume))
+        if self.tensorboard:
+            check_tensorboard()
+
+    def stop_rule(self) -> StopRule:
+        """What ends a run: the target when an episode can reach it, else the budget alone."""
+        reachable = self.target_return <= MAX_RETURN
+        return StopRule(self.target_return if reachable else None, self.window,
+                        self.total_env_steps)
+
+    def summary(self, result: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+        """The closing summary's figures and files, from rank 0's result."""
+        final = result["mean_return_last_window"]
+        return {
+            "solved": result["reached_target"],
+            "target_return": self.target_return,
+            "window": self.window,
+            "time_to_target_s": result["time_to_target_s"],
+            "env_steps_to_target": result["env_steps_to_target"],
+            "final_mean_return": final if np.isfinite(final) else None,
+            "env_steps": result["env_steps"],
+            "updates": result["updates"],
+            "train_wall_s": result["wall_s"],
+            # As the sweep compares jobs (result["metrics"]): this attempt's rate, all trainers'
+            # share of their time spent sending weights.
+            "env_steps_per_s": result["metrics"]["env_steps_per_s"],
+            "transfer_share": result["metrics"]["transfer_share"],
+            "files": {
+                name: str(run_dir / name)
+                for name in ("metrics.csv", "learning_curve.png", CHECKPOINT_DIR, SUBDIR)
+                if (run_dir / name).exists()
+            },
+        }
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
         return _PPORun(self, ctx, job).run()
@@ -218,7 +254,8 @@ class _PPORun:
         first_update, first_steps = self.update, self.env_steps
         start = time.perf_counter()
         reached_at: tuple[float, int] | None = None
-        bar = self._progress_bar()
+        view = self._progress_view()
+        scalars = ScalarLog(self.job.run_dir, "ppo") if self._writes_outputs(self.loop.tensorboard) else None
         if self.env_steps < self.loop.total_env_steps:
             self._sync_weights(first=True)
         while self.env_steps < self.loop.total_env_steps:
@@ -232,9 +269,10 @@ class _PPORun:
                 self.trainer_s += time.perf_counter() - tick
             self.update += 1
             row = self._record(version, new_episodes, losses, shared, time.perf_counter() - start)
-            if bar is not None:
-                bar.update(self.env_steps - bar.n)
-                bar.set_postfix(ret=f"{row['mean_return']:.0f}", v=version)
+            if scalars is not None:
+                scalars.write({**row, "mean_return_window": self._recent_return()}, self.env_steps)
+            if view is not None:
+                view.update(self._snapshot(row, time.perf_counter() - start))
             if self._should_checkpoint():
                 self._save_checkpoint()
             if self._recent_return() >= self.loop.target_return:
@@ -242,10 +280,12 @@ class _PPORun:
                 break
             if self.env_steps < self.loop.total_env_steps:
                 self._sync_weights(first=False)
-        if bar is not None:
-            bar.close()
         if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
             self._save_checkpoint()  # keep the final state too
+        if view is not None:
+            view.close()  # after the last checkpoint notice: the bar is the run's last line
+        if scalars is not None:
+            scalars.close()
         elapsed = time.perf_counter() - start
         if self.rank == 0:
             self._write_outputs()
@@ -464,13 +504,21 @@ class _PPORun:
             "final_mean_return": round(recent, 2) if recent > float("-inf") else None,
         }
 
-    def _progress_bar(self) -> Any:
-        if self.rank != 0 or not self.loop.progress:
-            return None
-        from tqdm import tqdm
+    def _writes_outputs(self, enabled: bool) -> bool:
+        return enabled and self.rank == 0
 
-        return tqdm(total=self.loop.total_env_steps, initial=self.env_steps, unit="step",
-                    desc="[rank0] ppo", mininterval=1.0)
+    def _progress_view(self) -> RunProgress | None:
+        return RunProgress(self.loop.stop_rule()) if self._writes_outputs(self.loop.progress) else None
+
+    def _snapshot(self, row: dict[str, float], elapsed: float) -> Snapshot:
+        return Snapshot(
+            env_steps=self.env_steps,
+            mean_return=self._recent_return(),
+            episodes=len(self.episodes),
+            env_steps_per_s=row["env_steps_per_s"],
+            weights_version=int(row["weights_version"]),
+            elapsed_s=elapsed,
+        )
 
     def _write_outputs(self) -> None:
         if not self.metrics or not self.is_trainer:

@@ -21,6 +21,8 @@ from torch.distributions import Categorical
 from ..config import setting
 
 ENV_ID = "CartPole-v1"
+# The best return of one episode: +1 per step until the time limit. A higher target never fires.
+MAX_RETURN = float(gym.spec(ENV_ID).max_episode_steps or float("inf"))
 
 # (episodic return, episode length) of one finished episode.
 Episode = tuple[float, int]

@@ -1,0 +1,80 @@
+"""The closing summary: what a person wants to know when a run ends, in result.json and as a
+short block on the console."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+RULE = "-" * 72
+
+
+def run_summary(
+    loop_name: str,
+    world_size: int,
+    restarts: int,
+    wall_s: float,
+    run_dir: Path,
+    loop_summary: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """result.json's ``summary``: facts of every run, then the loop's own figures and files."""
+    own = dict(loop_summary or {})
+    files = {
+        **own.pop("files", {}),
+        "logs": str(run_dir / "logs"),
+        "result.json": str(run_dir / "result.json"),
+    }
+    return {
+        "loop": loop_name,
+        "world_size": world_size,
+        "restarts": restarts,
+        "wall_s": round(wall_s, 2),
+        **own,
+        "files": files,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The console block for a summary made by ``run_summary``."""
+    restarts = summary["restarts"]
+    scale = f"{summary['world_size']} rank{'s' if summary['world_size'] != 1 else ''}"
+    lines = [f"{RULE[:4]} run summary {RULE[17:]}"]
+    if "solved" in summary:
+        lines += _training_lines(summary)
+        share = summary["transfer_share"]
+        lines.append(
+            f"{summary['env_steps_per_s'] or 0:,.0f} env steps/s, weight transfer "
+            f"{'--' if share is None else f'{share:.1%}'} of trainer time, {restarts} restart"
+            f"{'s' if restarts != 1 else ''}, {scale} for {summary['wall_s']:.1f} s"
+        )
+    else:
+        lines.append(
+            f"{summary['loop']} finished on {scale} in {summary['wall_s']:.1f} s, "
+            f"{restarts} restart{'s' if restarts != 1 else ''}"
+        )
+    width = max(len(name) for name in summary["files"])
+    lines += [f"{name:<{width}}  {_shown(path)}" for name, path in summary["files"].items()]
+    return "\n".join([*lines, RULE])
+
+
+def _training_lines(summary: dict[str, Any]) -> list[str]:
+    target, window = summary["target_return"], summary["window"]
+    final = summary["final_mean_return"]
+    mean = f"{final:.1f}" if final is not None else "-- (fewer episodes)"
+    of = f"mean return of the last {window} episodes"
+    if summary["solved"]:
+        return [
+            f"solved: {of} reached {target:g} after {summary['time_to_target_s']:.1f} s of "
+            f"training and {summary['env_steps_to_target']:,} env steps (final {mean})"
+        ]
+    return [
+        f"not solved: {of} is {mean}, target {target:g}; the budget of "
+        f"{summary['env_steps']:,} env steps ended the run"
+    ]
+
+
+def _shown(path: str) -> str:
+    """A path as short as it is unambiguous: relative to the working directory when inside."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
