@@ -23,8 +23,9 @@ SECTIONS = (
     "scale",
     "startup",
     "rl_throughput",
+    "rl_staleness",
 )
-NOT_IN_QUICK = ("rl_throughput",)
+NOT_IN_QUICK = ("rl_throughput", "rl_staleness")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
 
 

@@ -15,25 +15,35 @@ SECONDS, BYTES, PER_SECOND, NUMBER = "s", "B", "/s", ""
 
 @dataclass(frozen=True)
 class Stat:
-    """Median, min and max of repeated samples."""
+    """Median, min and max of repeated samples, and their quartiles (the interquartile range)."""
 
     median: float
     min: float
     max: float
     n: int
+    q1: float | None = None
+    q3: float | None = None
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> Stat:
         if not samples:
             raise ValueError("no samples")
-        return cls(statistics.median(samples), min(samples), max(samples), len(samples))
+        q1 = q3 = None
+        if len(samples) >= 4:
+            q1, _, q3 = statistics.quantiles(samples, n=4)
+        return cls(
+            statistics.median(samples), min(samples), max(samples), len(samples), q1, q3
+        )
 
     @classmethod
     def single(cls, value: float) -> Stat:
         return cls(value, value, value, 1)
 
     def as_dict(self) -> dict[str, float]:
-        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
+        quartiles: dict[str, float] = {}
+        if self.q1 is not None and self.q3 is not None:
+            quartiles = {"q1": self.q1, "q3": self.q3}
+        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n, **quartiles}
 
 
 def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> Stat:
@@ -49,12 +59,17 @@ class Goal:
     op: str  # "<=", "<" or ">="
     threshold: float
     on: str = "ratio"
+    # Met only when the whole interquartile range is inside the goal, not just the median
+    # (the far quartile is compared), so a run that merely straddles it does not pass.
+    whole_iqr: bool = False
 
     def met(self, row: Row) -> bool | None:
         stat = row.ratio if self.on == "ratio" else row.rlcomm
         if stat is None:
             return None
         value = stat.median
+        if self.whole_iqr and stat.q1 is not None and stat.q3 is not None:
+            value = stat.q1 if self.op == ">=" else stat.q3
         if self.op == "<=":
             return value <= self.threshold
         if self.op == "<":
@@ -63,7 +78,7 @@ class Goal:
 
     def describe(self, unit: str) -> str:
         if self.on == "ratio":
-            return f"ratio {self.op} {self.threshold:.3g}"
+            return f"ratio {self.op} {self.threshold:.3g}" + (" (IQR)" if self.whole_iqr else "")
         return f"value {self.op} {self.threshold:g} {unit}".rstrip()
 
 

@@ -50,6 +50,8 @@ def cells(row: Row) -> list[str]:
     ratio = "-"
     if row.ratio is not None:
         ratio = f"{row.ratio.median:.3f} [{row.ratio.min:.2f}..{row.ratio.max:.2f}]"
+        if row.ratio.q1 is not None and row.ratio.q3 is not None:
+            ratio += f" IQR {row.ratio.q1:.2f}..{row.ratio.q3:.2f}"
     goal = row.goal.describe(row.unit) if row.goal else "-"
     return [row.section, row.name, rlcomm, reference, ratio, goal, row.met]
 
@@ -74,8 +76,9 @@ def markdown(rows: Sequence[Row], meta: dict[str, Any]) -> str:
         "",
         ", ".join(f"{k}: {v}" for k, v in meta.items() if not isinstance(v, (dict, list))),
         "",
-        "Ratio = rlcomm / reference per repetition (time, or memory), median [min..max]; "
-        "values are medians.",
+        "Ratio = rlcomm / reference per repetition (time, or memory), median [min..max] and "
+        "interquartile range; values are medians. A goal marked (IQR) is met only when the "
+        "whole interquartile range is inside it.",
         "",
         "| " + " | ".join(HEADER) + " | note |",
         "|" + "---|" * (len(HEADER) + 1),

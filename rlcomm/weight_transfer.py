@@ -9,7 +9,7 @@ Wire protocol, per transfer (plain tensors only; nothing is pickled). The data g
 uint8 buffer: a 64-byte slot for the header, then every dtype's values in a segment of its own,
 in the order the metadata lists the dtypes, each starting at a multiple of 64 bytes.
 
-1. an int64 header ``[version, metadata_flag, metadata_len]``. Before any metadata was accepted
+1. an int64 header ``[version, metadata_flag, metadata_len, checksummed]``. Before any metadata was accepted
    it is broadcast alone; after that it travels in the header slot of the buffer of the layout
    the receivers hold, so a transfer whose metadata is unchanged is a single broadcast (the
    header and the data together) and nothing follows;
@@ -23,15 +23,25 @@ receivers ignore it (their views of the last version are overwritten, as by any 
 
 A flag of ``-1`` means the sender could not pack its state dict: receivers raise, nothing follows.
 
+Verification: after the dtype segments every buffer has a segment of one int64 per tensor. When a
+sender verifies a version (``verify_every``), it writes each tensor's checksum of its exact bytes
+there and sets ``checksummed``; a receiver that loads that version into a module recomputes the
+checksums from the module's tensors and raises, naming the first tensor that differs.
+
 Zero-copy sends: :meth:`WeightSender.bind` points a module's parameters and buffers at their views
 in the send buffers, so ``send(module.state_dict())`` skips their copy (any tensor not found in
 place is still copied, so binding only ever affects speed). The wire protocol is unchanged.
+Zero-copy receives: :meth:`WeightReceiver.bind` lets loads point a module's tensors at the receive
+buffer of the version being loaded, so nothing is copied. :meth:`WeightReceiver.post` receives the
+next version into a spare buffer in the background (double buffering): the module keeps acting
+with the version it holds until :meth:`WeightReceiver.load` swaps the new one in.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +55,7 @@ from .errors import RlcommError
 from .group_initializer import group_description
 from .modes import Mode, ParallelMode, mode_name
 
-__all__ = ["TensorMeta", "WeightReceiver", "WeightSender", "WeightTransferError"]
+__all__ = ["TensorMeta", "WeightReceiver", "WeightSender", "WeightTransferError", "tensor_checksum"]
 
 METADATA_FORMAT = "rlcomm.weights/1"
 
@@ -198,7 +208,22 @@ def metadata_mismatches(metadata: Metadata, expected: Mapping[str, Tensor]) -> l
 
 
 _ALIGN = 64  # bytes; every dtype's segment of the wire starts at a multiple of this
-_HEADER_SLOT = _ALIGN  # bytes before the first segment: the header (3 int64) and padding
+_HEADER_SLOT = _ALIGN  # bytes before the first segment: the header (4 int64) and padding
+_HEADER_LEN = 4  # [version, metadata_flag, metadata_len, checksummed]
+
+
+def tensor_checksum(tensor: Tensor) -> int:
+    """A checksum of ``tensor``'s bytes: their sum as little 64-bit words (wrapping), cheap
+    enough to run on every transfer (about memory bandwidth). Any single changed byte changes it.
+    """
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    body = raw.numel() // 8 * 8
+    try:
+        words = raw[:body].view(torch.int64)
+    except RuntimeError:  # not 8-byte aligned in its storage: sum an aligned copy instead
+        words = raw[:body].clone().view(torch.int64)
+    total = int(words.sum()) + int(raw[body:].sum()) if raw.numel() else 0
+    return (total + 2**63) % 2**64 - 2**63  # as a signed int64, as it travels
 
 
 class _FlatBuffers:
@@ -217,8 +242,12 @@ class _FlatBuffers:
             dtype = _DTYPES[key]
             segments.append((dtype, end, numel * dtype.itemsize))
             end += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        checksums_at = end
+        end += -(-len(metadata) * 8 // _ALIGN) * _ALIGN
         wire = torch.empty(end, dtype=torch.uint8, device=device)
-        self.header = wire[:24].view(torch.int64)  # [version, metadata_flag, metadata_len]
+        self.header = wire[: 8 * _HEADER_LEN].view(torch.int64)
+        # One checksum per tensor, in metadata order; valid when the header says so.
+        self.checksums = wire[checksums_at : checksums_at + 8 * len(metadata)].view(torch.int64)
         self.buffers = {
             dtype: wire[start : start + nbytes].view(dtype) for dtype, start, nbytes in segments
         }
@@ -255,6 +284,11 @@ class _FlatBuffers:
                 torch._foreach_copy_(targets, sources)
                 copied += len(targets)
         return copied
+
+    def write_checksums(self) -> None:
+        """Every tensor's checksum of the bytes in the buffers (the sender's, before sending)."""
+        values = [tensor_checksum(self.views[m.name]) for m in self.metadata]
+        self.checksums.copy_(torch.tensor(values, dtype=torch.int64))
 
     def broadcast(self, src: int, group: dist.ProcessGroup) -> list[dist.Work]:
         """Launch the broadcast of the header slot and data; the caller waits on the works."""
@@ -334,17 +368,29 @@ class WeightSender(_Endpoint):
         ctx: CommContext,
         mode: Mode = ParallelMode.WEIGHT_TRANSFER,
         device: torch.device | str | None = None,
+        verify_every: int = 0,
     ) -> None:
+        """``verify_every=N``: every N-th version carries each tensor's checksum, which receivers
+        check after loading it into their module (0: never)."""
         super().__init__(ctx, mode, device)
-        self._header = torch.zeros(3, dtype=torch.int64, device=self._device)
+        if verify_every < 0:
+            raise ValueError(f"verify_every: must be >= 0, got {verify_every}")
+        self._verify_every = verify_every
+        self._header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self._device)
         # The buffers of the layout the receivers hold (metadata ``self._metadata``): the header
         # travels in them. ``self._buffers`` may already be a new layout (bind, a change).
         self._sent: _FlatBuffers | None = None
         self._pending: list[dist.Work] = []
         self._copied = 0  # tensors the last send copied (those not bound in place)
+        # The module bind() bound, with each of its tensors and the view it must still be, when
+        # every entry of its state dict was bound (then send(module) needs no state dict).
+        self._bound: tuple[nn.Module, list[tuple[Tensor, Tensor]]] | None = None
 
-    def send(self, state_dict: Mapping[str, Tensor], wait: bool = True) -> int:
-        """Send ``state_dict`` as the next version and return that version.
+    def send(self, state_dict: Mapping[str, Tensor] | nn.Module, wait: bool = True) -> int:
+        """Send ``state_dict`` (or a module's) as the next version and return that version.
+
+        Passing the module bound with :meth:`bind` is the fastest path: while all its tensors
+        are still bound (a pointer check per tensor), no state dict is built or compared at all.
 
         The tensors are copied into the send buffers before this returns, so the caller may
         update them right away, except tensors of a module bound with :meth:`bind`: those are
@@ -356,15 +402,24 @@ class WeightSender(_Endpoint):
         self.wait()  # the buffers and header are about to be rewritten
         version = self._version + 1
         try:
-            metadata = describe_state_dict(state_dict)
-            changed = metadata != self._metadata
-            buffers = self._layout(metadata, changed)
-            self._copied = buffers.pack(state_dict)
+            if isinstance(state_dict, nn.Module) and self._still_bound(state_dict):
+                assert self._buffers is not None
+                changed, buffers, self._copied = False, self._buffers, 0
+            else:
+                if isinstance(state_dict, nn.Module):
+                    state_dict = state_dict.state_dict()
+                metadata = describe_state_dict(state_dict)
+                changed = metadata != self._metadata
+                buffers = self._layout(metadata, changed)
+                self._copied = buffers.pack(state_dict)
+            checksummed = bool(self._verify_every) and version % self._verify_every == 0
+            if checksummed:
+                buffers.write_checksums()  # of the exact bytes about to go out
         except Exception:
             # Receivers are waiting for a header; tell them instead of leaving them hanging.
             self._send_header(version, _SENDER_ABORTED, 0)
             raise
-        raw = encode_metadata(metadata) if changed else b""
+        raw = encode_metadata(buffers.metadata) if changed else b""
         self._pending = []
         if changed:
             self._pending = self._send_header(version, _NEW_METADATA, len(raw), async_op=True)
@@ -377,7 +432,7 @@ class WeightSender(_Endpoint):
                 )
             self._metadata = buffers.metadata  # the same object, so the next check is cheap
         self._sent = buffers  # unchanged: the receivers' layout; changed: now it is
-        self._write_header(buffers.header, version, int(changed), len(raw))
+        self._write_header(buffers.header, version, int(changed), len(raw), int(checksummed))
         self._pending += buffers.broadcast(self._src, self._group)
         self._version = version
         if wait:
@@ -433,6 +488,19 @@ class WeightSender(_Endpoint):
         for tensor, view in targets:
             view.copy_(tensor)
             tensor.data = view
+        complete = len(targets) == len(state_dict)
+        self._bound = (module, [(t, t.data) for t, _ in targets]) if complete else None
+
+    def _still_bound(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the bound one, its every tensor still its view in the buffers
+        the receivers hold: then sending it needs no state dict, metadata check or copy."""
+        if self._bound is None or self._bound[0] is not module or self._buffers is None:
+            return False
+        if self._buffers.metadata is not self._metadata:
+            return False  # the receivers do not hold this layout yet: the full path sends it
+        return all(
+            t.data_ptr() == v.data_ptr() and t.shape == v.shape for t, v in self._bound[1]
+        )
 
     def _layout(self, metadata: Metadata, changed: bool) -> _FlatBuffers:
         """The send buffers for ``metadata``: the current ones when it matches, else new ones.
@@ -468,8 +536,10 @@ class WeightSender(_Endpoint):
         return [work] if work is not None else []
 
     @staticmethod
-    def _write_header(header: Tensor, version: int, flag: int, length: int) -> None:
-        header.copy_(torch.tensor([version, flag, length], dtype=torch.int64))
+    def _write_header(
+        header: Tensor, version: int, flag: int, length: int, checksummed: int = 0
+    ) -> None:
+        header.copy_(torch.tensor([version, flag, length, checksummed], dtype=torch.int64))
 
 
 class WeightReceiver(_Endpoint):
@@ -490,22 +560,126 @@ class WeightReceiver(_Endpoint):
     ) -> None:
         super().__init__(ctx, mode, device)
         self._expected = expected
+        self._checksummed = False  # whether the newest version came with checksums
+        self._bound: nn.Module | None = None
+        self._spares: list[_FlatBuffers] = []  # buffers of the current layout not in use
+        self._posted: deque[tuple[_FlatBuffers, list[dist.Work]]] = deque()
+        self._in_module: _FlatBuffers | None = None  # the buffers the bound module points at
+        # Per receive buffer (by id): the bound module's tensors and their views there, so a
+        # swap is one pointer assignment per tensor, without walking the module again.
+        self._pairs: dict[int, list[tuple[Tensor, Tensor]]] = {}
 
     def receive(self) -> tuple[int, dict[str, Tensor]]:
         """Wait for the next transfer; returns its version and the state dict.
 
-        The tensors are views into persistent receive buffers: the next ``receive`` overwrites
-        them in place. Clone them (or use :meth:`receive_into`) to keep a version.
+        The tensors are views into persistent receive buffers: a later ``receive`` may overwrite
+        them in place. Clone them (or use :meth:`receive_into`) to keep a version. A receive
+        started with :meth:`post` is completed first (transfers arrive in order).
         """
+        if self._posted:
+            return self._complete_posted()
         carrier = self._buffers  # the layout this receiver holds carries the header
+        if carrier is not None and carrier is self._in_module:
+            carrier = self._spare()  # the bound module acts with these: receive beside them
         if carrier is None:
-            header = torch.empty(3, dtype=torch.int64, device=self._device)
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
             self._broadcast(header)
         else:
             for work in carrier.broadcast(self._src, self._group):
                 work.wait()
             header = carrier.header
-        version, flag, length = header.tolist()
+        version, flag, length, checksummed = self._check_header(header)
+        if flag == _NEW_METADATA:
+            self._accept_metadata(version, length)
+            assert self._buffers is not None
+            for work in self._buffers.broadcast(self._src, self._group):
+                work.wait()
+            checksummed = int(self._buffers.header[3])
+        elif carrier is None:  # flag 0 for a receiver without a layout: the data came with it
+            raise WeightTransferError(
+                f"{self._name}: version {version} came without metadata; create the "
+                f"WeightReceiver before the sender's first send and keep using it"
+            )
+        else:
+            self._make_newest(carrier)
+        assert self._buffers is not None
+        self._version, self._checksummed = version, bool(checksummed)
+        return version, dict(self._buffers.views)
+
+    def post(self) -> None:
+        """Start receiving the next version into a spare buffer, in the background.
+
+        The transfer completes while the caller goes on (acting with the weights it holds);
+        :meth:`load` or :meth:`receive` completes it. Posted receives are issued on the group
+        like any collective, so the sender's sends and every other operation on the group must
+        be issued in the same order on all members. Needs a layout (a completed receive) and a
+        sender whose metadata does not change while receives are posted.
+        """
+        if self._buffers is None:
+            raise WeightTransferError(
+                f"{self._name}: post() needs the layout of a completed receive first"
+            )
+        spare = self._spare()
+        self._posted.append((spare, spare.broadcast(self._src, self._group)))
+
+    @property
+    def posted(self) -> int:
+        """How many posted receives have not been completed yet."""
+        return len(self._posted)
+
+    def ready(self) -> bool:
+        """Whether the oldest posted receive has arrived (completing it will not block)."""
+        return bool(self._posted) and all(w.is_completed() for w in self._posted[0][1])
+
+    def load(self, module: nn.Module, strict: bool = True) -> int:
+        """Load the newest completed version into ``module`` and verify it if it carries
+        checksums; returns its version. Completes every posted receive that has already arrived
+        first, without waiting for the others. A module bound with :meth:`bind` is pointed at the
+        version's buffer (no copy); any other module is copied into (``load_state_dict``)."""
+        while self.ready():
+            self._complete_posted()
+        if self._buffers is None:
+            raise WeightTransferError(f"{self._name}: nothing received yet to load")
+        buffers = self._buffers
+        if module is self._bound:
+            self._point(module, buffers)
+        else:
+            module.load_state_dict(buffers.views, strict=strict)
+        if self._checksummed:
+            self._verify(module, buffers)
+        return self._version
+
+    def receive_into(self, module: nn.Module, strict: bool = True) -> int:
+        """Receive the next version and load it into ``module`` (see :meth:`load`)."""
+        self.receive()
+        return self.load(module, strict=strict)
+
+    def bind(self, module: nn.Module) -> None:
+        """Let :meth:`load` point ``module``'s parameters and buffers at the received bytes
+        instead of copying them (zero-copy receives). Without an ``expected`` layout, the
+        module's state dict becomes it, so a sender's name, shape or dtype change is rejected
+        before data moves. The module's tensors change only inside :meth:`load`."""
+        if self._expected is None:
+            self._expected = {k: v.detach() for k, v in module.state_dict().items()}
+        self._bound = module
+        self._pairs = {}
+
+    def _complete_posted(self) -> tuple[int, dict[str, Tensor]]:
+        buffers, works = self._posted.popleft()
+        for work in works:
+            work.wait()
+        version, flag, _, checksummed = self._check_header(buffers.header)
+        if flag != _SAME_METADATA:
+            raise WeightTransferError(
+                f"{self._name}: weights version {version} changes the layout while receives "
+                f"are posted; post() needs a sender whose names, dtypes and shapes stay fixed"
+            )
+        self._make_newest(buffers)
+        self._version, self._checksummed = version, bool(checksummed)
+        return version, dict(buffers.views)
+
+    def _check_header(self, header: Tensor) -> tuple[int, int, int, int]:
+        version, flag, length, checksummed = header.tolist()
         if flag == _SENDER_ABORTED:
             raise WeightTransferError(
                 f"{self._name}: sender rank {self._src} aborted weights version {version} "
@@ -515,25 +689,79 @@ class WeightReceiver(_Endpoint):
             raise WeightTransferError(
                 f"{self._name}: malformed header {header.tolist()} after version {self._version}"
             )
-        if flag == _NEW_METADATA:
-            self._accept_metadata(version, length)
-            assert self._buffers is not None
-            for work in self._buffers.broadcast(self._src, self._group):
-                work.wait()
-        elif carrier is None:  # flag 0 for a receiver without a layout: the data came with it
-            raise WeightTransferError(
-                f"{self._name}: version {version} came without metadata; create the "
-                f"WeightReceiver before the sender's first send and keep using it"
-            )
-        assert self._buffers is not None
-        self._version = version
-        return version, dict(self._buffers.views)
+        return version, flag, length, checksummed
 
-    def receive_into(self, module: nn.Module, strict: bool = True) -> int:
-        """Receive the next version and load it into ``module``; returns the version."""
-        version, state_dict = self.receive()
-        module.load_state_dict(state_dict, strict=strict)
-        return version
+    def _spare(self) -> _FlatBuffers:
+        """A buffer of the current layout that holds nothing in use (allocated when none is
+        free): neither the newest version, nor the bound module's, nor a posted receive's."""
+        assert self._buffers is not None
+        busy = {id(self._buffers), id(self._in_module), *(id(b) for b, _ in self._posted)}
+        for spare in self._spares:
+            if id(spare) not in busy and spare.metadata is self._buffers.metadata:
+                return spare
+        spare = _FlatBuffers(self._buffers.metadata, self._device)
+        self._spares.append(spare)
+        return spare
+
+    def _make_newest(self, buffers: _FlatBuffers) -> None:
+        if self._buffers is not None and self._buffers not in self._spares:
+            self._spares.append(self._buffers)
+        self._buffers = buffers
+
+    @torch.no_grad()
+    def _point(self, module: nn.Module, buffers: _FlatBuffers) -> None:
+        """Point the bound module's tensors at ``buffers``' views (a swap of pointers). The
+        module's tensors are looked up once per buffer: replacing a parameter object (not its
+        ``.data``) after the first load needs :meth:`bind` again."""
+        pairs = self._pairs.get(id(buffers))
+        if pairs is None:
+            pairs = self._pairs[id(buffers)] = self._pair_up(module, buffers)
+        for tensor, view in pairs:
+            if tensor.data_ptr() != view.data_ptr():
+                tensor.data = view
+        self._in_module = buffers
+
+    def _pair_up(self, module: nn.Module, buffers: _FlatBuffers) -> list[tuple[Tensor, Tensor]]:
+        """The bound module's tensor for each tensor of the metadata, in its order, with its
+        view in ``buffers``; checks the layout."""
+        named = {
+            **dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False)),
+        }
+        pairs: list[tuple[Tensor, Tensor]] = []
+        for meta in buffers.metadata:
+            tensor, view = named.get(meta.name), buffers.views[meta.name]
+            if tensor is None:
+                raise WeightTransferError(
+                    f"{self._name}: the bound module has no parameter or buffer {meta.name!r}"
+                )
+            if tensor.shape != view.shape or tensor.dtype != view.dtype:
+                raise WeightTransferError(
+                    f"{self._name}: cannot load {meta.name!r}: the module holds "
+                    f"{list(tensor.shape)} {tensor.dtype}, weights version {self._version} has "
+                    f"{list(view.shape)} {view.dtype}"
+                )
+            pairs.append((tensor, view))
+        return pairs
+
+    def _verify(self, module: nn.Module, buffers: _FlatBuffers) -> None:
+        """Each loaded tensor's checksum against the sender's; names the first that differs."""
+        pairs = self._pairs.get(id(buffers)) if module is self._bound else None
+        if pairs is not None:  # the module's own tensors, without walking it again
+            state = {m.name: t for m, (t, _) in zip(buffers.metadata, pairs)}
+        else:
+            state = module.state_dict()
+        theirs = buffers.checksums.tolist()
+        for meta, want in zip(buffers.metadata, theirs):
+            if meta.name not in state:  # not loaded (strict=False): nothing to compare
+                continue
+            got = tensor_checksum(state[meta.name])
+            if got != want:
+                raise WeightTransferError(
+                    f"{self._name}: weights version {self._version} loaded on rank {self._rank} "
+                    f"differ from the sender's: first differing tensor {meta.name!r} "
+                    f"(checksum {got:#x}, sender's {want:#x})"
+                )
 
     def _accept_metadata(self, version: int, length: int) -> None:
         raw = torch.empty(length, dtype=torch.uint8, device=self._device)
@@ -559,3 +787,4 @@ class WeightReceiver(_Endpoint):
             )
         if metadata != self._metadata:
             self._metadata, self._buffers = metadata, _FlatBuffers(metadata, self._device)
+            self._spares, self._pairs = [], {}  # of the old layout

@@ -282,6 +282,8 @@ BAD_OVERRIDES = [
     (["loop=ppo", "loop.window=0"], "loop.window: must be a positive integer, got 0"),
     (["loop=ppo", "loop.total_env_steps=100"], "loop.total_env_steps: must allow at least one update (2048 env steps"),
     (["loop=ppo", "loop.checkpoint_every=-1"], "loop.checkpoint_every: must be >= 0, got -1"),
+    (["loop=ppo", "loop.max_staleness=-1"], "loop.max_staleness: must be >= 0, got -1"),
+    (["loop=ppo", "loop.verify_weights_every=-2"], "loop.verify_weights_every: must be >= 0, got -2"),
     (["loop=ppo", "loop.resume=/nonexistent/run"], "loop.resume: '/nonexistent/run' does not exist"),
     (["loop.latency_iters=0"], "loop.latency_iters: must be a positive integer, got 0"),
     (["loop=ppo", "loop._target_=app.loops.commcheck.CommCheck"],

@@ -358,8 +358,16 @@ def ppo_update(
     rollouts: list[Rollout],
     hp: PPOHyperParams,
     generator: torch.Generator,
+    decoupled: bool = False,
 ) -> dict[str, float]:
     """Run ``hp.update_epochs`` x ``hp.num_minibatches`` clipped-PPO steps on ``rollouts``.
+
+    The behaviour policy is the one that collected the data: its log-probs were recorded then.
+    With ``decoupled`` (data collected with older weights than ``policy``'s), the clip is
+    centred on ``policy``'s weights as the update starts (the proximal policy), and each
+    sample's objective is weighted by proximal / behaviour probability (decoupled PPO, Hilton
+    et al. 2021): the update stays importance-corrected for the behaviour policy while its step
+    is bounded around the current weights, not around stale ones.
 
     ``model`` is ``policy`` or a DDP wrapper around it: losses go through
     ``model(...)`` so gradient all-reduce hooks fire, while the no-grad value
@@ -380,6 +388,11 @@ def ppo_update(
             ret_l.append(ret.reshape(-1))
     b_obs, b_actions, b_logprobs = torch.cat(obs_l), torch.cat(act_l), torch.cat(logp_l)
     b_advantages, b_returns, b_values = torch.cat(adv_l), torch.cat(ret_l), torch.cat(val_l)
+    b_anchor, b_weight = b_logprobs, None
+    if decoupled:
+        with torch.no_grad():
+            _, b_anchor, _, _ = policy.get_action_and_value(b_obs, b_actions)
+        b_weight = (b_anchor - b_logprobs).exp()
 
     batch_size = b_obs.shape[0]
     minibatch_size = batch_size // hp.num_minibatches
@@ -389,14 +402,17 @@ def ppo_update(
         for k in range(hp.num_minibatches):
             mb = perm[k * minibatch_size : (k + 1) * minibatch_size]
             newlogprob, entropy, newvalue = model(b_obs[mb], b_actions[mb])
-            logratio = newlogprob - b_logprobs[mb]
+            logratio = newlogprob - b_anchor[mb]
             ratio = logratio.exp()
 
             mb_adv = b_advantages[mb]
             mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-            pg_loss = torch.max(
+            pg_losses = torch.max(
                 -mb_adv * ratio, -mb_adv * ratio.clamp(1 - hp.clip_coef, 1 + hp.clip_coef)
-            ).mean()
+            )
+            if b_weight is not None:
+                pg_losses = pg_losses * b_weight[mb]
+            pg_loss = pg_losses.mean()
 
             v_unclipped = (newvalue - b_returns[mb]) ** 2
             if hp.clip_vloss:

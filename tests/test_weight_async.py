@@ -1,0 +1,220 @@
+"""Weights proven identical, double-buffered posted receives, and the bound sender under DDP,
+between real gloo processes."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from rlcomm import ParallelMode
+from rlcomm.weight_transfer import (
+    WeightReceiver,
+    WeightSender,
+    WeightTransferError,
+    tensor_checksum,
+)
+from tests.multiproc import run_ranks
+from tests.test_weight_transfer import (
+    TIMEOUT_S,
+    make_trainable,
+    mismatches,
+    restore,
+    snapshot,
+    weight_groups,
+)
+
+TDP = ParallelMode.TRAIN_DATA_PARALLEL
+
+
+def test_checksum_sees_any_single_byte() -> None:
+    tensor = torch.randn(37, dtype=torch.float32)
+    base = tensor_checksum(tensor)
+    raw = tensor.view(torch.uint8)
+    for index in (0, 7, 8, 100, raw.numel() - 1):  # in the 8-byte words and in the tail
+        changed = tensor.clone()
+        changed.view(torch.uint8)[index] ^= 1
+        assert tensor_checksum(changed) != base, index
+    # An unaligned view (offset 4 bytes in its storage) gives the same checksum as a copy.
+    storage = torch.randn(39)
+    assert tensor_checksum(storage[1:38]) == tensor_checksum(storage[1:38].clone())
+
+
+class CorruptingReceiver(WeightReceiver):
+    """A real receiver whose received bytes get one bit flipped before they are loaded: what
+    a faulty link or a stray write would do."""
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
+        version, state = super().receive()
+        if version == 2:
+            state["2.weight"].reshape(-1).view(torch.uint8)[5] ^= 0x10
+        return version, state
+
+
+def _corrupted(rank: int, world_size: int, bound: bool) -> Any:
+    with weight_groups([[0, 1]]) as ctx:
+        module = make_trainable(seed=rank)
+        if rank == 0:
+            out = WeightSender(ctx, verify_every=1)
+            out.bind(module)
+            for _ in range(2):
+                out.send(module.state_dict())
+            return None
+        inp = CorruptingReceiver(ctx)
+        if bound:
+            inp.bind(module)
+        assert inp.receive_into(module) == 1  # verified and intact
+        try:
+            inp.receive_into(module)
+        except WeightTransferError as err:
+            return str(err)
+        return "no error"
+
+
+def test_a_byte_corrupted_in_flight_is_caught_naming_tensor_and_version() -> None:
+    for bound in (True, False):
+        error = run_ranks(_corrupted, 2, bound, timeout=TIMEOUT_S)[1]
+        assert "weights version 2" in error and "'2.weight'" in error, error
+        assert "differ from the sender's" in error
+
+
+def _unverified(rank: int, world_size: int) -> Any:
+    with weight_groups([[0, 1]]) as ctx:
+        module = make_trainable(seed=rank)
+        if rank == 0:
+            out = WeightSender(ctx, verify_every=3)
+            for _ in range(4):
+                out.send(module.state_dict())
+            return None
+        inp = CorruptingReceiver(ctx)
+        outcomes = []
+        for _ in range(4):
+            try:
+                outcomes.append(inp.receive_into(module))
+            except WeightTransferError:
+                outcomes.append("error")
+        return outcomes
+
+
+def test_only_every_nth_version_is_verified() -> None:
+    # Version 2 is corrupted but not checksummed (verify_every=3): it loads unchecked; 3 is
+    # checksummed and intact.
+    assert run_ranks(_unverified, 2, timeout=TIMEOUT_S)[1] == [1, 2, 3, 4]
+
+
+def _double_buffered(rank: int, world_size: int) -> Any:
+    with weight_groups([[0, 1]]) as ctx:
+        module = make_trainable(seed=rank)
+        if rank == 0:
+            out = WeightSender(ctx, verify_every=1)
+            out.bind(module)
+            sent = []
+            for step in range(3):
+                with torch.no_grad():
+                    for p in module.parameters():
+                        p.add_(step + 1)
+                out.send(module.state_dict())
+                sent.append(snapshot(module.state_dict()))
+            return sent
+        inp = WeightReceiver(ctx, expected=module.state_dict())
+        inp.bind(module)
+        assert inp.receive_into(module) == 1
+        acting = snapshot(module.state_dict())
+        pointers = [p.data_ptr() for p in module.parameters()]
+        inp.post()
+        inp.post()
+        deadline = time.monotonic() + 30
+        while not inp.ready():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert inp.receive()[0] == 2  # completes it without touching the module
+        while not inp.ready():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # Versions 2 and 3 have arrived in spare buffers; the module still acts with version 1.
+        unchanged = snapshot(module.state_dict()) == acting
+        loaded = inp.load(module)  # a segment boundary: the newest arrived version swaps in
+        moved = [p.data_ptr() for p in module.parameters()] != pointers
+        return {"unchanged": unchanged, "loaded": loaded, "moved": moved,
+                "first": acting, "final": snapshot(module.state_dict())}
+
+
+def test_posted_receives_land_beside_the_acting_weights_and_swap_at_load() -> None:
+    results = run_ranks(_double_buffered, 2, timeout=TIMEOUT_S)
+    sent, got = results[0], results[1]
+    assert got["unchanged"] and got["moved"] and got["loaded"] == 3
+    assert mismatches(restore(got["first"]), restore(sent[0])) == []
+    assert mismatches(restore(got["final"]), restore(sent[2])) == []
+
+
+def _ddp_bound(rank: int, world_size: int) -> Any:
+    # Trainers 0,1 under DDP, each sending to its receiver (0 -> 2, 1 -> 3).
+    with weight_groups([[0, 2], [1, 3]]) as ctx:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        if rank >= 2:
+            inp = WeightReceiver(ctx, expected=module.state_dict())
+            inp.bind(module)
+            return [(inp.receive_into(module), snapshot(module.state_dict())) for _ in range(3)]
+        ctx.init_group([0, 1], TDP, backend="gloo")
+        out = WeightSender(ctx, verify_every=1)
+        out.bind(module)  # before DDP wraps it
+        ddp = DistributedDataParallel(module, process_group=ctx.get_group(TDP))
+        optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+        sent, copied = [], []
+        out.send(module)  # PPO's call: the bound module itself
+        sent.append(snapshot(module.state_dict()))
+        gen = torch.Generator().manual_seed(rank)  # different data: DDP must average
+        optimizer.zero_grad()
+        ddp(torch.randn(8, 6, generator=gen)).square().mean().backward()
+        optimizer.step()
+        out.send(module)
+        sent.append(snapshot(module.state_dict()))
+        copied.append(out._copied)
+        weight = module[0].weight  # replacing .data breaks that tensor's binding: copied again
+        weight.data = weight.data.clone() * 2
+        out.send(module)
+        sent.append(snapshot(module.state_dict()))
+        copied.append(out._copied)
+        return {"sent": sent, "copied": copied}
+
+
+def test_the_bound_sender_under_ddp_delivers_the_stepped_weights() -> None:
+    results = run_ranks(_ddp_bound, 4, timeout=TIMEOUT_S)
+    for trainer, receiver in ((0, 2), (1, 3)):
+        sent, got = results[trainer]["sent"], results[receiver]
+        # Still bound after DDP and an optimizer step; one tensor copied once its .data changed.
+        assert results[trainer]["copied"] == [0, 1]
+        assert [v for v, _ in got] == [1, 2, 3]
+        for (_, state), want in zip(got, sent):
+            assert mismatches(restore(state), restore(want)) == []
+        assert mismatches(restore(sent[0]), restore(sent[1]))  # the step changed the weights
+    # DDP kept the trainers identical.
+    assert mismatches(restore(results[0]["sent"][1]), restore(results[1]["sent"][1])) == []
+
+
+def _dtype_change(rank: int, world_size: int) -> str:
+    with weight_groups([[0, 1]]) as ctx:
+        torch.manual_seed(0)
+        module = nn.Linear(4, 2)
+        if rank == 0:
+            module.to(torch.float64)
+            with contextlib.suppress(WeightTransferError):
+                WeightSender(ctx).send(module.state_dict())
+            return ""
+        inp = WeightReceiver(ctx)
+        inp.bind(module)  # the module's layout becomes the expected one
+        try:
+            inp.receive_into(module)
+        except WeightTransferError as err:
+            return str(err)
+        return "no error"
+
+
+def test_a_bound_receiver_rejects_a_dtype_change_naming_the_tensor() -> None:
+    error = run_ranks(_dtype_change, 2, timeout=TIMEOUT_S)[1]
+    assert "'weight' is [2, 4] float64 but expected [2, 4] float32" in error, error
