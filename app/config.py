@@ -38,6 +38,11 @@ class CommConfig:
     backend: Backend = setting(Backend.gloo, "gloo (CPU), nccl (CUDA) or auto (nccl if CUDA)")
     init_method: str = setting("env://", "rendezvous URL: env://, tcp://host:port, file://path")
     timeout: float = setting(300.0, "seconds; bounds the rendezvous, init and every group")
+    hang_timeout: float | None = setting(
+        None, "seconds before a collective that does not complete is diagnosed (null: half of "
+        "timeout, at most 30 s before it); must be < timeout"
+    )
+    debug: bool = setting(False, "every collective first checks its group agrees on op/dtype/shape")
 
 
 @dataclass

@@ -1,0 +1,63 @@
+"""Loops that hang or mismatch on purpose, for tests/test_hangs.py (``loop._target_=...``).
+
+Each is bounded: whatever it waits for, it gives up after ``max_wait_s`` so that a test that
+fails cannot leave processes behind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlcomm import CommContext, collectives
+
+
+def _sleep(seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@dataclass
+class Hang:
+    """Every rank runs a few GLOBAL all_reduces; ``rank`` does ``fault`` at ``step`` instead:
+
+    - ``sleep``: sits in its own code (never enters the collective);
+    - ``skip``: skips that collective, then waits in WEIGHT_TRANSFER (it never enters it);
+    - ``broadcast``: calls broadcast where the others call all_reduce (same sequence number);
+    - ``shape``: calls all_reduce with a different shape;
+    - ``deadlock``: waits in TRAIN_DATA_PARALLEL for a partner that waits in GLOBAL.
+    """
+
+    fault: str = "sleep"
+    rank: int = 2
+    step: int = 3
+    max_wait_s: float = 120.0
+
+    def __call__(self, ctx: CommContext, job: Any) -> dict[str, Any]:
+        for step in range(1, 6):
+            if step == self.step and job.rank == self.rank:
+                self._fault(ctx)
+            elif step == self.step and self.fault == "deadlock" and job.rank == 0:
+                collectives.all_reduce(ctx, "TRAIN_DATA_PARALLEL", torch.ones(2))
+            else:
+                collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))
+        return {"steps": 5}
+
+    def _fault(self, ctx: CommContext) -> None:
+        if self.fault == "sleep":
+            _sleep(self.max_wait_s)
+        elif self.fault == "skip":
+            collectives.broadcast(ctx, "WEIGHT_TRANSFER", torch.ones(8))
+        elif self.fault == "broadcast":
+            collectives.broadcast(ctx, "GLOBAL", torch.ones(4), src=0)
+        elif self.fault == "shape":
+            collectives.all_reduce(ctx, "GLOBAL", torch.ones(8))
+        elif self.fault == "deadlock":
+            _sleep(2.0)  # rank 0 is in TRAIN_DATA_PARALLEL first: that is where the hang starts
+            collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))
+        else:
+            raise ValueError(f"unknown fault {self.fault!r}")
