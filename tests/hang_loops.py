@@ -18,18 +18,18 @@ from rlcomm import CommContext, collectives
 def _sleep(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.05)  # rank sleeps here
 
 
 @dataclass
 class Hang:
-    """Every rank runs a few GLOBAL all_reduces; ``rank`` does ``fault`` at ``step`` instead:
+    """Every rank runs five GLOBAL all_reduces; ``rank`` does ``fault`` at ``step`` instead:
 
-    - ``sleep``: sits in its own code (never enters the collective);
+    - ``sleep``: sits in its own code for ``max_wait_s`` (never enters the collective);
     - ``skip``: skips that collective, then waits in WEIGHT_TRANSFER (it never enters it);
     - ``broadcast``: calls broadcast where the others call all_reduce (same sequence number);
     - ``shape``: calls all_reduce with a different shape;
-    - ``deadlock``: waits in TRAIN_DATA_PARALLEL for a partner that waits in GLOBAL.
+    - ``deadlock``: rank 0 waits in TRAIN_DATA_PARALLEL for ``rank``, which waits in GLOBAL.
     """
 
     fault: str = "sleep"
@@ -42,22 +42,25 @@ class Hang:
             if step == self.step and job.rank == self.rank:
                 self._fault(ctx)
             elif step == self.step and self.fault == "deadlock" and job.rank == 0:
-                collectives.all_reduce(ctx, "TRAIN_DATA_PARALLEL", torch.ones(2))
+                collectives.all_reduce(ctx, "TRAIN_DATA_PARALLEL", torch.ones(2))  # rank 0 waits
             else:
-                collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))
+                if step == self.step and self.fault == "deadlock":
+                    _sleep(2.0)  # rank 0 is stuck first: that is where the hang starts
+                collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))  # everyone's step
         return {"steps": 5}
 
     def _fault(self, ctx: CommContext) -> None:
         if self.fault == "sleep":
             _sleep(self.max_wait_s)
         elif self.fault == "skip":
-            collectives.broadcast(ctx, "WEIGHT_TRANSFER", torch.ones(8))
+            _sleep(2.0)  # the others are stuck first: that is where the hang starts
+            collectives.broadcast(ctx, "WEIGHT_TRANSFER", torch.ones(8))  # skipper waits
         elif self.fault == "broadcast":
-            collectives.broadcast(ctx, "GLOBAL", torch.ones(4), src=0)
+            collectives.broadcast(ctx, "GLOBAL", torch.ones(4), src=0)  # wrong op
         elif self.fault == "shape":
-            collectives.all_reduce(ctx, "GLOBAL", torch.ones(8))
+            collectives.all_reduce(ctx, "GLOBAL", torch.ones(8))  # wrong shape
         elif self.fault == "deadlock":
-            _sleep(2.0)  # rank 0 is in TRAIN_DATA_PARALLEL first: that is where the hang starts
-            collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))
+            _sleep(2.0)
+            collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))  # the partner waits
         else:
             raise ValueError(f"unknown fault {self.fault!r}")
