@@ -43,6 +43,7 @@ class CommConfig:
         "timeout, at most 30 s before it); must be < timeout"
     )
     debug: bool = setting(False, "every collective first checks its group agrees on op/dtype/shape")
+    record: bool = setting(True, "record every collective for hang diagnosis (false: no watchdog)")
 
 
 @dataclass

@@ -99,6 +99,7 @@ def _run(
         timeout=cfg.comm.timeout,
         hang_timeout=cfg.comm.get("hang_timeout"),
         debug=bool(cfg.comm.get("debug", False)),
+        record=bool(cfg.comm.get("record", True)),
     )
     if ctx.watchdog is not None:  # `kill -USR1`: stacks and collective table to the log
         ctx.watchdog.dump_on(signal.SIGUSR1)

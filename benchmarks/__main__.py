@@ -23,6 +23,7 @@ SECTIONS = (
     "scale",
     "startup",
     "rl_throughput",
+    "flight",
 )
 NOT_IN_QUICK = ("rl_throughput",)
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
