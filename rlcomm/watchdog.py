@@ -67,8 +67,9 @@ class Watchdog:
         self._ctx = ctx
         self._store = store
         self.hang_timeout = hang_timeout
-        # Answers are awaited until shortly before the groups' own timeout.
-        self._gather_s = max(1.0, min(10.0, (timeout - hang_timeout) / 2))
+        # Answers are awaited until the groups' own timeout at most (a call that fails meanwhile
+        # waits for the diagnosis: see FlightRecorder.await_diagnosis).
+        self._gather_s = max(2.0, min(10.0, timeout - hang_timeout))
         self._rank = ctx.get_global_rank()
         self._world = ctx.get_world_size("GLOBAL")
         self._answered = 0  # the last request epoch this rank answered
@@ -77,7 +78,7 @@ class Watchdog:
         self._pending: tuple[int, float] | None = None  # (epoch, give up at) being gathered
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
-        self._dump_requested = False
+        self._dump_signals: set[int] = set()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlcomm-watchdog", daemon=True)
         self._thread.start()
@@ -87,6 +88,7 @@ class Watchdog:
         """Make ``signum`` write this rank's collective table and stacks to its log, without
         stopping it, even while the main thread is blocked in a collective (call it from the
         main thread)."""
+        self._dump_signals.add(signum)
         signal.signal(signum, lambda *_: None)  # installs the C handler; the work is below
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
 
@@ -120,8 +122,10 @@ class Watchdog:
                 return
             if ready:
                 with contextlib.suppress(OSError):
-                    if os.read(self._wake_r, 64).strip(b"\0"):  # signal numbers, not a stop
-                        self.dump("stacks on demand (signal)")
+                    # Python writes the number of every signal it handles; a stop writes 0.
+                    received = set(os.read(self._wake_r, 64)) & self._dump_signals
+                    for signum in received:
+                        self.dump(f"stacks on demand ({signal.Signals(signum).name})")
             try:
                 self._tick()
             except Exception:  # the store went away (run ending): nothing left to diagnose

@@ -26,10 +26,11 @@ class Hang:
     """Every rank runs five GLOBAL all_reduces; ``rank`` does ``fault`` at ``step`` instead:
 
     - ``sleep``: sits in its own code for ``max_wait_s`` (never enters the collective);
+    - ``slow``: sits in its own code for ``max_wait_s``, then joins the collective (no hang);
     - ``skip``: skips that collective, then waits in WEIGHT_TRANSFER (it never enters it);
     - ``broadcast``: calls broadcast where the others call all_reduce (same sequence number);
     - ``shape``: calls all_reduce with a different shape;
-    - ``deadlock``: rank 0 waits in TRAIN_DATA_PARALLEL for ``rank``, which waits in GLOBAL.
+    - ``deadlock``: rank 0 waits in TRAIN_DATA_PARALLEL for ``rank``, which is in GLOBAL.
     """
 
     fault: str = "sleep"
@@ -42,7 +43,7 @@ class Hang:
             if step == self.step and job.rank == self.rank:
                 self._fault(ctx)
             elif step == self.step and self.fault == "deadlock" and job.rank == 0:
-                collectives.all_reduce(ctx, "TRAIN_DATA_PARALLEL", torch.ones(2))  # rank 0 waits
+                collectives.all_reduce(ctx, "TRAIN_DATA_PARALLEL", torch.ones(2))  # TDP wait
             else:
                 if step == self.step and self.fault == "deadlock":
                     _sleep(2.0)  # rank 0 is stuck first: that is where the hang starts
@@ -52,6 +53,9 @@ class Hang:
     def _fault(self, ctx: CommContext) -> None:
         if self.fault == "sleep":
             _sleep(self.max_wait_s)
+        elif self.fault == "slow":
+            _sleep(self.max_wait_s)
+            collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))
         elif self.fault == "skip":
             _sleep(2.0)  # the others are stuck first: that is where the hang starts
             collectives.broadcast(ctx, "WEIGHT_TRANSFER", torch.ones(8))  # skipper waits
