@@ -11,6 +11,7 @@ answers a request by writing its collective table and every thread's Python stac
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -82,6 +83,9 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rlcomm-watchdog", daemon=True)
         self._thread.start()
+        # Joined before the interpreter exits: a daemon thread caught inside a C++ store call
+        # while the process tears down torch can abort it.
+        atexit.register(self.stop)
 
     # ---- public -----------------------------------------------------------------------------
     def dump_on(self, signum: int = signal.SIGUSR1) -> None:
@@ -101,6 +105,9 @@ class Watchdog:
         )
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")

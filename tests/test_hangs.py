@@ -24,7 +24,7 @@ from tests.test_reliability import AppProcess, read_result
 
 TIMEOUT_S = 10  # comm.timeout of the hanging runs: the watchdog diagnoses after 5 s
 LOOPS = Path(__file__).with_name("hang_loops.py")
-HANG = "loop._target_=tests.hang_loops.Hang"
+HANG = ("loop=custom", "loop._target_=tests.hang_loops.Hang")
 
 
 def site(marker: str) -> str:
@@ -54,7 +54,7 @@ def run_hang(app_run: Callable[..., AppProcess], name: str, *overrides: str,
              timeout_s: int = TIMEOUT_S) -> AppProcess:
     """Start a hanging run and wait for its end: within ``timeout_s`` + 15 s of the loop's
     start, exit 2, nothing left running."""
-    app = app_run(name, HANG, f"comm.timeout={timeout_s}", *overrides)
+    app = app_run(name, *HANG, f"comm.timeout={timeout_s}", *overrides)
     app.wait_until_training()
     started = time.monotonic()
     code = app.wait()
@@ -284,7 +284,7 @@ def test_shapes_that_differ(app_run: Callable[..., AppProcess]) -> None:
 def test_a_killed_rank_is_reported_as_the_crash_it_is(app_run: Callable[..., AppProcess]) -> None:
     # Rank 2 sits in its own code, the others wait for it; then it is killed, before the watchdog
     # (30 s) would diagnose a hang.
-    app = app_run("killed", HANG, "comm.timeout=60", "+loop.fault=sleep")
+    app = app_run("killed", *HANG, "comm.timeout=60", "+loop.fault=sleep")
     app.wait_until_training()
     app.wait_until("rank 2 in its own code", lambda: "in _sleep" in _stack(app, 2))
     app.ranks()[2].send_signal(signal.SIGKILL)
@@ -311,7 +311,7 @@ def test_sigusr1_writes_every_ranks_stack_and_table_and_the_run_goes_on(
     app_run: Callable[..., AppProcess],
 ) -> None:
     # Rank 2 is slow (10 s in its own code), not hung: the others wait for it in all_reduce #3.
-    app = app_run("usr1", HANG, "comm.timeout=60", "+loop.fault=slow", "+loop.max_wait_s=10")
+    app = app_run("usr1", *HANG, "comm.timeout=60", "+loop.fault=slow", "+loop.max_wait_s=10")
     app.wait_until_training()
     app.wait_until("every rank's stack",
                    lambda: "in _sleep" in _stack(app, 2)
@@ -331,7 +331,7 @@ def test_sigusr1_writes_every_ranks_stack_and_table_and_the_run_goes_on(
 def test_comm_debug_fails_at_once_on_a_shape_mismatch_naming_both_sides(
     app_run: Callable[..., AppProcess],
 ) -> None:
-    app = app_run("debug", HANG, "comm.timeout=60", "comm.debug=true", "+loop.fault=shape")
+    app = app_run("debug", *HANG, "comm.timeout=60", "comm.debug=true", "+loop.fault=shape")
     app.wait_until_training()
     started = time.monotonic()
     assert app.wait() == 2, app.describe()
