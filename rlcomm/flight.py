@@ -30,6 +30,9 @@ _RLCOMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DIAGNOSIS_GRACE_S = 12.0  # the watchdog gathers answers for 10 s at most
 
 
+_SRC_OPS = frozenset({"broadcast", "broadcast_object_list", "scatter"})  # peer is a src
+
+
 def format_bytes(n: int) -> str:
     """``4 B``, ``3.1 MB``: sizes as a person reads them (decimal units)."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -51,9 +54,6 @@ def format_call(call: dict[str, Any], with_seq: bool = True) -> str:
         details.append(call["site"])
     seq = f" #{call['seq']}" if with_seq else ""
     return f"{call['op']}{seq} ({', '.join(details)})" if details else f"{call['op']}{seq}"
-
-
-_SRC_OPS = frozenset({"broadcast", "broadcast_object_list", "scatter"})
 
 
 class Call:
@@ -195,13 +195,17 @@ class FlightRecorder:
             frame = frame.f_back
         call.file = frame.f_code.co_filename
         call.line = frame.f_lineno
-        if self.debug:
-            from .debug import agree_on_call
-
-            agree_on_call(self._ctx, call, tensor, same_shape)
         call.started = time.monotonic()
         call.started_wall = time.time()
         log.ring.append(call)
+        if self.debug:  # recorded first: a hang in the agreement is diagnosed as this call's
+            from .debug import agree_on_call
+
+            try:
+                agree_on_call(self._ctx, call, tensor, same_shape)
+            except BaseException:
+                call.done = True  # it never started: no watchdog should wait for it
+                raise
         return call
 
     # ---- what the watchdog reads ------------------------------------------------------------

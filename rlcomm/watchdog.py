@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rlcomm.hang")
 
-POLL_S = 0.5  # how often the thread looks at its own calls and at the store
+POLL_S = 0.5  # how often the thread looks at its own calls and at the store (small worlds)
+_POLLS_PER_S_MAX = 512  # store requests per second of all ranks together, for large worlds
 _EPOCH_KEY = "hang/epoch"
 
 
@@ -68,11 +69,13 @@ class Watchdog:
         self._ctx = ctx
         self._store = store
         self.hang_timeout = hang_timeout
-        # Answers are awaited until the groups' own timeout at most (a call that fails meanwhile
-        # waits for the diagnosis: see FlightRecorder.await_diagnosis).
-        self._gather_s = max(2.0, min(10.0, timeout - hang_timeout))
         self._rank = ctx.get_global_rank()
         self._world = ctx.get_world_size("GLOBAL")
+        # One tiny store request per poll and rank: large worlds poll less often (5 s at most).
+        self._poll_s = min(5.0, max(POLL_S, self._world / _POLLS_PER_S_MAX))
+        # Answers are awaited until the groups' own timeout at most (a call that fails meanwhile
+        # waits for the diagnosis: see FlightRecorder.await_diagnosis).
+        self._gather_s = max(2.0 + self._poll_s, min(10.0, timeout - hang_timeout))
         self._answered = 0  # the last request epoch this rank answered
         self._answered_at = 0.0
         self._fired: list[Call] = []  # calls this rank raised a request for, still in flight
@@ -124,7 +127,7 @@ class Watchdog:
     # ---- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped.is_set():
-            ready, _, _ = select.select([self._wake_r], [], [], POLL_S)
+            ready, _, _ = select.select([self._wake_r], [], [], self._poll_s)
             if self._stopped.is_set():
                 return
             if ready:
