@@ -39,8 +39,7 @@ class CommConfig:
     init_method: str = setting("env://", "rendezvous URL: env://, tcp://host:port, file://path")
     timeout: float = setting(300.0, "seconds; bounds the rendezvous, init and every group")
     hang_timeout: float | None = setting(
-        None, "seconds before a collective that does not complete is diagnosed (null: half of "
-        "timeout, at most 30 s before it); must be < timeout"
+        None, "seconds until a stuck collective is diagnosed; < timeout (null: timeout/2, <= 30 s before)"
     )
     debug: bool = setting(False, "every collective first checks its group agrees on op/dtype/shape")
     record: bool = setting(True, "record every collective for hang diagnosis (false: no watchdog)")
