@@ -71,22 +71,23 @@ class Call:
         "seq",
         "shape",
         "started",
-        "started_wall",
         "works",
     )
 
-    def __init__(self, recorder: FlightRecorder | None, mode: str, seq: int, op: str) -> None:
+    def __init__(  # one assignment per slot, nothing else: this runs on every collective
+        self, recorder: FlightRecorder | None, mode: str, seq: int, op: str, dtype: Any,
+        shape: tuple[int, ...], peer: int | None, file: str, line: int, started: float,
+    ) -> None:
         self.recorder = recorder
         self.mode = mode
         self.seq = seq
         self.op = op
-        self.dtype: Any = None
-        self.shape: tuple[int, ...] = ()
-        self.peer: int | None = None
-        self.file = ""
-        self.line = 0
-        self.started = 0.0
-        self.started_wall = 0.0
+        self.dtype = dtype
+        self.shape = shape
+        self.peer = peer
+        self.file = file
+        self.line = line
+        self.started = started  # time.monotonic()
         self.done = False
         self.works: list[Work] | None = None
 
@@ -140,20 +141,22 @@ class Call:
             "peer": self.peer,
             "site": f"{os.path.basename(self.file)}:{self.line}" if self.file else "",
             "path": f"{self.file}:{self.line}" if self.file else "",
-            "started_wall": self.started_wall,
+            # Wall clock, comparable across ranks (and hosts with synchronised clocks).
+            "started_wall": time.time() - (time.monotonic() - self.started),
             "in_flight": self.in_flight(),
         }
 
 
 class _ModeLog:
-    __slots__ = ("ring", "seq")
+    __slots__ = ("name", "ring", "seq")
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.seq = 0
         self.ring: deque[Call] = deque(maxlen=RING_SIZE)
 
 
-_OFF = Call(None, "", 0, "")  # what every call returns while recording is off
+_OFF = Call(None, "", 0, "", None, (), None, "", 0, 0.0)  # returned while recording is off
 _OFF.done = True
 
 
@@ -180,23 +183,19 @@ class FlightRecorder:
         """Record the start of ``op`` on this rank's ``mode`` group; use as ``with``."""
         if not self.enabled:
             return _OFF
-        key = mode if type(mode) is str else mode_name(mode)
-        log = self._modes.get(key)
+        log = self._modes.get(mode)  # a mode enum finds its name's entry (same hash, equal)
         if log is None:
-            log = self._modes[key] = _ModeLog()
+            log = self._modes[mode_name(mode)] = _ModeLog(mode_name(mode))
         log.seq += 1
-        call = Call(self, key, log.seq, op)
-        if tensor is not None:
-            call.dtype = tensor.dtype
-            call.shape = tuple(tensor.shape)
-        call.peer = peer
         frame = sys._getframe(1)  # the caller's file:line: first frame outside rlcomm
         while frame.f_back is not None and frame.f_code.co_filename.startswith(_RLCOMM_DIR):
             frame = frame.f_back
-        call.file = frame.f_code.co_filename
-        call.line = frame.f_lineno
-        call.started = time.monotonic()
-        call.started_wall = time.time()
+        call = Call(
+            self, log.name, log.seq, op,
+            None if tensor is None else tensor.dtype,
+            () if tensor is None else tensor.shape,  # a torch.Size: an immutable tuple
+            peer, frame.f_code.co_filename, frame.f_lineno, time.monotonic(),
+        )
         log.ring.append(call)
         if self.debug:  # recorded first: a hang in the agreement is diagnosed as this call's
             from .debug import agree_on_call
