@@ -23,14 +23,15 @@ def _sleep(seconds: float) -> None:
 
 @dataclass
 class Hang:
-    """Every rank runs five GLOBAL all_reduces; ``rank`` does ``fault`` at ``step`` instead:
+    """Every rank runs five INTRA_NODE all_reduces (a mode the app itself does not use, so the
+    sequence numbers are the loop's own); ``rank`` does ``fault`` at ``step`` instead:
 
     - ``sleep``: sits in its own code for ``max_wait_s`` (never enters the collective);
     - ``slow``: sits in its own code for ``max_wait_s``, then joins the collective (no hang);
-    - ``skip``: skips that collective, then waits in WEIGHT_TRANSFER (it never enters it);
+    - ``skip``: skips that collective, then waits in WEIGHT_TRANSFER;
     - ``broadcast``: calls broadcast where the others call all_reduce (same sequence number);
     - ``shape``: calls all_reduce with a different shape;
-    - ``deadlock``: rank 0 waits in TRAIN_DATA_PARALLEL for ``rank``, which is in GLOBAL.
+    - ``deadlock``: rank 0 waits in TRAIN_DATA_PARALLEL for ``rank``, which is in INTRA_NODE.
     """
 
     fault: str = "sleep"
@@ -47,7 +48,7 @@ class Hang:
             else:
                 if step == self.step and self.fault == "deadlock":
                     _sleep(2.0)  # rank 0 is stuck first: that is where the hang starts
-                collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))  # everyone's step
+                collectives.all_reduce(ctx, "INTRA_NODE", torch.ones(4))  # everyone's step
         return {"steps": 5}
 
     def _fault(self, ctx: CommContext) -> None:
@@ -55,16 +56,16 @@ class Hang:
             _sleep(self.max_wait_s)
         elif self.fault == "slow":
             _sleep(self.max_wait_s)
-            collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))
+            collectives.all_reduce(ctx, "INTRA_NODE", torch.ones(4))
         elif self.fault == "skip":
             _sleep(2.0)  # the others are stuck first: that is where the hang starts
             collectives.broadcast(ctx, "WEIGHT_TRANSFER", torch.ones(8))  # skipper waits
         elif self.fault == "broadcast":
-            collectives.broadcast(ctx, "GLOBAL", torch.ones(4), src=0)  # wrong op
+            collectives.broadcast(ctx, "INTRA_NODE", torch.ones(4), src=0)  # wrong op
         elif self.fault == "shape":
-            collectives.all_reduce(ctx, "GLOBAL", torch.ones(8))  # wrong shape
+            collectives.all_reduce(ctx, "INTRA_NODE", torch.ones(8))  # wrong shape
         elif self.fault == "deadlock":
             _sleep(2.0)
-            collectives.all_reduce(ctx, "GLOBAL", torch.ones(4))  # the partner waits
+            collectives.all_reduce(ctx, "INTRA_NODE", torch.ones(4))  # the partner waits
         else:
             raise ValueError(f"unknown fault {self.fault!r}")

@@ -226,7 +226,7 @@ def _line_of(text: str) -> int:
 def test_a_rank_in_user_code(app_run: Callable[..., AppProcess]) -> None:
     app = run_hang(app_run, "sleep", "+loop.fault=sleep")
     assert app.last_line == (
-        f"error: hang in GLOBAL[0,1,2,3] all_reduce #3 (float32[4], 16 B, {site('everyone')}): "
+        f"error: hang in INTRA_NODE[0,1,2,3] all_reduce #3 (float32[4], 16 B, {site('everyone')}): "
         f"rank 2 never entered it; rank 2 is in user code at {site('rank sleeps here')} in _sleep "
         f"(its Python stack is in its log) (logs: {app.run_dir / 'logs'})"
     ), app.describe()
@@ -234,14 +234,14 @@ def test_a_rank_in_user_code(app_run: Callable[..., AppProcess]) -> None:
     for rank in range(4):
         assert f"collectives of rank {rank}:" in app.log(rank), app.log(rank)
         assert f"Python stacks of rank {rank}:" in app.log(rank), app.log(rank)
-    assert "in _sleep" in app.log(2) and "GLOBAL: entered #2, completed #2" in app.log(2)
+    assert "in _sleep" in app.log(2) and "INTRA_NODE: entered #2, completed #2" in app.log(2)
     assert "all_reduce #3 (float32[4], 16 B, " in app.log(0) and "IN FLIGHT" in app.log(0)
 
 
 def test_a_rank_that_skips_a_collective(app_run: Callable[..., AppProcess]) -> None:
     app = run_hang(app_run, "skip", "+loop.fault=skip")
     assert app.last_line == (
-        f"error: hang in GLOBAL[0,1,2,3] all_reduce #3 (float32[4], 16 B, {site('everyone')}): "
+        f"error: hang in INTRA_NODE[0,1,2,3] all_reduce #3 (float32[4], 16 B, {site('everyone')}): "
         "rank 2 never entered it; rank 2 is in WEIGHT_TRANSFER broadcast #1 (src 0, float32[8], "
         f"32 B, {site('skipper waits')}) (logs: {app.run_dir / 'logs'})"
     ), app.describe()
@@ -250,7 +250,7 @@ def test_a_rank_that_skips_a_collective(app_run: Callable[..., AppProcess]) -> N
 def test_ranks_that_call_different_collectives(app_run: Callable[..., AppProcess]) -> None:
     app = run_hang(app_run, "mismatch", "+loop.fault=broadcast")
     assert app.last_line == (
-        f"error: hang in GLOBAL[0,1,2,3] all_reduce #3 (float32[4], 16 B, {site('everyone')}): "
+        f"error: hang in INTRA_NODE[0,1,2,3] all_reduce #3 (float32[4], 16 B, {site('everyone')}): "
         f"mismatch: rank 2 called broadcast #3 (src 0, float32[4], 16 B, {site('wrong op')}) "
         f"instead (logs: {app.run_dir / 'logs'})"
     ), app.describe()
@@ -260,7 +260,7 @@ def test_a_deadlock_across_two_modes(app_run: Callable[..., AppProcess]) -> None
     app = run_hang(app_run, "deadlock", "+loop.fault=deadlock", "+loop.rank=1")
     assert app.last_line == (
         "error: hang in TRAIN_DATA_PARALLEL[0,1] all_reduce #1 (float32[2], 8 B, "
-        f"{site('TDP wait')}): rank 1 never entered it; rank 1 is in GLOBAL all_reduce #3 "
+        f"{site('TDP wait')}): rank 1 never entered it; rank 1 is in INTRA_NODE all_reduce #3 "
         f"(float32[4], 16 B, {site('the partner waits')}) (logs: {app.run_dir / 'logs'})"
     ), app.describe()
 
@@ -271,7 +271,7 @@ def test_shapes_that_differ(app_run: Callable[..., AppProcess]) -> None:
     # Python stack (faulthandler). Which one happens depends on gloo's timing.
     app = run_hang(app_run, "shape", "+loop.fault=shape")
     mismatch = (
-        f"error: hang in GLOBAL[0,1,2,3] all_reduce #3 (float32[4], 16 B, {site('everyone')}): "
+        f"error: hang in INTRA_NODE[0,1,2,3] all_reduce #3 (float32[4], 16 B, {site('everyone')}): "
         f"mismatch: rank 2 called all_reduce #3 (float32[8], 32 B, {site('wrong shape')}) "
         f"instead (logs: {app.run_dir / 'logs'})"
     )
@@ -337,7 +337,7 @@ def test_comm_debug_fails_at_once_on_a_shape_mismatch_naming_both_sides(
     assert app.wait() == 2, app.describe()
     assert time.monotonic() - started < 30, app.describe()  # not the 60 s timeout
     assert app.last_line == (
-        "error: collective mismatch in GLOBAL[0,1,2,3] #3: rank 0 calls all_reduce (float32[4], "
+        "error: collective mismatch in INTRA_NODE[0,1,2,3] #3: rank 0 calls all_reduce (float32[4], "
         f"16 B, {site('everyone')}) but rank 2 calls all_reduce (float32[8], 32 B, "
         f"{site('wrong shape')}) (comm.debug) (logs: {app.run_dir / 'logs'})"
     ), app.describe()
