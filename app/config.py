@@ -38,6 +38,11 @@ class CommConfig:
     backend: Backend = setting(Backend.gloo, "gloo (CPU), nccl (CUDA) or auto (nccl if CUDA)")
     init_method: str = setting("env://", "rendezvous URL: env://, tcp://host:port, file://path")
     timeout: float = setting(300.0, "seconds; bounds the rendezvous, init and every group")
+    hang_timeout: float | None = setting(
+        None, "seconds until a stuck collective is diagnosed; < timeout (null: timeout/2, <= 30 s before)"
+    )
+    debug: bool = setting(False, "every collective first checks its group agrees on op/dtype/shape")
+    record: bool = setting(True, "record every collective for hang diagnosis (false: no watchdog)")
 
 
 @dataclass

@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import re
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,8 @@ def run_rank(
     """
     from .logs import setup_rank_logging
 
+    # Until the watchdog listens (after init), `kill -USR1` must not end the rank.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     env = resolve_rank_env()
     os.environ.update(env.torch_variables())
     # torch and the app are imported: move those objects out of the collector's way, so a full
@@ -91,8 +94,15 @@ def _run(
 
     ctx = CommContext()
     ctx.init_distributed_env(
-        backend=cfg.comm.backend, dist_url=cfg.comm.init_method, timeout=cfg.comm.timeout
+        backend=cfg.comm.backend,
+        dist_url=cfg.comm.init_method,
+        timeout=cfg.comm.timeout,
+        hang_timeout=cfg.comm.get("hang_timeout"),
+        debug=bool(cfg.comm.get("debug", False)),
+        record=bool(cfg.comm.get("record", True)),
     )
+    if ctx.watchdog is not None:  # `kill -USR1`: stacks and collective table to the log
+        ctx.watchdog.dump_on(signal.SIGUSR1)
     startup_s = time.time() - job_start_time()
     tick = time.perf_counter()
     one_machine = launched_here or env.launcher == "submitit"  # both start every rank here

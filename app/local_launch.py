@@ -6,8 +6,10 @@ on one machine never collide and nothing is exposed beyond loopback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import uuid
@@ -105,6 +107,7 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
     )
     launch.shutdown_timeout = cfg.launcher.shutdown_timeout
+    previous = signal.signal(signal.SIGUSR1, lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir))
     try:
         elastic_launch(launch, _local_rank)(config, plan, str(run_dir))
     except ChildFailedError as err:
@@ -116,6 +119,8 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
             f"(logs: {run_dir / 'logs'})",
             int(err.sigval),
         ) from None
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
     # Rank 0 reports through result.json (JSON), not through the agent's pickled return values.
     summary: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
     return summary
@@ -123,6 +128,35 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
 
 def _local_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> None:
     run_rank(config, plan, run_dir, launched_here=True)
+
+
+def rank_pids(parent: int) -> list[int]:
+    """The rank processes the agent started under ``parent``: its children that multiprocessing
+    spawned (not its resource tracker). Read from /proc: the agent does not publish its pids."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rpartition(")")[2].split()[1])
+            if ppid == parent and b"spawn_main" in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # it ended meanwhile
+            continue
+    return sorted(pids)
+
+
+def _forward_to_ranks(signum: int, run_dir: Path) -> None:
+    """``kill -USR1 <launcher>``: every rank writes its stacks and collective table to its log."""
+    pids = rank_pids(os.getpid())
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    logging.getLogger("app").warning(
+        "%s: %d ranks write their Python stacks and collectives to %s",
+        signal.Signals(signum).name, len(pids), run_dir / "logs",
+    )
 
 
 # Ranks that fail only because a peer died first: reported when nothing else is.
@@ -150,10 +184,30 @@ def _describe_failures(err: ChildFailedError, run_dir: Path, run_id: str) -> str
         if rank not in why:
             why[rank] = f"exit code 1: {_error_line(json.loads(record.read_text()))}"
     causes = {r: w for r, w in why.items() if not any(s in w for s in _PEER_LOST)} or why
+    diagnosis = _run_diagnosis(causes)
+    if any(w.startswith("killed by") for w in causes.values()):
+        # A crash wins: the hang its peers may report is its consequence.
+        causes = {r: w for r, w in causes.items() if not any(m in w for m in _RUN_DIAGNOSES)}
+    elif diagnosis:
+        return f"{diagnosis} (logs: {run_dir / 'logs'})"
     return "; ".join(
         f"rank {rank} {text} (log: {run_dir / 'logs' / f'rank{rank}.log'})"
         for rank, text in sorted(causes.items())
     )
+
+
+# Errors that describe the whole run, the same on every rank that raises them: reported once.
+_RUN_DIAGNOSES = ("HangError: ", "CollectiveMismatchError: ")
+
+
+def _run_diagnosis(causes: dict[int, str]) -> str:
+    """A hang or mismatch diagnosis among the causes (the lowest rank's), else ``""``; a crash
+    (a rank killed by a signal) still wins over it, since peers may hang because of it."""
+    for _, text in sorted(causes.items()):
+        for marker in _RUN_DIAGNOSES:
+            if marker in text:
+                return text.partition(marker)[2]
+    return ""
 
 
 def _error_line(message: object) -> str:

@@ -7,6 +7,7 @@ rank 0's progress bar instead of through it.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import sys
 from pathlib import Path
@@ -59,8 +60,8 @@ class _ConsoleHandler(logging.StreamHandler[TextIO]):
     def format(self, record: logging.LogRecord) -> str:
         saved = record.exc_info, record.exc_text
         record.exc_info, record.exc_text = None, None
-        try:
-            return super().format(record)
+        try:  # multi-line messages (a stack dump) stay in the log file too
+            return super().format(record).split("\n", 1)[0]
         finally:
             record.exc_info, record.exc_text = saved
 
@@ -89,6 +90,9 @@ def setup_rank_logging(run_dir: Path, rank: int) -> Path:
     formatter = logging.Formatter(FORMAT.format(rank=rank), datefmt="%H:%M:%S")
     file_handler = logging.FileHandler(path)
     file_handler.setFormatter(formatter)
+    # A rank the backend aborts (gloo on a size mismatch) leaves its Python stack here.
+    if file_handler.stream is not None:
+        faulthandler.enable(file_handler.stream, all_threads=True)
     root.addHandler(file_handler)
     # Python's warnings become log records, so they too reach the console above the bar.
     logging.captureWarnings(True)

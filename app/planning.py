@@ -35,6 +35,11 @@ def validate(cfg: DictConfig) -> LayoutPlan:
     timeout = cfg.comm.timeout
     if timeout <= 0:
         raise ConfigError(f"comm.timeout: must be a positive number of seconds, got {timeout}")
+    hang = cfg.comm.get("hang_timeout")
+    if hang is not None and not 0 < hang < timeout:
+        raise ConfigError(
+            f"comm.hang_timeout: must be > 0 and < comm.timeout ({timeout:g}), got {hang}"
+        )
     if cfg.launcher.max_restarts < 0:
         raise ConfigError(f"launcher.max_restarts: must be >= 0, got {cfg.launcher.max_restarts}")
     if cfg.sweep.rank_by is not None:

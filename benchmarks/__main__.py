@@ -24,6 +24,7 @@ SECTIONS = (
     "startup",
     "rl_throughput",
     "rl_staleness",
+    "flight",
 )
 NOT_IN_QUICK = ("rl_throughput", "rl_staleness")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes

@@ -1,6 +1,7 @@
 """Collectives addressed by mode: ``all_reduce(ctx, ParallelMode.TRAIN_DATA_PARALLEL, t)``.
 
-The context is passed explicitly (no global), so one process could hold two contexts.
+Every call is recorded in ``ctx.recorder`` (:mod:`rlcomm.flight`): the hang watchdog's
+evidence. The context is passed explicitly (no global), so one process could hold two contexts.
 Rank arguments (``src``, ``dst``) are GLOBAL ranks, as in ``torch.distributed``; to address a
 position inside the group use ``ctx.to_global_rank(mode, group_rank)`` (and
 ``ctx.to_group_rank`` for the way back). ``src``/``dst`` default to the group's leader: the first
@@ -39,7 +40,9 @@ def all_reduce(
     ctx: CommContext, mode: Mode, tensor: torch.Tensor, op: Any = ReduceOp.SUM
 ) -> torch.Tensor:
     """In-place all_reduce over this rank's ``mode`` group; returns ``tensor``."""
-    dist.all_reduce(tensor, op=op, group=ctx.get_group(mode))
+    group = ctx.get_group(mode)
+    with ctx.recorder.call(mode, "all_reduce", tensor):
+        dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -62,7 +65,9 @@ def broadcast(
 ) -> torch.Tensor:
     """Broadcast ``tensor`` in place from global rank ``src`` (default: the group leader)."""
     src = leader(ctx, mode) if src is None else src
-    dist.broadcast(tensor, src=src, group=ctx.get_group(mode))
+    group = ctx.get_group(mode)
+    with ctx.recorder.call(mode, "broadcast", tensor, src):
+        dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
@@ -72,7 +77,9 @@ def broadcast_object_list(
     """Pickle-based broadcast of Python objects, for trusted peers of one job only (the
     receiving side unpickles); keep it off hot paths and never for weights or trajectories."""
     src = leader(ctx, mode) if src is None else src
-    dist.broadcast_object_list(objects, src=src, group=ctx.get_group(mode))
+    group = ctx.get_group(mode)
+    with ctx.recorder.call(mode, "broadcast_object_list", None, src):
+        dist.broadcast_object_list(objects, src=src, group=group)
     return objects
 
 
@@ -80,7 +87,9 @@ def all_gather(ctx: CommContext, mode: Mode, tensor: torch.Tensor) -> torch.Tens
     """Concatenate every member's ``tensor`` along dim 0, in group-rank order."""
     size = ctx.get_world_size(mode)
     out = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (size,))
-    dist.all_gather_single(out, tensor.contiguous(), group=ctx.get_group(mode))
+    group = ctx.get_group(mode)
+    with ctx.recorder.call(mode, "all_gather", tensor):
+        dist.all_gather_single(out, tensor.contiguous(), group=group)
     return out
 
 
@@ -91,7 +100,9 @@ def gather(
     dst = leader(ctx, mode) if dst is None else dst
     is_dst = ctx.get_global_rank() == dst
     out = [torch.empty_like(tensor) for _ in range(ctx.get_world_size(mode))] if is_dst else None
-    dist.gather(tensor, gather_list=out, dst=dst, group=ctx.get_group(mode))
+    group = ctx.get_group(mode)
+    with ctx.recorder.call(mode, "gather", tensor, dst):
+        dist.gather(tensor, gather_list=out, dst=dst, group=group)
     return out
 
 
@@ -104,17 +115,18 @@ def scatter(
 ) -> torch.Tensor:
     """Give member i (group-rank order) ``chunks[i]`` from global rank ``src``; fills ``out``."""
     src = leader(ctx, mode) if src is None else src
-    dist.scatter(
-        out,
-        scatter_list=chunks if ctx.get_global_rank() == src else None,
-        src=src,
-        group=ctx.get_group(mode),
-    )
+    group = ctx.get_group(mode)
+    with ctx.recorder.call(mode, "scatter", out, src):
+        dist.scatter(
+            out, scatter_list=chunks if ctx.get_global_rank() == src else None, src=src, group=group
+        )
     return out
 
 
 def barrier(ctx: CommContext, mode: Mode) -> None:
-    dist.barrier(group=ctx.get_group(mode))
+    group = ctx.get_group(mode)
+    with ctx.recorder.call(mode, "barrier"):
+        dist.barrier(group=group)
 
 
 def all_to_all(
@@ -127,9 +139,12 @@ def all_to_all(
     """all_to_all along dim 0 that gradients flow through (torch.distributed.nn's autograd op)."""
     rows = sum(output_split_sizes) if output_split_sizes is not None else tensor.shape[0]
     out = tensor.new_empty((rows, *tensor.shape[1:]))
-    return dist_fn.all_to_all_single(
-        out, tensor, output_split_sizes, input_split_sizes, group=ctx.get_group(mode)
-    )
+    group = ctx.get_group(mode)
+    with ctx.recorder.call(mode, "all_to_all", tensor, same_shape=False):
+        out = dist_fn.all_to_all_single(
+            out, tensor, output_split_sizes, input_split_sizes, group=group
+        )
+    return out
 
 
 def gather_json(ctx: CommContext, mode: Mode, obj: Any, dst: int | None = None) -> list[Any] | None:

@@ -28,10 +28,12 @@ from .errors import (
     ModeNotRegisteredError,
     RlcommError,
 )
+from .flight import FlightRecorder
 from .group_initializer import get_initializer, group_description
 from .layout import LayoutPlan
 from .modes import CommMode, Mode, ParallelMode, mode_name
 from .utils import SingletonMeta, format_ranks
+from .watchdog import Watchdog, default_hang_timeout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -124,6 +126,8 @@ class CommContext(metaclass=SingletonMeta):
         self._store: dist.Store | None = None
         self._plan: LayoutPlan | None = None
         self._timeout: datetime.timedelta | None = None
+        self.recorder = FlightRecorder(self)
+        self.watchdog: Watchdog | None = None
         self._tensor_parallel_size: int = 1
         self._train_data_parallel_size: int = 1
         self._data_parallel_size: int = 1
@@ -140,18 +144,32 @@ class CommContext(metaclass=SingletonMeta):
         backend: str = "nccl",
         dist_url: str = "env://",
         timeout: int = 1800,
+        *,
+        hang_timeout: float | None = None,
+        debug: bool = False,
+        record: bool = True,
     ) -> None:
         """Initialise the default process group and register it as GLOBAL.
 
         ``world_size``/``rank`` default to WORLD_SIZE/RANK; ``backend`` is nccl, gloo or auto;
         ``timeout`` (seconds) bounds the rendezvous, init and every group created later. A rank
         that never arrives fails every other rank after ``timeout`` with the missing ranks named.
+
+        Every collective of :mod:`rlcomm.collectives` and weight transfer is recorded
+        (``record=False`` turns that off); a watchdog thread diagnoses one that has not completed
+        after ``hang_timeout`` seconds (default: shortly before ``timeout``), so that it fails
+        with :class:`~rlcomm.errors.HangError` naming the ranks that never entered it. ``debug``
+        makes every collective first check that its group agrees on (op, dtype, shape).
         """
         if self.is_initialized():
             raise RlcommError("CommContext is already initialized; call destroy() first")
         backend = resolve_backend(backend)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if hang_timeout is not None and not 0 < hang_timeout < timeout:
+            raise ValueError(
+                f"hang_timeout must be > 0 and < timeout ({timeout}), got {hang_timeout!r}"
+            )
         world_size, rank = env.world_size_and_rank(world_size, rank)
         wait = datetime.timedelta(seconds=timeout)
 
@@ -179,6 +197,12 @@ class CommContext(metaclass=SingletonMeta):
             rank, world_size, dist.GroupMember.WORLD, list(range(world_size)), CommMode.GLOBAL
         )
         self._global_ranks[CommMode.GLOBAL] = rank
+        self.recorder.enabled = record
+        self.recorder.debug = debug
+        if record and backend != "fake":
+            self.watchdog = Watchdog(
+                self, store, hang_timeout or default_hang_timeout(timeout), timeout
+            )
 
     def _register_group(
         self,
@@ -437,6 +461,8 @@ class CommContext(metaclass=SingletonMeta):
 
     def destroy(self) -> None:
         """Tear down every group and reset the context so it can be initialised again."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.is_initialized():
             try:
                 if self._backend != "fake":

@@ -37,3 +37,16 @@ class ModeNotRegisteredError(RlcommError, KeyError):
 
 class PeerLostError(RlcommError, RuntimeError):
     """A rank lost its connection to ranks on another host (killed, or its link went down)."""
+
+
+class HangError(RlcommError, RuntimeError):
+    """A collective never completed; the message names the mode, the call and who is missing.
+
+    Raised instead of the backend's bare timeout once the watchdog has diagnosed the hang; the
+    message starts with ``hang in `` (the launcher reports it as the run's one cause).
+    """
+
+
+class CollectiveMismatchError(RlcommError, RuntimeError):
+    """``debug`` mode: ranks called different collectives at one sequence number of a mode; the
+    message starts with ``collective mismatch in `` and names both sides."""

@@ -44,7 +44,7 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +54,9 @@ from .context import CommContext
 from .errors import RlcommError
 from .group_initializer import group_description
 from .modes import Mode, ParallelMode, mode_name
+
+if TYPE_CHECKING:
+    from .flight import Call
 
 __all__ = ["TensorMeta", "WeightReceiver", "WeightSender", "WeightTransferError", "tensor_checksum"]
 
@@ -290,10 +293,14 @@ class _FlatBuffers:
         values = [tensor_checksum(self.views[m.name]) for m in self.metadata]
         self.checksums.copy_(torch.tensor(values, dtype=torch.int64))
 
-    def broadcast(self, src: int, group: dist.ProcessGroup) -> list[dist.Work]:
-        """Launch the broadcast of the header slot and data; the caller waits on the works."""
-        work = dist.broadcast(self.wire, src=src, group=group, async_op=True)
-        return [work] if work is not None else []
+
+def _finish(works: list[dist.Work], call: Call) -> None:
+    """Wait for a launched broadcast; a timeout in wait() is diagnosed like one in a blocking
+    call, then the recorded call is marked finished."""
+    with call:
+        for work in works:
+            work.wait()
+    call.finish()
 
 
 def _is_view_of(tensor: Tensor, view: Tensor) -> bool:
@@ -347,13 +354,28 @@ class _Endpoint:
         return self._version
 
     def _broadcast(self, tensor: Tensor) -> None:
-        dist.broadcast(tensor, src=self._src, group=self._group)
+        with self._ctx.recorder.call(self._mode, "broadcast", tensor, self._src):
+            dist.broadcast(tensor, src=self._src, group=self._group)
+
+    def _launch(self, wire: Tensor) -> tuple[list[dist.Work], Call]:
+        """Launch the broadcast of ``wire`` (header and data); the caller waits on the works and
+        then marks the recorded call finished."""
+        with self._ctx.recorder.call(self._mode, "broadcast", wire, self._src) as call:
+            work = dist.broadcast(wire, src=self._src, group=self._group, async_op=True)
+            works = [work] if work is not None else []
+            call.pending(works)
+        return works, call
+
+    def _receive_wire(self, buffers: _FlatBuffers) -> None:
+        works, call = self._launch(buffers.wire)
+        _finish(works, call)
 
     def _agree(self, ok: bool) -> list[int]:
         """All members report whether they accept the metadata; returns the rejecting ranks."""
         flags = torch.zeros(len(self._declared), dtype=torch.int64, device=self._device)
         flags[self._ctx.get_local_rank(self._mode)] = 0 if ok else 1
-        dist.all_reduce(flags, group=self._group)
+        with self._ctx.recorder.call(self._mode, "all_reduce", flags):
+            dist.all_reduce(flags, group=self._group)
         ranks = self._ctx.get_ranks_in_group(self._mode)  # the group-rank order of ``flags``
         return [ranks[i] for i, flag in enumerate(flags.tolist()) if flag]
 
@@ -381,6 +403,7 @@ class WeightSender(_Endpoint):
         # travels in them. ``self._buffers`` may already be a new layout (bind, a change).
         self._sent: _FlatBuffers | None = None
         self._pending: list[dist.Work] = []
+        self._pending_calls: list[Call] = []
         self._copied = 0  # tensors the last send copied (those not bound in place)
         # The module bind() bound, with each of its tensors and the view it must still be, when
         # every entry of its state dict was bound (then send(module) needs no state dict).
@@ -420,9 +443,9 @@ class WeightSender(_Endpoint):
             self._send_header(version, _SENDER_ABORTED, 0)
             raise
         raw = encode_metadata(buffers.metadata) if changed else b""
-        self._pending = []
+        self._pending, self._pending_calls = [], []
         if changed:
-            self._pending = self._send_header(version, _NEW_METADATA, len(raw), async_op=True)
+            self._send_header(version, _NEW_METADATA, len(raw), async_op=True)
             self._broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device))
             rejected = self._agree(ok=True)
             if rejected:
@@ -433,7 +456,9 @@ class WeightSender(_Endpoint):
             self._metadata = buffers.metadata  # the same object, so the next check is cheap
         self._sent = buffers  # unchanged: the receivers' layout; changed: now it is
         self._write_header(buffers.header, version, int(changed), len(raw), int(checksummed))
-        self._pending += buffers.broadcast(self._src, self._group)
+        works, call = self._launch(buffers.wire)
+        self._pending += works
+        self._pending_calls.append(call)
         self._version = version
         if wait:
             self.wait()
@@ -520,20 +545,29 @@ class WeightSender(_Endpoint):
     def wait(self) -> None:
         """Block until the last ``send(..., wait=False)`` has been delivered."""
         pending, self._pending = self._pending, []
-        for work in pending:
-            work.wait()
+        calls, self._pending_calls = self._pending_calls, []
+        if not calls:
+            return
+        with calls[-1]:  # a timeout in wait() is diagnosed like one in a blocking call
+            for work in pending:
+                work.wait()
+        for call in calls:
+            call.finish()
 
-    def _send_header(
-        self, version: int, flag: int, length: int, async_op: bool = False
-    ) -> list[dist.Work]:
+    def _send_header(self, version: int, flag: int, length: int, async_op: bool = False) -> None:
         """A header whose data does not follow in the same broadcast (flag ``1`` or ``-1``):
-        alone before the receivers hold a layout, else in a buffer of the layout they hold."""
+        alone before the receivers hold a layout, else in a buffer of the layout they hold.
+        ``async_op`` leaves it in flight until :meth:`wait`."""
         carrier = self._sent
         header = self._header if carrier is None else carrier.header
         self._write_header(header, version, flag, length)
         wire = self._header if carrier is None else carrier.wire
-        work = dist.broadcast(wire, src=self._src, group=self._group, async_op=async_op)
-        return [work] if work is not None else []
+        if not async_op:
+            self._broadcast(wire)
+            return
+        works, call = self._launch(wire)
+        self._pending += works
+        self._pending_calls.append(call)
 
     @staticmethod
     def _write_header(
@@ -563,7 +597,7 @@ class WeightReceiver(_Endpoint):
         self._checksummed = False  # whether the newest version came with checksums
         self._bound: nn.Module | None = None
         self._spares: list[_FlatBuffers] = []  # buffers of the current layout not in use
-        self._posted: deque[tuple[_FlatBuffers, list[dist.Work]]] = deque()
+        self._posted: deque[tuple[_FlatBuffers, list[dist.Work], Call]] = deque()
         self._in_module: _FlatBuffers | None = None  # the buffers the bound module points at
         # Per receive buffer (by id): the bound module's tensors and their views there, so a
         # swap is one pointer assignment per tensor, without walking the module again.
@@ -585,15 +619,13 @@ class WeightReceiver(_Endpoint):
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
             self._broadcast(header)
         else:
-            for work in carrier.broadcast(self._src, self._group):
-                work.wait()
+            self._receive_wire(carrier)
             header = carrier.header
         version, flag, length, checksummed = self._check_header(header)
         if flag == _NEW_METADATA:
             self._accept_metadata(version, length)
             assert self._buffers is not None
-            for work in self._buffers.broadcast(self._src, self._group):
-                work.wait()
+            self._receive_wire(self._buffers)
             checksummed = int(self._buffers.header[3])
         elif carrier is None:  # flag 0 for a receiver without a layout: the data came with it
             raise WeightTransferError(
@@ -620,7 +652,8 @@ class WeightReceiver(_Endpoint):
                 f"{self._name}: post() needs the layout of a completed receive first"
             )
         spare = self._spare()
-        self._posted.append((spare, spare.broadcast(self._src, self._group)))
+        works, call = self._launch(spare.wire)
+        self._posted.append((spare, works, call))
 
     @property
     def posted(self) -> int:
@@ -665,9 +698,8 @@ class WeightReceiver(_Endpoint):
         self._pairs = {}
 
     def _complete_posted(self) -> tuple[int, dict[str, Tensor]]:
-        buffers, works = self._posted.popleft()
-        for work in works:
-            work.wait()
+        buffers, works, call = self._posted.popleft()
+        _finish(works, call)
         version, flag, _, checksummed = self._check_header(buffers.header)
         if flag != _SAME_METADATA:
             raise WeightTransferError(
@@ -695,7 +727,7 @@ class WeightReceiver(_Endpoint):
         """A buffer of the current layout that holds nothing in use (allocated when none is
         free): neither the newest version, nor the bound module's, nor a posted receive's."""
         assert self._buffers is not None
-        busy = {id(self._buffers), id(self._in_module), *(id(b) for b, _ in self._posted)}
+        busy = {id(self._buffers), id(self._in_module), *(id(b) for b, _, _ in self._posted)}
         for spare in self._spares:
             if id(spare) not in busy and spare.metadata is self._buffers.metadata:
                 return spare
