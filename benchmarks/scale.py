@@ -31,7 +31,7 @@ from .procs import run_forked
 NAME = "scale"
 RANKS_PER_NODE = 8
 PLANNER_GOAL = Goal("<", 1.0, on="rlcomm")  # seconds, at 65,536 ranks
-CREATE_GOAL = Goal("<=", 1.2)
+CREATE_GOAL = Goal("<=", 1.1)
 Measurement = dict[str, float]
 
 
@@ -157,7 +157,7 @@ def _measure(method: str, world: int, rank: int) -> Measurement:
 
 def run(settings: Settings) -> list[Row]:
     worlds = (1024, 65536) if settings.quick else (1024, 8192, 65536)
-    reps = settings.reps(5, 2)
+    reps = settings.reps(5, 3)
     rows: list[Row] = []
     for world in worlds:
         for rank in (0, world - 1):
