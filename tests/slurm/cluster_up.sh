@@ -85,31 +85,6 @@ getent hosts "$HOST" >/dev/null ||
 # shellcheck source=tests/slurm/pids.sh
 source "$(dirname "${BASH_SOURCE[0]}")/pids.sh"
 
-# spawn <name> <command...>: start a daemon in the foreground of its own session, detached from our
-# stdio (so `$(cluster_up.sh)` does not wait for it), and record its pid.
-spawn() {
-    local name=$1 pid i
-    shift
-    (
-        # close inherited descriptors other than 0-2: a daemon holding a caller's pipe would hang it
-        fds=(/proc/$BASHPID/fd/*)
-        for f in "${fds[@]}"; do
-            n=${f##*/}
-            if [[ $n =~ ^[0-9]+$ ]] && ((n > 2)) && [[ -e $f ]]; then eval "exec $n>&-"; fi
-        done
-        exec setsid "$@" </dev/null >>"$LOG/$name.out" 2>&1
-    ) &
-    pid=$!
-    echo "$pid" >"$PIDS/$name.pid"
-    for ((i = 0; i < 100; i++)); do # until the subshell has exec'd the daemon
-        alive "$name" && { log "started $name (pid $pid)"; return 0; }
-        [[ -e /proc/$pid/exe ]] || break
-        sleep 0.05
-    done
-    rm -f "$PIDS/$name.pid"
-    tail -n 20 "$LOG/$name.out" >&2 || true
-    die "$name did not start (see $LOG/$name.out)"
-}
 
 # stop <name>: SIGTERM our daemon, SIGKILL after a bounded wait.
 stop() {

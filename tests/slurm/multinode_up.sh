@@ -36,27 +36,6 @@ bash "$HOSTS/hosts_up.sh" "$N"
 mkdir -p "$PIDS" "$LOG" "$STATE/run" "$STATE/slurmctld" "$CONF_DIR"
 chown slurm:slurm "$LOG" "$STATE/slurmctld" "$STATE/run"
 
-spawn() { # spawn <name> <command...>: as cluster_up.sh, pid recorded (exec all the way down)
-    local name=$1 pid i
-    shift
-    (
-        fds=(/proc/$BASHPID/fd/*)
-        for f in "${fds[@]}"; do
-            n=${f##*/}
-            if [[ $n =~ ^[0-9]+$ ]] && ((n > 2)) && [[ -e $f ]]; then eval "exec $n>&-"; fi
-        done
-        exec setsid "$@" </dev/null >>"$LOG/$name.out" 2>&1
-    ) &
-    pid=$!
-    echo "$pid" >"$PIDS/$name.pid"
-    for ((i = 0; i < 100; i++)); do
-        alive "$name" && { log "started $name (pid $pid)"; return 0; }
-        [[ -e /proc/$pid/exe ]] || break
-        sleep 0.05
-    done
-    tail -n 20 "$LOG/$name.out" >&2 || true
-    die "$name did not start (see $LOG/$name.out)"
-}
 
 real_mem=$(slurmd -C 2>/dev/null | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' | head -1)
 nodes=""
