@@ -77,7 +77,7 @@ class GroupInitializer:
             member = self.rank in declared
             # torch keeps a description only for groups this rank is in; skip building the rest.
             group = dist.new_group(
-                list(declared),
+                declared,  # a tuple is fine: torch sorts it into a list itself
                 timeout=self.timeout,
                 backend=backend,
                 group_desc=group_description(self.mode_name, declared) if member else None,
