@@ -52,7 +52,7 @@ def lost_hosts(ctx: CommContext, hosts: Hosts, error: BaseException) -> str | No
     reach, the host that serves it (rank 0's) is the one lost.
     """
     me = ctx.get_global_rank()
-    text = str(error)
+    text = " | ".join(str(e) for e in _causes(error))  # a HangError wraps gloo's own error
     for address in _PEER_ADDRESS.findall(text):
         owners = sorted({hosts.names[r] for r, a in enumerate(hosts.addresses) if a == address})
         if owners and hosts.names[me] not in owners:
@@ -65,6 +65,16 @@ def lost_hosts(ctx: CommContext, hosts: Hosts, error: BaseException) -> str | No
     gone = [h for h in dict.fromkeys(hosts.names)
             if h != hosts.names[me] and set(hosts.ranks_on(h)) <= set(silent)]
     return hosts.describe(gone) if gone else None
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error`` and what it was raised from, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 # Failures of a collective that may mean a peer host is gone (gloo's wording).
