@@ -38,6 +38,7 @@ class Hang:
     rank: int = 2
     step: int = 3
     max_wait_s: float = 120.0
+    mode: str = "INTRA_NODE"  # where everyone's steps run (GLOBAL spans the hosts of a 2x2 run)
 
     def __call__(self, ctx: CommContext, job: Any) -> dict[str, Any]:
         for step in range(1, 6):
@@ -48,7 +49,7 @@ class Hang:
             else:
                 if step == self.step and self.fault == "deadlock":
                     _sleep(2.0)  # rank 0 is stuck first: that is where the hang starts
-                collectives.all_reduce(ctx, "INTRA_NODE", torch.ones(4))  # everyone's step
+                collectives.all_reduce(ctx, self.mode, torch.ones(4))  # everyone's step
         return {"steps": 5}
 
     def _fault(self, ctx: CommContext) -> None:

@@ -9,6 +9,7 @@ module only: the fixture tears them down and checks that no namespace is left.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -293,6 +294,28 @@ def test_a_host_whose_link_goes_down_ends_the_run_with_one_line_naming_it(
     assert "Timed out" in survivor.stderr
     # host2's ranks, cut off from the rendezvous store on host1, name host1
     assert "lost host1 (ranks [0,1])" in runs[1].stderr, describe_runs(runs)
+
+
+def test_a_hang_across_hosts_names_the_rank_that_never_entered(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    # rank 2 sits in its own code while everyone else waits in a GLOBAL all_reduce that spans
+    # both hosts: the diagnosis travels through the rendezvous store, across the hosts.
+    timeout_s = 10
+    runs, run_dir = run_torchrun(
+        hosts, 2,
+        ["layout=2x2", "loop=custom", "loop._target_=tests.hang_loops.Hang", "+loop.fault=sleep",
+         "+loop.rank=2", "+loop.mode=GLOBAL", "+loop.max_wait_s=90", f"comm.timeout={timeout_s}"],
+        tmp_path, timeout=150, port=29440)
+    assert all(r.returncode not in (0, None) for r in runs), describe_runs(runs)
+    errors = [line for r in runs for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert errors, describe_runs(runs)
+    for line in errors:
+        assert re.fullmatch(
+            r"error: hang in GLOBAL\[0,1,2,3\] all_reduce #\d+ \(float32\[4\], 16 B, "
+            r"hang_loops\.py:\d+\): rank 2 never entered it; rank 2 is in user code at "
+            r"hang_loops\.py:\d+ in _sleep \(its Python stack is in its log\)", line), line
+    assert "in _sleep" in (run_dir / "logs" / "rank2.log").read_text()
 
 
 # --------------------------------------------------------------------------------------------
