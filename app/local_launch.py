@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -108,10 +109,13 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
     )
     launch.shutdown_timeout = cfg.launcher.shutdown_timeout
     previous = signal.signal(signal.SIGUSR1, lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir))
+    deaths = DeathWatch(run_dir / "logs", plan.world_size)
     try:
         elastic_launch(launch, _local_rank)(config, plan, str(run_dir))
     except ChildFailedError as err:
-        raise RankFailedError(_describe_failures(err, run_dir, launch.run_id)) from None
+        raise RankFailedError(
+            _describe_failures(err, run_dir, launch.run_id, deaths.killed())
+        ) from None
     except SignalException as err:  # the agent forwarded the signal to every rank and waited
         name = signal.Signals(err.sigval).name
         raise LaunchInterruptedError(
@@ -120,6 +124,7 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
             int(err.sigval),
         ) from None
     finally:
+        deaths.stop()
         signal.signal(signal.SIGUSR1, previous)
     # Rank 0 reports through result.json (JSON), not through the agent's pickled return values.
     summary: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
@@ -163,11 +168,78 @@ def _forward_to_ranks(signum: int, run_dir: Path) -> None:
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker")
 
 
-def _describe_failures(err: ChildFailedError, run_dir: Path, run_id: str) -> str:
+class DeathWatch:
+    """Which local rank died first, and whether a signal killed it, seen as it happens.
+
+    The agent reports one failed rank, whichever its poll finds first: often a peer that lost
+    its connection to a rank killed a moment before, which wrote no error record. A thread peeks
+    at the ranks' exit status (``waitid`` with ``WNOWAIT``: multiprocessing still reaps them)
+    and knows each rank by the log file it holds open. Only the first deaths count: the ranks
+    the agent then stops with SIGTERM are not causes.
+    """
+
+    def __init__(self, log_dir: Path, world_size: int, period_s: float = 0.05) -> None:
+        self._log_dir, self._world_size, self._period_s = log_dir, world_size, period_s
+        self._ranks: dict[int, int] = {}  # pid -> rank, of ranks still running
+        self._first: dict[int, str | None] = {}  # the first scan's deaths: rank -> signal or None
+        self._attempt_over = False  # every rank ended: ranks seen next belong to a restart
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rlcomm-deaths", daemon=True)
+        self._thread.start()
+
+    def killed(self) -> dict[int, str]:
+        """Ranks among the first to end that a signal killed, with the signal's name."""
+        return {rank: name for rank, name in self._first.items() if name is not None}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._period_s):
+            # /proc is scanned only until every rank of the attempt is known: it is not free.
+            new = rank_pids(os.getpid()) if len(self._ranks) < self._world_size else []
+            for pid in new:
+                if pid not in self._ranks:
+                    rank = self._rank_of(pid)
+                    if rank is not None:
+                        if self._attempt_over:  # the agent restarted the ranks
+                            self._first, self._attempt_over = {}, False
+                        self._ranks[pid] = rank
+            ended: dict[int, str | None] = {}
+            for pid, rank in list(self._ranks.items()):
+                try:
+                    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:  # reaped already
+                    info = None
+                    del self._ranks[pid]
+                if info is not None:
+                    killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+                    ended[rank] = signal.Signals(info.si_status).name if killed else None
+                    del self._ranks[pid]
+            if ended and not self._first:
+                self._first = ended
+            if not self._ranks and self._first:
+                self._attempt_over = True
+
+    def _rank_of(self, pid: int) -> int | None:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = Path(os.readlink(fd))
+                if target.parent == self._log_dir and target.name.startswith("rank"):
+                    with contextlib.suppress(ValueError):
+                        return int(target.stem.removeprefix("rank"))
+        return None
+
+
+def _describe_failures(
+    err: ChildFailedError, run_dir: Path, run_id: str, killed: dict[int, str] | None = None
+) -> str:
     """One line naming the rank(s) that caused the failure, why, and where their logs are.
 
     The agent reports whichever failed rank it noticed first, often a peer that merely lost its
-    connection; every rank's error record (written by ``@record``) tells the cause apart.
+    connection; every rank's error record (written by ``@record``) tells the cause apart, and
+    ``killed`` (from :class:`DeathWatch`) names the ranks a signal killed, which leave none.
     """
     why: dict[int, str] = {}
     for rank, failure in err.failures.items():
@@ -183,6 +255,9 @@ def _describe_failures(err: ChildFailedError, run_dir: Path, run_id: str) -> str
         rank = int(record.parent.name)
         if rank not in why:
             why[rank] = f"exit code 1: {_error_line(json.loads(record.read_text()))}"
+    for rank, name in (killed or {}).items():
+        if rank not in why or any(s in why[rank] for s in _PEER_LOST):
+            why[rank] = f"killed by {name}"
     causes = {r: w for r, w in why.items() if not any(s in w for s in _PEER_LOST)} or why
     diagnosis = _run_diagnosis(causes)
     if any(w.startswith("killed by") for w in causes.values()):
