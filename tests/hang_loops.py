@@ -38,7 +38,7 @@ class Hang:
     rank: int = 2
     step: int = 3
     max_wait_s: float = 120.0
-    mode: str = "INTRA_NODE"  # where everyone's steps run (GLOBAL spans the hosts of a 2x2 run)
+    mode: str = "INTRA_NODE"  # the mode of the common steps (GLOBAL spans the hosts of a 2x2 run)
 
     def __call__(self, ctx: CommContext, job: Any) -> dict[str, Any]:
         for step in range(1, 6):
