@@ -42,13 +42,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     env = resolve_rank_env()
     if env.note:
         log.warning(env.note)
-    if env.rank == 0:
-        write_layout_files(plan, run_dir)  # one picture per run, from one process
     if env.joins:
         check_world_size(plan, env.world_size, env.rank)  # before importing torch
     from rlcomm import resolve_backend
 
     resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process
+    if env.rank == 0:  # after the checks: every rank of a bad job fails alike, and at once
+        write_layout_files(plan, run_dir)  # one picture per run, from one process
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     if not env.joins:
         from .local_launch import launch_local
