@@ -16,6 +16,8 @@ from rlcomm.weight_transfer import (
     WeightReceiver,
     WeightSender,
     WeightTransferError,
+    _FlatBuffers,
+    describe_state_dict,
     tensor_checksum,
 )
 from tests.multiproc import run_ranks
@@ -42,6 +44,26 @@ def test_checksum_sees_any_single_byte() -> None:
     # An unaligned view (offset 4 bytes in its storage) gives the same checksum as a copy.
     storage = torch.randn(39)
     assert tensor_checksum(storage[1:38]) == tensor_checksum(storage[1:38].clone())
+
+
+def test_batched_checksums_equal_each_tensors_own() -> None:
+    # Odd sizes and mixed dtypes: tails after the 8-byte words and views not 8-byte aligned.
+    state = {
+        "a": torch.randn(37),
+        "b": torch.randn(3, 5).to(torch.bfloat16),
+        "c": torch.randint(0, 2, (7,), dtype=torch.bool),
+        "d": torch.randn(0),
+        "e": torch.arange(11, dtype=torch.int16),
+        "f": torch.randn(2, 2, dtype=torch.float64),
+        "g": torch.randn(5).to(torch.bfloat16),  # starts 30 bytes into the bfloat16 segment
+    }
+    buffers = _FlatBuffers(describe_state_dict(state), torch.device("cpu"))
+    buffers.pack(state)
+    batched = buffers.view_checksums().tolist()
+    assert batched == [tensor_checksum(t) for t in state.values()]
+    buffers.views["b"].view(torch.uint8)[-1] ^= 1  # one byte of one tensor: only its entry moves
+    after = buffers.view_checksums().tolist()
+    assert [x != y for x, y in zip(batched, after)] == [False, True, False, False, False, False, False]
 
 
 class CorruptingReceiver(WeightReceiver):
