@@ -19,7 +19,7 @@ from .environment import output_subdir, resolve_rank_env, run_id
 from .help import help_text
 from .layout_picture import write_layout_files
 from .metrics import mark_job_start
-from .planning import check_world_size, validate
+from .planning import check_restarts, check_world_size, validate
 from .slurm import register_launcher_configs
 from .summary import format_summary
 
@@ -40,10 +40,11 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         print(f"layout picture: {write_layout_files(plan, run_dir)}")
         return None
     env = resolve_rank_env()
-    if env.note:
+    if env.note and env.rank == 0:
         log.warning(env.note)
     if env.joins:
         check_world_size(plan, env.world_size, env.rank)  # before importing torch
+        check_restarts(cfg.launcher.max_restarts, env.max_restarts)
     from rlcomm import resolve_backend
 
     resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process

@@ -28,10 +28,12 @@ from rlcomm.env import (
     LOCAL_WORLD_SIZE,
     MASTER_ADDR,
     MASTER_PORT,
+    MAX_RESTARTS,
     NCCL_SOCKET_IFNAME,
     RANK,
     RANK_VARIABLES,
     RESTART_COUNT,
+    USE_AGENT_STORE,
     WORLD_SIZE,
 )
 
@@ -84,6 +86,7 @@ class RankEnv:
     master_addr: str = ""
     master_port: int | None = None
     restart_count: int = 0  # how often torch's elastic agent restarted the ranks
+    max_restarts: int | None = None  # the elastic agent's limit (torchrun --max-restarts)
     run_name: str | None = None  # the run directory every rank of a joined run agrees on
     note: str | None = None  # something the user should know about how the app was started
 
@@ -172,19 +175,37 @@ def _from_torch_variables(
     launcher: str, env: Mapping[str, str], node: str, restarts: int, run_name: str | None
 ) -> RankEnv:
     rank, world = int(env[RANK]), int(env[WORLD_SIZE])
-    port = env.get(MASTER_PORT)
+    port, limit = env.get(MASTER_PORT), env.get(MAX_RESTARTS)
+    local_world = int(env.get(LOCAL_WORLD_SIZE) or world)
+    note = None
+    if limit and int(limit) > 0 and local_world < world and env.get(USE_AGENT_STORE) == "True":
+        note = (
+            f"torchrun --max-restarts {limit} across hosts: torch {torch_version()} lets a host "
+            "restarted by hand rejoin only when every torchrun runs with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (else its agent waits forever for the store "
+            "address); the hosts that stayed up restart their ranks either way"
+        )
     return RankEnv(
         launcher,
         rank=rank,
         world_size=world,
         local_rank=int(env.get(LOCAL_RANK) or rank),
-        local_world_size=int(env.get(LOCAL_WORLD_SIZE) or world),
+        local_world_size=local_world,
         node=node,
         master_addr=env.get(MASTER_ADDR, ""),
         master_port=int(port) if port else None,
         restart_count=restarts,
+        max_restarts=int(limit) if limit else None,
         run_name=env.get("RLCOMM_RUN_ID") or run_name,
+        note=note,
     )
+
+
+def torch_version() -> str:
+    """torch's version from its metadata: importing torch here would slow every start."""
+    from importlib.metadata import version
+
+    return version("torch").split("+")[0]
 
 
 def _torchrun_name(env: Mapping[str, str]) -> str:

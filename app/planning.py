@@ -30,6 +30,17 @@ def check_world_size(plan: LayoutPlan, world_size: int, rank: int) -> None:
         )
 
 
+def check_restarts(max_restarts: int, agent_limit: int | None) -> None:
+    """Under torchrun its agent restarts the ranks, as often as its ``--max-restarts`` says:
+    a different ``launcher.max_restarts`` (which configures the app's own launch) would mislead."""
+    if agent_limit is not None and max_restarts not in (0, agent_limit):
+        raise ConfigError(
+            f"launcher.max_restarts: {max_restarts}, but torchrun restarts these ranks and was "
+            f"started with --max-restarts {agent_limit}; pass --max-restarts {max_restarts} to "
+            "torchrun instead"
+        )
+
+
 def validate(cfg: DictConfig) -> LayoutPlan:
     """Everything that can be checked without starting a process; raises one-line errors."""
     timeout = cfg.comm.timeout

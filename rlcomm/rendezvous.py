@@ -43,8 +43,10 @@ def join_world(
         return FakeStore()
     base = _base_store(dist_url, rank, world_size, timeout)
     _generation += 1
-    # Agent stores outlive worker restarts; the restart count keeps attempts apart.
-    attempt = env.restart_count()
+    # torchrun's shared agent store outlives worker restarts: the restart count keeps attempts
+    # apart there. A store hosted by rank 0 is new on every attempt, and the restart count of a
+    # host restarted by hand (a new torchrun, count 0) differs from the others' anyway.
+    attempt = env.restart_count() if env.uses_agent_store() else 0
     store = dist.PrefixStore(f"rlcomm/{attempt}/{_generation}/", base)
     _wait_for_ranks(store, rank, world_size, timeout, hosts_store=base in _hosted)
     return store

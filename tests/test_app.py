@@ -133,6 +133,21 @@ def test_torchrun_join_mode_uses_one_run_dir(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("outputs/runs/*"))) == 1
 
 
+def test_launcher_max_restarts_must_agree_with_torchrun(tmp_path: Path) -> None:
+    """Under torchrun its agent restarts the ranks: a launcher.max_restarts other than its
+    --max-restarts is a one-line error on every rank, before any group exists."""
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "--max-restarts", "1", "-m", "app")
+    proc = run_app("layout=1t1r", "loop=commcheck", "launcher.max_restarts=2", cwd=tmp_path,
+                   module=torchrun, env={"PYTHONPATH": str(REPO)}, timeout=180)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    # Each rank fails twice: once, and once more after torchrun's one restart.
+    assert errors == ["error: launcher.max_restarts: 2, but torchrun restarts these ranks and "
+                      "was started with --max-restarts 1; pass --max-restarts 2 to torchrun "
+                      "instead"] * 4, describe(proc)
+    assert not list(tmp_path.glob("outputs/runs/*/result.json"))
+
+
 USER_LOOP = '''
 from dataclasses import dataclass
 

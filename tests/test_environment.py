@@ -33,6 +33,19 @@ def test_a_torchrun_worker_is_a_rank_with_its_restart_count() -> None:
     assert env.run_name == "torchrun-abc" and env.joins
 
 
+def test_torchrun_restarts_across_hosts_say_how_a_restarted_host_can_rejoin() -> None:
+    worker = {"TORCHELASTIC_RUN_ID": "abc", "RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+              "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "host1", "MASTER_PORT": "29500",
+              "TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    env = resolve_rank_env(worker)
+    assert env.max_restarts == 1
+    assert env.note and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in env.note
+    # Set already (no shared agent store), one host, or no restarts: nothing to say.
+    for change in ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, {"LOCAL_WORLD_SIZE": "4"},
+                   {"TORCHELASTIC_MAX_RESTARTS": "0"}):
+        assert resolve_rank_env({**worker, **change}).note is None, change
+
+
 def test_ranks_started_by_hand_and_run_names() -> None:
     env = resolve_rank_env({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": "1234"})

@@ -296,6 +296,52 @@ def test_a_host_whose_link_goes_down_ends_the_run_with_one_line_naming_it(
     assert "lost host1 (ranks [0,1])" in runs[1].stderr, describe_runs(runs)
 
 
+def test_a_restarted_host_rejoins_and_the_run_resumes_from_its_checkpoint(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    """torchrun --max-restarts 1 on both hosts; host2 dies with all its processes (agent
+    included) and is started again by hand, as a requeued node would be: host1's agent restarts
+    its ranks, host2's new torchrun rejoins the rendezvous, and every rank resumes from the
+    newest checkpoint and finishes the run."""
+    updates = 16
+    marker, rdzv_id = uuid.uuid4().hex, f"mn{uuid.uuid4().hex[:8]}"
+    launcher = torchrun(2, 2, f"{hosts[0]}:29450", rdzv_id)
+    launcher[3:3] = ["--max-restarts", "1"]
+    args = [*launcher, "layout=2n_split", f"loop.total_env_steps={updates * 2048}",
+            "loop.target_return=1e9", "loop.progress=false", "loop.checkpoint_every=2",
+            f"comm.timeout={TIMEOUT_S}", "launcher.max_restarts=1"]
+    # torch 2.13's agents share one store across rounds, which a new agent cannot join.
+    rejoinable = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    runs = [start_on_host(h, args, tmp_path, marker, rejoinable) for h in hosts]
+    run_dir = tmp_path / "outputs" / "runs" / f"torchrun-{rdzv_id}"
+    checkpoints = run_dir / "checkpoints"
+    deadline = time.monotonic() + 150
+    try:
+        while not (checkpoints / "ckpt_000004.pt").exists():
+            assert time.monotonic() < deadline and runs[1].proc.poll() is None, "no checkpoint"
+            time.sleep(0.2)
+        kill_host("host2")
+        runs[1].proc.wait(timeout=30)
+        runs.append(start_on_host("host2", args, tmp_path, marker, rejoinable))
+    finally:
+        finish(runs, marker, 240)
+    survivor, _, rejoined = runs
+    assert survivor.returncode == 0 and rejoined.returncode == 0, describe_runs(runs)
+    # host1's ranks first failed naming the lost host, then its agent restarted them.
+    assert "error: rank 0 on host1: lost host2 (ranks [2,3])" in survivor.stderr, \
+        describe_runs(runs)
+    result = read_result(run_dir)
+    assert {r["rank"]: r["result"]["updates"] for r in result["ranks"]} == dict.fromkeys(
+        range(4), updates)
+    assert result["summary"]["restarts"] == 1  # rank 0's agent restarted its ranks once
+    resumed = {r: re.findall(r"resumed from \S+ckpt_(\d+)\.pt at update (\d+)",
+                             (run_dir / "logs" / f"rank{r}.log").read_text()) for r in range(4)}
+    (name, at), = resumed[0]
+    assert all(found == [(name, at)] for found in resumed.values()), resumed
+    assert 4 <= int(at) < updates and int(name) == int(at), resumed
+    assert ranks_by_host(result) == {"host1": [0, 1], "host2": [2, 3]}
+
+
 def test_a_hang_across_hosts_names_the_rank_that_never_entered(
     hosts: list[str], tmp_path: Path
 ) -> None:

@@ -573,7 +573,11 @@ class _PPORun:
 
     def _maybe_resume(self) -> None:
         source: Path | None = None
-        if self.job.env.restart_count > 0:
+        # Every rank resumes alike: a host restarted by hand joins with a new torchrun, whose
+        # restart count (0) is not the others'.
+        counts = torch.tensor([self.job.env.restart_count])
+        restarted = int(collectives.all_reduce(self.ctx, GLOBAL, counts, torch.distributed.ReduceOp.MAX))
+        if restarted > 0:
             # Restarted by the agent after a failure: this run's newest checkpoint wins.
             try:
                 source = find_checkpoint(self.job.run_dir)
