@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import pytest
 
 from app.environment import without_launcher_variables
 from tests.apprun import MARKER, REPO, assert_no_survivors
-from tests.multihost import _skip_or_fail, netns_list
+from tests.multihost import _skip_or_fail, kill_host, netns_list
 from tests.test_app import assert_commcheck_passed, read_result
 
 SLURM_SCRIPTS = REPO / "tests" / "slurm"
@@ -53,14 +54,18 @@ def partition() -> Iterator[str]:
         assert not [ns for ns in netns_list() if ns.startswith("rlcomm-")]
 
 
+def head_env(marker: str) -> dict[str, str]:
+    return {**without_launcher_variables(os.environ), "SLURM_CONF": SLURM_CONF,
+            "PYTHONPATH": str(REPO), MARKER: marker}
+
+
 def on_head(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """A command on the head (login) node, as a user of this cluster would type it."""
     marker = os.urandom(8).hex()
-    env = {**without_launcher_variables(os.environ), "SLURM_CONF": SLURM_CONF,
-           "PYTHONPATH": str(REPO), MARKER: marker}
     try:
-        return subprocess.run(["bash", str(ON_HOST), "head", *args], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        return subprocess.run(["bash", str(ON_HOST), "head", *args], cwd=cwd,
+                              env=head_env(marker), capture_output=True, text=True,
+                              timeout=timeout, check=False)
     finally:
         assert_no_survivors(marker)
 
@@ -148,3 +153,71 @@ def test_multirun_through_the_slurm_launcher_on_two_nodes(partition: str, tmp_pa
     split = {r["rank"]: (r["host"], r["role"]) for r in read_result(sweep / "1")["ranks"]}
     assert split == {0: ("host1", "trainer"), 1: ("host1", "trainer"),
                      2: ("host2", "rollout"), 3: ("host2", "rollout")}
+
+
+# --------------------------------------------------------------------------------------------
+# A host lost mid-run: every process of host2 killed, its slurmd and slurmstepd included
+# --------------------------------------------------------------------------------------------
+
+LONG_PPO = ("layout=2n_split", "loop.total_env_steps=100000000", "loop.target_return=1e9",
+            "loop.progress=false", "loop.checkpoint_every=2", "comm.timeout=15")
+# The ranks on host1 fail at once (their connections to host2 close); SLURM ends the job once
+# host2's slurmd has missed its SlurmdTimeout (10 s) and the node is declared failed.
+LOST_HOST_END_S = 60
+
+
+def kill_host2_mid_run(partition: str, cwd: Path, *command: str) -> tuple[str, float]:
+    """Run ``command`` on the head node, kill host2 once the run has checkpointed update 4,
+    and return its stderr and how long it took to end after that; the host is revived after."""
+    marker = os.urandom(8).hex()
+    proc = subprocess.Popen(["bash", str(ON_HOST), "head", *command], cwd=cwd,
+                            env=head_env(marker), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not list(cwd.rglob("ckpt_000004.pt")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        kill_host("host2")
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=LOST_HOST_END_S + 60)
+        return stderr, time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        assert_no_survivors(marker)
+        up = _script("multinode_up.sh", "2", timeout=120)  # slurmd-host2 again; node resumes
+        assert up.returncode == 0 and up.stdout.strip().endswith(partition), up.stderr[-3000:]
+
+
+def test_a_killed_host_ends_the_srun_job_naming_the_lost_host(
+    partition: str, tmp_path: Path
+) -> None:
+    stderr, ended_s = kill_host2_mid_run(
+        partition, tmp_path, "salloc", "-N2", "--ntasks-per-node=2", "srun", sys.executable,
+        "-m", "app", *LONG_PPO)
+    errors = [line for line in stderr.splitlines() if line.startswith("error: rank")]
+    assert sorted(line.split(": Connection")[0] for line in errors) == [
+        "error: rank 0 on host1: lost host2 (ranks [2,3])",
+        "error: rank 1 on host1: lost host2 (ranks [2,3])"], stderr[-4000:]
+    assert "Node failure on host2" in stderr, stderr[-4000:]
+    assert ended_s < LOST_HOST_END_S, f"the job took {ended_s:.0f} s to end"
+
+
+def test_a_killed_host_fails_its_multirun_job_which_is_named(
+    partition: str, tmp_path: Path
+) -> None:
+    sweep = tmp_path / "sweep"
+    stderr, ended_s = kill_host2_mid_run(
+        partition, tmp_path, sys.executable, "-m", "app", "--multirun",
+        "hydra/launcher=rlcomm_slurm", f"hydra.launcher.partition={partition}",
+        "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}", *LONG_PPO)
+    assert ended_s < LOST_HOST_END_S, f"the multirun took {ended_s:.0f} s to end"
+    assert re.search(r"sweep job #0 \(.*\) failed \(slurm job \d+\)", stderr), stderr[-4000:]
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["failed"] == [0]
+    job, = summary["jobs"]
+    assert job["status"] == "failed"
+    assert "lost host2 (ranks [2,3])" in job["error"], job["error"]
+    assert "ranks [2, 3] ended without reporting" in job["error"], job["error"]

@@ -28,8 +28,6 @@ MARKER="# Managed by rlcomm tests/slurm/cluster_up.sh; rewritten on every run."
 PIDS=$STATE/pids    # our records: <name>.pid, one per daemon we started
 RUN=$STATE/run      # the slurm daemons' own pid files (they cannot remove them: root-owned)
 LOG=$STATE/log
-MYSQL_SOCK=/run/mysqld/mysqld.sock
-MYSQL_DATADIR=/var/lib/mysql
 DB_NAME=slurm_acct_db
 export SLURM_CONF=$CONF_DIR/slurm.conf
 T0=$(date +%s.%N)
@@ -100,17 +98,6 @@ stop() {
         alive "$1" && die "could not stop $1 (pid $pid)"
     fi
     rm -f "$PIDS/$1.pid"
-}
-
-# wait_for <seconds> <description> <command...>
-wait_for() {
-    local secs=$1 what=$2 end
-    shift 2
-    end=$(($(date +%s%N) + secs * 1000000000))
-    until "$@" >/dev/null 2>&1; do
-        (($(date +%s%N) < end)) || return 1
-        sleep 0.1
-    done
 }
 
 port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
@@ -261,27 +248,7 @@ fi
 # MariaDB (unix socket only)
 # --------------------------------------------------------------------------------------------
 MYSQL=(mariadb --no-defaults --socket="$MYSQL_SOCK" -uroot)
-mysql_ok() { mariadb-admin --no-defaults --socket="$MYSQL_SOCK" ping; }
-if alive mariadbd; then
-    :
-elif mysql_ok >/dev/null 2>&1; then
-    log "using a MariaDB server this script did not start (it will not stop it)"
-    rm -f "$PIDS/mariadbd.pid"
-else
-    if [[ ! -d $MYSQL_DATADIR/mysql ]]; then
-        log "initialising $MYSQL_DATADIR"
-        mkdir -p "$MYSQL_DATADIR"
-        chown mysql:mysql "$MYSQL_DATADIR"
-        mariadb-install-db --no-defaults --user=mysql --datadir="$MYSQL_DATADIR" \
-            --auth-root-authentication-method=socket --skip-test-db >>"$LOG/mariadb-install-db.out" 2>&1 ||
-            die "mariadb-install-db failed (see $LOG/mariadb-install-db.out)"
-    fi
-    rm -f /run/mysqld/mysqld.pid
-    spawn mariadbd /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$MYSQL_DATADIR" \
-        --socket="$MYSQL_SOCK" --pid-file=/run/mysqld/mysqld.pid --skip-networking \
-        --innodb-lock-wait-timeout=900
-    wait_for 60 mariadb mysql_ok || die "MariaDB does not answer (see $LOG/mariadbd.out)"
-fi
+start_mariadb
 
 # --------------------------------------------------------------------------------------------
 # slurmdbd (accounting: submitit needs sacct to notice jobs that died without a result)

@@ -17,7 +17,8 @@ if [[ -d $PIDS ]]; then
         # shellcheck disable=SC2086
         [[ -z $jobs ]] || timeout 10 bash "$HERE/../hosts/on_host.sh" head scancel $jobs || true
     fi
-    for f in "$PIDS"/slurmd-*.pid "$PIDS/slurmctld.pid" "$PIDS/munged.pid"; do
+    for f in "$PIDS"/slurmd-*.pid "$PIDS/slurmctld.pid" "$PIDS/slurmdbd.pid" "$PIDS/mariadbd.pid" \
+        "$PIDS/munged.pid"; do
         [[ -e $f ]] || continue
         name=$(basename "$f" .pid)
         if pid=$(our_pid "$name"); then

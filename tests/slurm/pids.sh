@@ -1,6 +1,9 @@
 # Sourced by cluster_up.sh, multinode_up.sh and the down scripts: how a daemon is started and its
 # recorded pid checked. Needs $PIDS (the folder of <name>.pid records), $LOG, log() and die().
 
+MYSQL_SOCK=/run/mysqld/mysqld.sock
+MYSQL_DATADIR=/var/lib/mysql
+
 bin_of() {
     case $1 in
     munged | mariadbd | slurmdbd | slurmctld | slurmd) echo "/usr/sbin/$1" ;;
@@ -46,4 +49,45 @@ spawn() {
     rm -f "$PIDS/$name.pid"
     tail -n 20 "$LOG/$name.out" >&2 || true
     die "$name did not start (see $LOG/$name.out)"
+}
+
+# wait_for <seconds> <description> <command...>
+wait_for() {
+    local secs=$1 what=$2 end
+    shift 2
+    end=$(($(date +%s%N) + secs * 1000000000))
+    until "$@" >/dev/null 2>&1; do
+        (($(date +%s%N) < end)) || return 1
+        sleep 0.1
+    done
+}
+
+mysql_ok() { mariadb-admin --no-defaults --socket="$MYSQL_SOCK" ping; }
+
+# start_mariadb: a MariaDB server on $MYSQL_SOCK (unix socket only, so every network namespace of
+# this machine reaches it through the file system): ours if it runs, another one if it answers
+# (left alone), else a new one recorded as ours.
+start_mariadb() {
+    if alive mariadbd; then
+        return 0
+    elif mysql_ok >/dev/null 2>&1; then
+        log "using a MariaDB server this script did not start (it will not stop it)"
+        rm -f "$PIDS/mariadbd.pid"
+        return 0
+    fi
+    mkdir -p /run/mysqld
+    chown mysql:mysql /run/mysqld
+    if [[ ! -d $MYSQL_DATADIR/mysql ]]; then
+        log "initialising $MYSQL_DATADIR"
+        mkdir -p "$MYSQL_DATADIR"
+        chown mysql:mysql "$MYSQL_DATADIR"
+        mariadb-install-db --no-defaults --user=mysql --datadir="$MYSQL_DATADIR" \
+            --auth-root-authentication-method=socket --skip-test-db >>"$LOG/mariadb-install-db.out" 2>&1 ||
+            die "mariadb-install-db failed (see $LOG/mariadb-install-db.out)"
+    fi
+    rm -f /run/mysqld/mysqld.pid
+    spawn mariadbd /usr/sbin/mariadbd --no-defaults --user=mysql --datadir="$MYSQL_DATADIR" \
+        --socket="$MYSQL_SOCK" --pid-file=/run/mysqld/mysqld.pid --skip-networking \
+        --innodb-lock-wait-timeout=900
+    wait_for 60 mariadb mysql_ok || die "MariaDB does not answer (see $LOG/mariadbd.out)"
 }
