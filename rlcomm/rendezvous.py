@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import env
 from .errors import JoinTimeoutError
-from .interfaces import choose_socket_interfaces
+from .interfaces import choose_socket_interfaces, is_loopback, socket_address
 from .utils import format_ranks
 
 _stores: dict[tuple[str, int, int], dist.Store] = {}
@@ -63,16 +63,28 @@ def _base_store(
     else:  # file:// and anything else torch knows
         store, _, _ = next(dist.rendezvous(dist_url, rank, world_size, timeout=timeout))
         return store
-    choose_socket_interfaces(host)
+    local = env.local_world_size()
+    spans_hosts = local is not None and local < world_size
+    choose_socket_interfaces(host, spans_hosts)
     key = (host, port, rank)
     if key not in _stores:
-        _stores[key] = _tcp_store(host, port, rank, world_size, timeout)
+        _stores[key] = _tcp_store(host, port, rank, world_size, timeout, spans_hosts)
     return _stores[key]
 
 
 def _tcp_store(
-    host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    spans_hosts: bool,
 ) -> dist.TCPStore:
+    if spans_hosts and is_loopback(host):
+        # The store's host: its own name maps to loopback here (Debian's 127.0.1.1), while the
+        # other hosts reach it by its real address. Serve and connect there, on the interface
+        # chosen for gloo.
+        host = socket_address() or host
     # Under torchrun the agent hosts the store already; every worker is a client.
     is_master = rank == 0 and not env.uses_agent_store()
     if not is_master:

@@ -178,13 +178,15 @@ def test_torchrun_two_hosts_ppo_trainers_on_one_host_rollouts_on_the_other(
 
 
 def start_ranks_by_hand(placement: dict[int, str], app_args: list[str], cwd: Path,
-                        marker: str, port: int) -> list:
-    """``python -m app`` once per rank, rank r on host ``placement[r]`` (the env join mode)."""
+                        marker: str, port: int,
+                        host_env: dict[str, dict[str, str]] | None = None) -> list:
+    """``python -m app`` once per rank, rank r on host ``placement[r]`` (the env join mode);
+    ``host_env``: more variables for the ranks of a host."""
     world = len(placement)
     env = {"WORLD_SIZE": str(world), "MASTER_ADDR": placement[0], "MASTER_PORT": str(port),
            "RLCOMM_RUN_ID": f"byhand-{marker[:8]}"}
     return [start_on_host(host, [sys.executable, "-m", "app", *app_args], cwd, marker,
-                          env={**env, "RANK": str(rank)})
+                          env={**env, "RANK": str(rank), **(host_env or {}).get(host, {})})
             for rank, host in sorted(placement.items())]
 
 
@@ -367,6 +369,46 @@ def test_a_hang_across_hosts_names_the_rank_that_never_entered(
 # --------------------------------------------------------------------------------------------
 # Which interface gloo uses
 # --------------------------------------------------------------------------------------------
+
+LOOPBACK_NAME = "rlcomm set GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0 (the rendezvous " \
+    "store host1 resolves to 127.0.1.1 (loopback) here, but the job spans hosts: eth0 " \
+    "(198.18.0.11) faces them)"
+
+
+def debian_hosts_file(tmp_path: Path) -> dict[str, dict[str, str]]:
+    """host1's /etc/hosts as Debian writes it: its own name on 127.0.1.1."""
+    path = tmp_path / "hosts.host1"
+    path.write_text("127.0.0.1 localhost\n127.0.1.1 host1\n198.18.0.12 host2\n")
+    return {"host1": {"RLCOMM_HOSTS_FILE": str(path)}}
+
+
+def test_a_store_host_whose_name_resolves_to_127_0_1_1_still_reaches_the_others(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    """On host1 its own name means 127.0.1.1; host2 knows it as 198.18.0.11. Under torchrun
+    (its agent serves the store) and with ranks started by hand (rank 0 serves it), host1's
+    ranks must face host2 through eth0, not listen on loopback where host2 cannot reach."""
+    host_env = debian_hosts_file(tmp_path)
+    marker, rdzv_id = uuid.uuid4().hex, f"mn{uuid.uuid4().hex[:8]}"
+    args = [*torchrun(2, 2, "host1:29460", rdzv_id), "layout=2x2", *FAST_COMMCHECK]
+    runs = finish([start_on_host(h, args, tmp_path, marker, host_env.get(h)) for h in hosts],
+                  marker, 180)
+    assert all(r.returncode == 0 for r in runs), describe_runs(runs)
+    by_torchrun = read_result(tmp_path / "outputs" / "runs" / f"torchrun-{rdzv_id}")
+    assert LOOPBACK_NAME in runs[0].stderr, describe_runs(runs)
+
+    marker = uuid.uuid4().hex
+    placement = {0: "host1", 1: "host1", 2: "host2", 3: "host2"}
+    env = {h: {**host_env.get(h, {}), "LOCAL_WORLD_SIZE": "2"} for h in hosts}
+    runs = finish(start_ranks_by_hand(placement, ["layout=2x2", *FAST_COMMCHECK], tmp_path,
+                                      marker, 29461, env), marker, 180)
+    assert all(r.returncode == 0 for r in runs), describe_runs(runs)
+    by_hand = read_result(tmp_path / "outputs" / "runs" / f"byhand-{marker[:8]}")
+    for result in (by_torchrun, by_hand):
+        assert_commcheck_passed(result, 4)
+        assert ranks_by_host(result) == {"host1": [0, 1], "host2": [2, 3]}
+        assert groups_of(result, "INTRA_NODE") == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+
 
 CHOOSE = ("import json, os, sys; from rlcomm.interfaces import choose_socket_interfaces; "
           "chosen = choose_socket_interfaces(sys.argv[1]); "
