@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 MAX_NODES = 4  # nodes drawn in full: the first MAX_NODES - 1 and the last
 MAX_RANKS_PER_NODE = 8  # ranks drawn per node: the first MAX_RANKS_PER_NODE - 1 and the last
+# matplotlib's "tab10" colours, one per group (cycled).
+TAB10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+         "#bcbd22", "#17becf")
 ROLE_COLORS = {
     "trainer": "#d62728",
     "rollout": "#1f77b4",
@@ -121,20 +124,21 @@ def describe_layout(
 def draw_layout(picture: LayoutPicture, png: Path) -> None:
     """Draws ``picture`` into ``png`` (matplotlib, Agg). Boxes go into one collection per kind
     and there is no layout pass: drawing costs a fraction of a second at any world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure on the Agg canvas: pyplot's import and its figure manager would add a
+    # third to what drawing costs, and plan_only's start-up is mostly this picture.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import LineCollection, PatchCollection
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     cells = picture.cells
     width = max(cell.x for cell in cells) + 1.0
     rows = len(picture.bands)
-    fig = plt.figure(figsize=(min(3.0 + 0.55 * width, 24.0), 1.6 + 0.45 * (rows + 3)))
+    fig = Figure(figsize=(min(3.0 + 0.55 * width, 24.0), 1.6 + 0.45 * (rows + 3)))
+    FigureCanvasAgg(fig)
     label_room = 2.4 / fig.get_figwidth()  # mode names left of the bands
     ax = fig.add_axes((label_room, 0.02, 1 - label_room - 0.01, 0.9))
-    palette = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
+    palette = TAB10
     node_y = rows + 0.6  # bands occupy y = 0 .. rows - 1, nodes sit above them
     _draw_nodes(ax, picture, node_y)
     columns = {cell.rank: cell.x for cell in cells}
@@ -165,7 +169,6 @@ def draw_layout(picture: LayoutPicture, png: Path) -> None:
     ax.set_ylim(-0.7, node_y + 1.3)
     ax.axis("off")
     fig.savefig(png, dpi=100)
-    plt.close(fig)
 
 
 def write_layout_files(plan: LayoutPlan, run_dir: Path) -> Path:
