@@ -21,7 +21,7 @@ import pytest
 
 from app.environment import without_launcher_variables
 from tests.apprun import MARKER, REPO, assert_no_survivors
-from tests.multihost import _skip_or_fail, kill_host, netns_list
+from tests.multihost import _skip_or_fail, kill_host, netns_list, set_link
 from tests.test_app import assert_commcheck_passed, read_result
 
 SLURM_SCRIPTS = REPO / "tests" / "slurm"
@@ -166,9 +166,11 @@ LONG_PPO = ("layout=2n_split", "loop.total_env_steps=100000000", "loop.target_re
 LOST_HOST_END_S = 60
 
 
-def kill_host2_mid_run(partition: str, cwd: Path, *command: str) -> tuple[str, float]:
-    """Run ``command`` on the head node, kill host2 once the run has checkpointed update 4,
-    and return its stderr and how long it took to end after that; the host is revived after."""
+def kill_host2_mid_run(partition: str, cwd: Path, *command: str,
+                       link_down: bool = False) -> tuple[str, float]:
+    """Run ``command`` on the head node, kill host2 (or take its link down) once the run has
+    checkpointed update 4, and return its stderr and how long it took to end after that; the
+    host is revived after."""
     marker = os.urandom(8).hex()
     proc = subprocess.Popen(["bash", str(ON_HOST), "head", *command], cwd=cwd,
                             env=head_env(marker), stdout=subprocess.PIPE,
@@ -178,7 +180,10 @@ def kill_host2_mid_run(partition: str, cwd: Path, *command: str) -> tuple[str, f
         while not list(cwd.rglob("ckpt_000004.pt")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
-        kill_host("host2")
+        if link_down:
+            set_link("host2", up=False)
+        else:
+            kill_host("host2")
         killed = time.monotonic()
         _, stderr = proc.communicate(timeout=LOST_HOST_END_S + 60)
         return stderr, time.monotonic() - killed
@@ -186,7 +191,10 @@ def kill_host2_mid_run(partition: str, cwd: Path, *command: str) -> tuple[str, f
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        assert_no_survivors(marker)
+        if link_down:
+            set_link("host2", up=True)
+        # host2's ranks, cut off, end once their own comm.timeout has passed
+        assert_no_survivors(marker, grace_s=30)
         up = _script("multinode_up.sh", "2", timeout=120)  # slurmd-host2 again; node resumes
         assert up.returncode == 0 and up.stdout.strip().endswith(partition), up.stderr[-3000:]
 
@@ -203,6 +211,24 @@ def test_a_killed_host_ends_the_srun_job_naming_the_lost_host(
         "error: rank 1 on host1: lost host2 (ranks [2,3])"], stderr[-4000:]
     assert "Node failure on host2" in stderr, stderr[-4000:]
     assert ended_s < LOST_HOST_END_S, f"the job took {ended_s:.0f} s to end"
+
+
+def test_a_host_whose_link_goes_down_ends_the_srun_job_naming_it(
+    partition: str, tmp_path: Path
+) -> None:
+    stderr, ended_s = kill_host2_mid_run(
+        partition, tmp_path, "salloc", "-N2", "--ntasks-per-node=2", "srun", sys.executable,
+        "-m", "app", *LONG_PPO, link_down=True)
+    errors = [line for line in stderr.splitlines() if line.startswith("error: rank")]
+    assert len(errors) == 2, stderr[-4000:]
+    for rank, line in zip((0, 1), sorted(errors)):
+        assert line.startswith(f"error: rank {rank} on host1: lost host2 (ranks [2,3]): "), line
+    assert "Node failure on host2" in stderr, stderr[-4000:]
+    assert ended_s < LOST_HOST_END_S, f"the job took {ended_s:.0f} s to end"
+    # host2's ranks, cut off from the rendezvous store on host1, named host1 in their logs
+    run_dir = only_run_dir(tmp_path)
+    for rank in (2, 3):
+        assert "lost host1 (ranks [0,1])" in (run_dir / "logs" / f"rank{rank}.log").read_text()
 
 
 def test_a_killed_host_fails_its_multirun_job_which_is_named(
