@@ -247,7 +247,6 @@ fi
 # --------------------------------------------------------------------------------------------
 # MariaDB (unix socket only)
 # --------------------------------------------------------------------------------------------
-MYSQL=(mariadb --no-defaults --socket="$MYSQL_SOCK" -uroot)
 start_mariadb
 
 # --------------------------------------------------------------------------------------------
@@ -260,13 +259,7 @@ for d in slurmdbd:6819 slurmctld:6817 slurmd:6818; do
 done
 
 if ! alive slurmdbd; then
-    "${MYSQL[@]}" >&2 <<SQL || die "could not create the accounting database and user"
-CREATE DATABASE IF NOT EXISTS $DB_NAME;
-CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY '$db_pass';
-ALTER USER 'slurm'@'localhost' IDENTIFIED BY '$db_pass';
-GRANT ALL ON $DB_NAME.* TO 'slurm'@'localhost';
-FLUSH PRIVILEGES;
-SQL
+    accounting_db "$DB_NAME" slurm "$db_pass" || die "could not create the accounting database and user"
     rm -f "$RUN/slurmdbd.pid"
     spawn slurmdbd /usr/sbin/slurmdbd -D
     wait_for 60 slurmdbd port_open 6819 || die "slurmdbd does not listen (see $LOG/slurmdbd.log)"

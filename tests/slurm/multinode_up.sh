@@ -130,13 +130,7 @@ fi
 on_head() { bash "$HOSTS/on_host.sh" head "$@"; }
 start_mariadb
 if ! alive slurmdbd; then
-    mariadb --no-defaults --socket="$MYSQL_SOCK" -uroot >&2 <<SQL || die "could not create the accounting database"
-CREATE DATABASE IF NOT EXISTS $DB_NAME;
-CREATE USER IF NOT EXISTS '$DB_USER'@'localhost' IDENTIFIED BY '$db_pass';
-ALTER USER '$DB_USER'@'localhost' IDENTIFIED BY '$db_pass';
-GRANT ALL ON $DB_NAME.* TO '$DB_USER'@'localhost';
-FLUSH PRIVILEGES;
-SQL
+    accounting_db "$DB_NAME" "$DB_USER" "$db_pass" || die "could not create the accounting database"
     rm -f "$STATE/run/slurmdbd.pid"
     spawn slurmdbd bash "$HOSTS/on_host.sh" head /usr/sbin/slurmdbd -D
     wait_for 60 slurmdbd on_head sacctmgr -n -P list cluster || die "slurmdbd does not answer (see $LOG/slurmdbd.log)"

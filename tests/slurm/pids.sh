@@ -91,3 +91,14 @@ start_mariadb() {
         --innodb-lock-wait-timeout=900
     wait_for 60 mariadb mysql_ok || die "MariaDB does not answer (see $LOG/mariadbd.out)"
 }
+
+# accounting_db <database> <user> <password>: slurmdbd's database and its user, on $MYSQL_SOCK.
+accounting_db() {
+    mariadb --no-defaults --socket="$MYSQL_SOCK" -uroot >&2 <<SQL
+CREATE DATABASE IF NOT EXISTS $1;
+CREATE USER IF NOT EXISTS '$2'@'localhost' IDENTIFIED BY '$3';
+ALTER USER '$2'@'localhost' IDENTIFIED BY '$3';
+GRANT ALL ON $1.* TO '$2'@'localhost';
+FLUSH PRIVILEGES;
+SQL
+}
