@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.errors import PeerLostError
-from rlcomm.hosts import agree_on_hosts, lost_hosts
+from rlcomm.hosts import agree_on_hosts, announce_lost, lost_hosts
 
 from .environment import RankEnv, resolve_rank_env
 from .logs import FILE_ONLY
@@ -120,7 +120,10 @@ def _run(
         lost = lost_hosts(ctx, hosts, err)
         if lost is None:
             raise
-        raise PeerLostError(f"rank {rank} on {hosts.names[rank]}: lost {lost}: {_gist(err)}") from err
+        announce_lost(ctx, hosts, lost)
+        raise PeerLostError(
+            f"rank {rank} on {hosts.names[rank]}: lost {hosts.describe(lost)}: {_gist(err)}"
+        ) from err
     report = {
         "rank": rank,
         "role": plan.role(rank),

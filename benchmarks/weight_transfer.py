@@ -1,14 +1,16 @@
 """1. Weight transfer: rlcomm's WeightSender/WeightReceiver against three ways of moving the
 same state dict from the trainer (rank 0) to 1 and 3 receivers over WEIGHT_TRANSFER.
 
-rlcomm runs three ways: ``rlcomm_ppo`` (the path the PPO loop uses, which carries the goals:
-the trainer's module is bound with ``WeightSender.bind`` and sent with ``send(module)``, so its
-parameters live in the send buffers and nothing is copied or even looked up; each receiver
-posts the receive into a spare buffer, completes it and loads it into its own bound module with
-``load``, which points the module at the received bytes, timed; every ``VERIFY_EVERY``-th
-version is checksummed and verified, as PPO's default ``loop.verify_weights_every``),
-``rlcomm_bound`` (bound sender, ``send(module.state_dict())``, receivers end with views) and
-``rlcomm`` (a plain state dict, packed by copy on every send).
+rlcomm runs three ways. ``rlcomm_ppo`` is the path the PPO loop uses by default (lockstep,
+``loop.max_staleness=0``) and carries the goals: the trainer's module is bound with
+``WeightSender.bind`` and sent with ``send(module)``, so its parameters live in the send buffers
+and nothing is copied or even looked up; each receiver's module is bound too and receives with
+``receive_into``, in place (the bytes land in the memory the module acts with), load and
+verification timed; every ``VERIFY_EVERY``-th version is checksummed and verified, as PPO's
+default ``loop.verify_weights_every``. ``rlcomm_ppo_async`` is PPO's path with
+``loop.max_staleness >= 1``: the same sender; each receiver posts the receive into a spare buffer
+(double buffering), completes it and swaps it into its module with ``load``. ``rlcomm`` sends a
+plain state dict, packed by copy on every send; its receivers end with views.
 The references:
 
 - ``flat_limit``: one broadcast of a preallocated flat uint8 buffer holding the same bytes (no
@@ -19,8 +21,7 @@ The references:
 - ``reused_flatten`` (diagnostic): pack into one persistent buffer, one broadcast: rlcomm's
   design without its header and per-dtype broadcasts, so that the pack copy's cost shows.
 
-Receivers end with views of the received bytes in every case but ``rlcomm_ppo`` (rlcomm's
-receive returns views of its persistent buffers); ``rlcomm_ppo`` also pays for loading its module.
+Receivers end with views of the received bytes, or with them in their module (the PPO paths).
 A sample starts at a barrier and ends when the last receiver has its copy (no barrier inside the
 time); for the large model a sample is the mean of 10 back-to-back transfers. Methods alternate
 within every repetition, ``flat_limit`` next to ``rlcomm_ppo``. The sender's pack copy is also
@@ -47,8 +48,9 @@ from .procs import backend_for, rank_device, sync_fn
 
 NAME = "weight_transfer"
 WT = ParallelMode.WEIGHT_TRANSFER
-RLCOMM = ("rlcomm_ppo", "rlcomm_bound", "rlcomm")  # PPO's path carries the goals
-LABELS = {"rlcomm_ppo": "rlcomm PPO path", "rlcomm_bound": "rlcomm bound", "rlcomm": "rlcomm state dict"}
+RLCOMM = ("rlcomm_ppo", "rlcomm_ppo_async", "rlcomm")  # PPO's default path carries the goals
+LABELS = {"rlcomm_ppo": "rlcomm PPO path", "rlcomm_ppo_async": "rlcomm PPO async path",
+          "rlcomm": "rlcomm state dict"}
 VERIFY_EVERY = 10  # as app.loops.ppo.PPOLoop.verify_weights_every
 LIMIT_GOAL = Goal("<=", 1 / 0.9, whole_iqr=True)  # rlcomm >= 0.9 x the limit's throughput
 PER_TENSOR_GOAL = Goal("<=", 0.5)  # rlcomm >= 2 x per-tensor's throughput (large model)
@@ -199,49 +201,53 @@ def transfer_steps(
         dist.broadcast(reused.wire, src=src, group=group)
 
     rlcomm: Callable[[], object]
-    rlcomm_bound: Callable[[], object]
     rlcomm_ppo: Callable[[], object]
-    # PPO's path: a bound module at both ends (fresh tensors, so other methods stay unbound).
-    ppo_module = as_module({name: t.clone() for name, t in state_dict.items()})
-    if is_src:
-        ppo_sender = WeightSender(ctx, WT, device=device, verify_every=VERIFY_EVERY)
-        ppo_sender.bind(ppo_module)
-        rlcomm_ppo = partial(ppo_sender.send, ppo_module)
-    else:
-        ppo_receiver = WeightReceiver(ctx, WT, expected=ppo_module.state_dict(), device=device)
-        ppo_receiver.bind(ppo_module)
-
-        def rlcomm_ppo() -> None:
-            if ppo_receiver.version == 0:  # the first transfer agrees on the layout
-                ppo_receiver.receive_into(ppo_module)
-                return
-            ppo_receiver.post()
-            ppo_receiver.receive()
-            ppo_receiver.load(ppo_module)
-
+    rlcomm_ppo_async: Callable[[], object]
     if is_src:
         rlcomm = partial(WeightSender(ctx, WT, device=device).send, state_dict)
-        # Its own module (fresh copies), so the plain row's state dict stays unbound.
-        module = as_module({name: t.clone() for name, t in state_dict.items()})
-        bound = WeightSender(ctx, WT, device=device)
-        bound.bind(module)
-
-        def rlcomm_bound() -> None:
-            bound.send(module.state_dict())
-
+        # PPO's sender, one per PPO path: a bound module of its own (fresh tensors, so the
+        # state dict of the plain row stays unbound).
+        senders = []
+        for _ in range(2):
+            module = as_module({name: t.clone() for name, t in state_dict.items()})
+            sender = WeightSender(ctx, WT, device=device, verify_every=VERIFY_EVERY)
+            sender.bind(module)
+            senders.append(partial(sender.send, module))
+        rlcomm_ppo, rlcomm_ppo_async = senders
     else:
         rlcomm = WeightReceiver(ctx, WT, device=device).receive
-        rlcomm_bound = WeightReceiver(ctx, WT, device=device).receive
+        rlcomm_ppo = _ppo_receive(ctx, state_dict, device, posted=False)
+        rlcomm_ppo_async = _ppo_receive(ctx, state_dict, device, posted=True)
     # In timing order: the goal's pair side by side, so that drift between them is least.
     return {
         "flat_limit": partial(dist.broadcast, flat, src=src, group=group),
         "rlcomm_ppo": rlcomm_ppo,
-        "rlcomm_bound": rlcomm_bound,
+        "rlcomm_ppo_async": rlcomm_ppo_async,
         "rlcomm": rlcomm,
         "per_tensor": per_tensor,
         "fresh_flatten": fresh_flatten,
         "reused_flatten": reused_flatten,
     }
+
+
+def _ppo_receive(
+    ctx: CommContext, state_dict: dict[str, Tensor], device: torch.device, posted: bool
+) -> Callable[[], object]:
+    """One PPO rollout rank's receive into its bound policy: in place (lockstep), or
+    ``posted`` into a spare buffer and swapped in (``max_staleness >= 1``)."""
+    module = as_module({name: torch.empty_like(t) for name, t in state_dict.items()})
+    receiver = WeightReceiver(ctx, WT, expected=module.state_dict(), device=device)
+    receiver.bind(module)
+
+    def receive() -> None:
+        if not posted or receiver.version == 0:  # the first transfer agrees on the layout
+            receiver.receive_into(module)
+            return
+        receiver.post()
+        receiver.receive()
+        receiver.load(module)
+
+    return receive
 
 
 def pack_seconds(state_dict: dict[str, Tensor], device: torch.device, reps: int) -> float:

@@ -9,6 +9,7 @@ address also lets a rank that loses a peer say which host went away.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import re
 import socket
@@ -23,6 +24,7 @@ from .context import CommContext
 from .interfaces import socket_address
 from .layout import LayoutPlan, place_on_hosts
 from .modes import CommMode
+from .rendezvous import serves_store
 from .utils import format_ranks
 
 _PEER_ADDRESS = re.compile(r"\[(\d+\.\d+\.\d+\.\d+)\]:\d+")  # how gloo names a peer
@@ -42,29 +44,54 @@ class Hosts:
         return ", ".join(f"{h} (ranks {format_ranks(self.ranks_on(h))})" for h in hosts)
 
 
-def lost_hosts(ctx: CommContext, hosts: Hosts, error: BaseException) -> str | None:
-    """Which other host a failed collective lost, e.g. ``"host2 (ranks [2,3])"``, or None when
-    ``error`` is not a lost connection to another host.
+def lost_hosts(ctx: CommContext, hosts: Hosts, error: BaseException) -> list[str] | None:
+    """The other hosts a failed collective lost (describe them with :meth:`Hosts.describe`),
+    or None when ``error`` is not a lost connection to another host.
 
-    A peer that died closes its sockets, and gloo names its address. A link that went down
-    only times out: then the heartbeats every rank of a multi-host run leaves in the store tell
-    which hosts fell silent (all their ranks stopped beating); if the store itself is out of
-    reach, the host that serves it (rank 0's) is the one lost.
+    A peer that died closes its sockets, and gloo names its address. A peer on this rank's own
+    host that closed its sockets may have left because it lost another host: then the verdict it
+    published (:func:`announce_lost`) names that host. A link that went down only times out:
+    then the heartbeats every rank of a multi-host run leaves in the store tell which hosts fell
+    silent (all their ranks stopped beating); if the store itself is out of reach, the host that
+    serves it (rank 0's) is the one lost.
     """
     me = ctx.get_global_rank()
     text = " | ".join(str(e) for e in _causes(error))  # a HangError wraps gloo's own error
     for address in _PEER_ADDRESS.findall(text):
         owners = sorted({hosts.names[r] for r, a in enumerate(hosts.addresses) if a == address})
         if owners and hosts.names[me] not in owners:
-            return hosts.describe(owners)
+            return owners
     if not any(s in text for s in _LOST) or len(set(hosts.names)) < 2:
         return None
+    heard = [h for h in _heard if h != hosts.names[me]]
+    if heard:
+        return heard
     silent = _silent_ranks(ctx.store, len(hosts.names))
     if silent is None:
-        return hosts.describe([hosts.names[0]]) if hosts.names[0] != hosts.names[me] else None
+        return [hosts.names[0]] if hosts.names[0] != hosts.names[me] else None
     gone = [h for h in dict.fromkeys(hosts.names)
             if h != hosts.names[me] and set(hosts.ranks_on(h)) <= set(silent)]
-    return hosts.describe(gone) if gone else None
+    return gone or None
+
+
+def announce_lost(ctx: CommContext, hosts: Hosts, lost: list[str]) -> None:
+    """Publish that ``lost`` hosts are gone, for the ranks that will only see this rank leave.
+
+    A rank blocked on a peer of its own host (a DDP all_reduce, say) learns nothing of the lost
+    host but that its peer closed the connection, and when that peer served the store, the store
+    is gone too. So every rank's heartbeat reads the verdict as soon as one is published, and the
+    process serving the store waits (a few beats at most) until the other survivors have read
+    it before it leaves.
+    """
+    gone = {r for h in lost for r in hosts.ranks_on(h)}
+    readers = len(hosts.names) - len(gone) - 1
+    with contextlib.suppress(Exception):  # the store may be what was lost
+        ctx.store.set(_VERDICT, " ".join(lost))
+        if not serves_store():
+            return
+        deadline = time.monotonic() + 3 * _BEAT_S
+        while ctx.store.add(_VERDICT_READ, 0) < readers and time.monotonic() < deadline:
+            time.sleep(0.1)
 
 
 def _causes(error: BaseException) -> list[BaseException]:
@@ -80,6 +107,8 @@ def _causes(error: BaseException) -> list[BaseException]:
 # Failures of a collective that may mean a peer host is gone (gloo's wording).
 _LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out")
 _BEAT_S = 1.0  # heartbeat period; a host is silent after 3 periods without a beat
+_VERDICT, _VERDICT_READ = "lost", "lost/read"  # store keys of announce_lost
+_heard: list[str] = []  # the lost hosts another rank announced, as this rank's heartbeat read them
 
 
 def _silent_ranks(store: dist.Store, world: int) -> list[int] | None:
@@ -99,6 +128,7 @@ _stop_beats = threading.Event()
 
 
 def _start_heartbeat(ctx: CommContext) -> None:
+    _heard.clear()  # a verdict of an earlier init (a restart in this process) is not news
     beat = threading.Thread(target=_beat, args=(ctx, ctx.store, ctx.get_global_rank()),
                             name="rlcomm-heartbeat", daemon=True)
     beat.start()
@@ -111,11 +141,15 @@ def _start_heartbeat(ctx: CommContext) -> None:
 
 
 def _beat(ctx: CommContext, store: dist.Store, rank: int) -> None:
-    """Count up this rank's heartbeat in the store while ``ctx`` lives on it (daemon thread)."""
+    """Count up this rank's heartbeat in the store while ``ctx`` lives on it, and read the
+    verdict of :func:`announce_lost` once one is published (daemon thread)."""
     key = f"beat/{rank}"
     try:
         while ctx.is_initialized() and ctx.store is store and not _stop_beats.is_set():
             store.add(key, 1)
+            if not _heard and store.check([_VERDICT]):
+                _heard.extend(store.get(_VERDICT).decode().split())
+                store.add(_VERDICT_READ, 1)
             _stop_beats.wait(_BEAT_S)
     except Exception:
         return  # the run is over (the store's host left) or failing: nothing left to tell

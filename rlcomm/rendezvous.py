@@ -52,6 +52,12 @@ def join_world(
     return store
 
 
+def serves_store() -> bool:
+    """Whether this process serves a rendezvous store (it is rank 0 of a job it joined): the
+    store, and every rank's access to it, ends when this process does."""
+    return bool(_hosted)
+
+
 def _base_store(
     dist_url: str, rank: int, world_size: int, timeout: datetime.timedelta
 ) -> dist.Store:

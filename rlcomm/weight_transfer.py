@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import deque
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -270,6 +272,7 @@ class _FlatBuffers:
         # Bytes on the wire: backends need not know every dtype, and bits survive untouched.
         self.wire = wire
         self._checksum_parts = [_checksum_parts(self.views[m.name]) for m in metadata]
+        self._checksum_halves = _halves([self.views[m.name].nbytes for m in metadata])
 
     @torch.no_grad()  # the buffers must not join the autograd graph of the parameters
     def pack(self, state_dict: Mapping[str, Tensor]) -> int:
@@ -294,11 +297,29 @@ class _FlatBuffers:
 
         The word and tail views are sliced once per layout, so this is one reduction per
         tensor and no per-tensor Python beyond it: verifying a version costs about one read of
-        its bytes, not one call of :func:`tensor_checksum` per tensor.
+        its bytes, not one call of :func:`tensor_checksum` per tensor. Large CPU buffers are
+        summed by two threads, each over half the bytes: one core sums at a fraction of the
+        memory's bandwidth, and during a verification the peer's core is idle (it waits for
+        these checksums, or for this rank to receive the next version).
         """
-        if not self._checksum_parts:
+        parts = self._checksum_parts
+        if not parts:
             return torch.zeros(0, dtype=torch.int64)
-        return torch.stack([_checksum_of(parts) for parts in self._checksum_parts])
+        sums: list[Tensor] = [torch.zeros((), dtype=torch.int64)] * len(parts)
+
+        def run(indices: list[int]) -> None:
+            for i in indices:
+                sums[i] = _checksum_of(parts[i])
+
+        helper = _checksum_helper() if self.wire.nbytes >= _PARALLEL_CHECKSUM_BYTES else None
+        if helper is None or not self.wire.is_cpu:
+            run(list(range(len(parts))))
+        else:
+            mine, theirs = self._checksum_halves
+            done = helper.submit(run, theirs)
+            run(mine)
+            done.result()
+        return torch.stack(sums)
 
     def write_checksums(self) -> None:
         """Every tensor's checksum of the bytes in the buffers (the sender's, before sending)."""
@@ -317,6 +338,32 @@ def _checksum_parts(view: Tensor) -> _ChecksumParts:
         return raw[:body].view(torch.int64), raw[body:]
     except RuntimeError:  # not 8-byte aligned in its storage
         return view
+
+
+_PARALLEL_CHECKSUM_BYTES = 1 << 20  # below this, handing half to a thread costs more than it saves
+_helper: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked child needs its own
+
+
+def _checksum_helper() -> ThreadPoolExecutor | None:
+    """This process's one checksum helper thread, or None where only one core is usable."""
+    global _helper
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (usable or 1) < 2:
+        return None
+    if _helper is None or _helper[0] != os.getpid():
+        _helper = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="rlcomm-checksum"))
+    return _helper[1]
+
+
+def _halves(sizes: list[int]) -> tuple[list[int], list[int]]:
+    """Indices of ``sizes`` in two groups of about equal sums (largest first, to the lighter)."""
+    groups: tuple[list[int], list[int]] = ([], [])
+    totals = [0, 0]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        lighter = 0 if totals[0] <= totals[1] else 1
+        groups[lighter].append(i)
+        totals[lighter] += sizes[i]
+    return groups
 
 
 def _checksum_of(parts: _ChecksumParts) -> Tensor:
@@ -643,11 +690,20 @@ class WeightReceiver(_Endpoint):
         them in place. Clone them (or use :meth:`receive_into`) to keep a version. A receive
         started with :meth:`post` is completed first (transfers arrive in order).
         """
+        return self._receive(in_place=False)
+
+    def _receive(self, in_place: bool) -> tuple[int, dict[str, Tensor]]:
+        """:meth:`receive`; ``in_place``: into the buffer the bound module points at (it must
+        be idle until the receive is done), else beside it."""
         if self._posted:
             return self._complete_posted()
         carrier = self._buffers  # the layout this receiver holds carries the header
-        if carrier is not None and carrier is self._in_module:
-            carrier = self._spare()  # the bound module acts with these: receive beside them
+        in_module = self._in_module
+        if carrier is not None and in_module is not None:
+            if in_place and in_module.metadata is carrier.metadata:
+                carrier = in_module
+            elif carrier is in_module:
+                carrier = self._spare()  # the bound module acts with these: receive beside them
         if carrier is None:
             header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
             self._broadcast(header)
@@ -716,15 +772,21 @@ class WeightReceiver(_Endpoint):
         return self._version
 
     def receive_into(self, module: nn.Module, strict: bool = True) -> int:
-        """Receive the next version and load it into ``module`` (see :meth:`load`)."""
-        self.receive()
+        """Receive the next version and load it into ``module`` (see :meth:`load`).
+
+        The module bound with :meth:`bind` receives in place: the bytes land in the buffer it
+        already points at, so there is no second buffer to fill and nothing to swap, but the
+        module must not be used until this returns (use :meth:`post` to act meanwhile).
+        """
+        self._receive(in_place=module is self._bound)
         return self.load(module, strict=strict)
 
     def bind(self, module: nn.Module) -> None:
         """Let :meth:`load` point ``module``'s parameters and buffers at the received bytes
         instead of copying them (zero-copy receives). Without an ``expected`` layout, the
         module's state dict becomes it, so a sender's name, shape or dtype change is rejected
-        before data moves. The module's tensors change only inside :meth:`load`."""
+        before data moves. The module's tensors change only inside :meth:`load` (and
+        :meth:`receive_into`, which receives in place)."""
         if self._expected is None:
             self._expected = {k: v.detach() for k, v in module.state_dict().items()}
         self._bound = module

@@ -66,12 +66,22 @@ def test_batched_checksums_equal_each_tensors_own() -> None:
     assert [x != y for x, y in zip(batched, after)] == [False, True, False, False, False, False, False]
 
 
+def test_checksums_of_a_large_buffer_summed_by_two_threads_equal_each_tensors_own() -> None:
+    # Over 1 MiB: the tensors are summed in two halves, one by a helper thread.
+    state = {f"t{i}": torch.randn(40_000 + 3 * i).to(torch.bfloat16 if i % 2 else torch.float32)
+             for i in range(9)}
+    buffers = _FlatBuffers(describe_state_dict(state), torch.device("cpu"))
+    assert buffers.wire.nbytes > 1 << 20
+    buffers.pack(state)
+    assert buffers.view_checksums().tolist() == [tensor_checksum(t) for t in state.values()]
+
+
 class CorruptingReceiver(WeightReceiver):
     """A real receiver whose received bytes get one bit flipped before they are loaded: what
     a faulty link or a stray write would do."""
 
-    def receive(self) -> tuple[int, dict[str, torch.Tensor]]:
-        version, state = super().receive()
+    def _receive(self, in_place: bool) -> tuple[int, dict[str, torch.Tensor]]:
+        version, state = super()._receive(in_place)  # every receive's way in, in place or not
         if version == 2:
             state["2.weight"].reshape(-1).view(torch.uint8)[5] ^= 0x10
         return version, state
@@ -171,6 +181,40 @@ def test_posted_receives_land_beside_the_acting_weights_and_swap_at_load() -> No
     assert got["unchanged"] and got["moved"] and got["loaded"] == 3
     assert mismatches(restore(got["first"]), restore(sent[0])) == []
     assert mismatches(restore(got["final"]), restore(sent[2])) == []
+
+
+def _in_place(rank: int, world_size: int) -> Any:
+    with weight_groups([[0, 1]]) as ctx:
+        module = make_trainable(seed=rank)
+        if rank == 0:
+            out = WeightSender(ctx, verify_every=1)
+            out.bind(module)
+            sent = []
+            for step in range(3):
+                with torch.no_grad():
+                    for p in module.parameters():
+                        p.add_(step + 1)
+                out.send(module)
+                sent.append(snapshot(module.state_dict()))
+            return sent
+        inp = WeightReceiver(ctx, expected=module.state_dict())
+        inp.bind(module)
+        got, pointers = [], []
+        for _ in range(3):
+            got.append((inp.receive_into(module), snapshot(module.state_dict())))
+            pointers.append([p.data_ptr() for p in module.parameters()])
+        return {"got": got, "pointers": pointers}
+
+
+def test_a_bound_module_receives_in_place_and_verified() -> None:
+    # Lockstep PPO's path: after the first version the module keeps its memory (no second
+    # buffer, no swap), every version is the sender's, and each was checksummed and verified.
+    results = run_ranks(_in_place, 2, timeout=TIMEOUT_S)
+    sent, got = results[0], results[1]
+    assert [v for v, _ in got["got"]] == [1, 2, 3]
+    for (_, state), want in zip(got["got"], sent):
+        assert mismatches(restore(state), restore(want)) == []
+    assert got["pointers"][0] == got["pointers"][1] == got["pointers"][2]
 
 
 def _ddp_bound(rank: int, world_size: int) -> Any:

@@ -340,7 +340,9 @@ class _PPORun:
             receivers = len(self.ctx.get_ranks_in_group(WT)) - 1
             self.weight_bytes_sent += receivers * self.weight_bytes
         elif self.receiver is not None:
-            if first:
+            if first or self.loop.max_staleness == 0:
+                # Lockstep: the policy is idle until these weights arrive, so they land in the
+                # bytes it acts with (no second buffer, nothing to swap).
                 self.acting_version = self.receiver.receive_into(self.policy)
             else:
                 self.receiver.post()
