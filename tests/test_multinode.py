@@ -275,8 +275,11 @@ def test_a_killed_host_ends_the_run_with_one_line_naming_it(hosts: list[str], tm
         ended = time.monotonic() - killed
         finish(runs, marker, 10)
     assert_survivor_names_the_lost_host(survivor, "host2", "[2,3]", ended)
-    assert "error: rank 0 on host1: lost host2 (ranks [2,3]): Connection closed by peer" in \
-        survivor.stderr
+    # Whichever of host1's ranks finds it first (torchrun's agent may stop the other before it
+    # prints), from the socket host2's death closed.
+    assert re.search(r"error: rank [01] on host1: lost host2 \(ranks \[2,3\]\): "
+                     r"(Connection closed by peer|Read error|Connection reset)", survivor.stderr), \
+        describe_runs([survivor])
 
 
 def test_a_host_whose_link_goes_down_ends_the_run_with_one_line_naming_it(
@@ -329,8 +332,9 @@ def test_a_restarted_host_rejoins_and_the_run_resumes_from_its_checkpoint(
         finish(runs, marker, 240)
     survivor, _, rejoined = runs
     assert survivor.returncode == 0 and rejoined.returncode == 0, describe_runs(runs)
-    # host1's ranks first failed naming the lost host, then its agent restarted them.
-    assert "error: rank 0 on host1: lost host2 (ranks [2,3])" in survivor.stderr, \
+    # host1's ranks first failed naming the lost host (one of them, at least: the agent stops
+    # the other once one fails), then its agent restarted them.
+    assert re.search(r"error: rank [01] on host1: lost host2 \(ranks \[2,3\]\)", survivor.stderr), \
         describe_runs(runs)
     result = read_result(run_dir)
     assert {r["rank"]: r["result"]["updates"] for r in result["ranks"]} == dict.fromkeys(

@@ -1,4 +1,4 @@
-"""A two-node SLURM cluster on this machine (tests/slurm/multinode_up.sh): slurmctld on the head
+"""A three-node SLURM cluster on this machine (tests/slurm/multinode_up.sh): slurmctld on the head
 node, one slurmd per host namespace. Users submit from the head node, as on a login node; the
 tasks run on host1/host2, which share this machine's file system.
 
@@ -27,6 +27,7 @@ from tests.test_app import assert_commcheck_passed, read_result
 SLURM_SCRIPTS = REPO / "tests" / "slurm"
 ON_HOST = REPO / "tests" / "hosts" / "on_host.sh"
 SLURM_CONF = "/etc/rlcomm-slurm-multinode/slurm.conf"
+NODES = 3  # jobs of 2 nodes get host1 and host2 (SLURM allocates in node order)
 FAST = ("loop=commcheck", "loop.latency_iters=3", "loop.bandwidth_bytes=65536",
         "loop.bandwidth_iters=1", "comm.timeout=60")
 
@@ -44,7 +45,7 @@ def partition() -> Iterator[str]:
         up = _script("cluster_up.sh")
         assert up.returncode == 0, f"installing SLURM failed:\n{up.stderr[-3000:]}"
         assert _script("cluster_down.sh").returncode == 0
-    up = _script("multinode_up.sh", "2", timeout=120)
+    up = _script("multinode_up.sh", str(NODES), timeout=120)
     try:
         assert up.returncode == 0, f"multinode_up.sh failed:\n{up.stderr[-3000:]}"
         yield up.stdout.strip().splitlines()[-1]
@@ -96,6 +97,19 @@ def test_salloc_two_nodes_two_tasks_each(partition: str, tmp_path: Path) -> None
     result = read_result(only_run_dir(tmp_path))
     assert_commcheck_passed(result, 4)
     assert_nodes_are_the_hosts(result)
+
+
+def test_three_nodes_one_rank_each(partition: str, tmp_path: Path) -> None:
+    proc = on_head("salloc", "-N3", "--ntasks-per-node=1", "srun", sys.executable, "-m", "app",
+                   "layout=1t1r", "layout.world_size=3", "layout.rollouts=[1,2]", *FAST,
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = read_result(only_run_dir(tmp_path))
+    assert_commcheck_passed(result, 3)
+    assert {r["rank"]: r["host"] for r in result["ranks"]} == {0: "host1", 1: "host2", 2: "host3"}
+    for report in result["ranks"]:  # the layout leaves nodes open: the groups follow the hosts
+        assert report["groups"]["INTRA_NODE"]["ranks"] == [report["rank"]]
+        assert report["groups"]["INTER_NODE"]["ranks"] == [0, 1, 2]
 
 
 def test_salloc_n4_on_two_nodes_packs_3_plus_1_and_the_layout_says_so(
@@ -195,7 +209,7 @@ def kill_host2_mid_run(partition: str, cwd: Path, *command: str,
             set_link("host2", up=True)
         # host2's ranks, cut off, end once their own comm.timeout has passed
         assert_no_survivors(marker, grace_s=30)
-        up = _script("multinode_up.sh", "2", timeout=120)  # slurmd-host2 again; node resumes
+        up = _script("multinode_up.sh", str(NODES), timeout=120)  # slurmd-host2 again
         assert up.returncode == 0 and up.stdout.strip().endswith(partition), up.stderr[-3000:]
 
 
@@ -248,3 +262,4 @@ def test_a_killed_host_fails_its_multirun_job_which_is_named(
     assert job["status"] == "failed"
     assert "lost host2 (ranks [2,3])" in job["error"], job["error"]
     assert "ranks [2, 3] ended without reporting" in job["error"], job["error"]
+

@@ -43,12 +43,14 @@ mkdir -p "$PIDS" "$LOG" "$STATE/run" "$STATE/slurmctld" "$CONF_DIR"
 chown slurm:slurm "$LOG" "$STATE/slurmctld" "$STATE/run"
 
 
+# The hosts share this machine's memory; each node offers all of it (nothing enforces a share,
+# and a 3-node partition must still fit a job's 4 GB per rank).
 real_mem=$(slurmd -C 2>/dev/null | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' | head -1)
 nodes=""
 node_lines=""
 for ((i = 1; i <= N; i++)); do
     nodes+="${nodes:+,}host$i"
-    node_lines+="NodeName=host$i NodeAddr=198.18.0.$((10 + i)) NodeHostname=host$i CPUs=4 Boards=1 SocketsPerBoard=1 CoresPerSocket=4 ThreadsPerCore=1 RealMemory=$((real_mem / N)) State=UNKNOWN"$'\n'
+    node_lines+="NodeName=host$i NodeAddr=198.18.0.$((10 + i)) NodeHostname=host$i CPUs=4 Boards=1 SocketsPerBoard=1 CoresPerSocket=4 ThreadsPerCore=1 RealMemory=$real_mem State=UNKNOWN"$'\n'
 done
 conf="# Managed by rlcomm tests/slurm/multinode_up.sh; rewritten on every run.
 ClusterName=$CLUSTER
