@@ -138,20 +138,26 @@ def test_only_every_nth_version_is_verified() -> None:
     assert run_ranks(_unverified, 2, timeout=TIMEOUT_S)[1] == [1, 2, 3, 4]
 
 
+def _send_stepped(ctx: Any, module: nn.Module, versions: int, whole_module: bool) -> list[Any]:
+    """The sender's side: ``versions`` verified sends of the bound ``module`` (itself, or its
+    state dict), each after adding the step's number to every parameter; what each sent."""
+    out = WeightSender(ctx, verify_every=1)
+    out.bind(module)
+    sent = []
+    for step in range(versions):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(step + 1)
+        out.send(module if whole_module else module.state_dict())
+        sent.append(snapshot(module.state_dict()))
+    return sent
+
+
 def _double_buffered(rank: int, world_size: int) -> Any:
     with weight_groups([[0, 1]]) as ctx:
         module = make_trainable(seed=rank)
         if rank == 0:
-            out = WeightSender(ctx, verify_every=1)
-            out.bind(module)
-            sent = []
-            for step in range(3):
-                with torch.no_grad():
-                    for p in module.parameters():
-                        p.add_(step + 1)
-                out.send(module.state_dict())
-                sent.append(snapshot(module.state_dict()))
-            return sent
+            return _send_stepped(ctx, module, 3, whole_module=False)
         inp = WeightReceiver(ctx, expected=module.state_dict())
         inp.bind(module)
         assert inp.receive_into(module) == 1
@@ -187,16 +193,7 @@ def _in_place(rank: int, world_size: int) -> Any:
     with weight_groups([[0, 1]]) as ctx:
         module = make_trainable(seed=rank)
         if rank == 0:
-            out = WeightSender(ctx, verify_every=1)
-            out.bind(module)
-            sent = []
-            for step in range(3):
-                with torch.no_grad():
-                    for p in module.parameters():
-                        p.add_(step + 1)
-                out.send(module)
-                sent.append(snapshot(module.state_dict()))
-            return sent
+            return _send_stepped(ctx, module, 3, whole_module=True)
         inp = WeightReceiver(ctx, expected=module.state_dict())
         inp.bind(module)
         got, pointers = [], []
