@@ -12,16 +12,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from app.config import register_configs
+from app.config.help import help_text
+from app.launch.environment import output_subdir, resolve_rank_env, run_id
+from app.launch.planning import check_restarts, check_world_size, validate
+from app.launch.slurm import register_launcher_configs
+from app.output.layout_picture import write_layout_files
+from app.output.summary import format_summary
+from app.sweep.metrics import mark_job_start
 from rlcomm import RlcommError, format_plan
-
-from .config import register_configs
-from .environment import output_subdir, resolve_rank_env, run_id
-from .help import help_text
-from .layout_picture import write_layout_files
-from .metrics import mark_job_start
-from .planning import check_restarts, check_world_size, validate
-from .slurm import register_launcher_configs
-from .summary import format_summary
 
 log = logging.getLogger("app")
 
@@ -52,12 +51,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
         write_layout_files(plan, run_dir)  # one picture per run, from one process
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     if not env.joins:
-        from .local_launch import launch_local
+        from app.launch.local import launch_local
 
         log.info("starting %d local ranks; run dir %s", plan.world_size, run_dir)
         result: dict[str, Any] | None = launch_local(config, plan, run_dir)
     else:
-        from .job import run_rank
+        from app.launch.rank import run_rank
 
         result = run_rank(config, plan, str(run_dir))
     if result is not None:  # rank 0's summary (a joined job: on rank 0 only)

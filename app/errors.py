@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from app.api import ConfigError
 from rlcomm import RlcommError
 
-
-class ConfigError(RlcommError, ValueError):
-    """A config value the schema's types cannot catch; the message names field and value."""
+__all__ = ["ConfigError", "JobFailedError", "LaunchInterruptedError", "RankFailedError"]
 
 
 class RankFailedError(RlcommError, RuntimeError):

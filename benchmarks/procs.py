@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from app.environment import without_launcher_variables
+from app.launch.environment import without_launcher_variables
 from rlcomm.testing import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

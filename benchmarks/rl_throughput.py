@@ -33,7 +33,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "weight-transfer share of trainer time": (NUMBER, r"(weight_)?transfer_?(share|fraction)"),
 }
 TARGET_METRIC = "time to return >= 475"
-# The progress line off a terminal (app/progress.py): "..., 11,402 steps/s, weights v30, 0:10"
+# The progress line off a terminal (app/output/progress.py): "..., 11,402 steps/s, weights v30, 0:10"
 PROGRESS = re.compile(r"([\d,]+) steps/s, weights v\d+")
 
 

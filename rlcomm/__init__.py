@@ -9,6 +9,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from rlcomm.plan.layout import (
+    GroupSpec,
+    LayoutPlan,
+    LayoutSpec,
+    format_plan,
+    grid_groups,
+    plan_layout,
+)
+
 from .errors import (
     BackendError,
     EnvironmentConfigError,
@@ -18,7 +27,6 @@ from .errors import (
     ModeNotRegisteredError,
     RlcommError,
 )
-from .layout import GroupSpec, LayoutPlan, LayoutSpec, format_plan, grid_groups, plan_layout
 from .modes import CommMode, ParallelMode, mode_name
 
 _LAZY = {

@@ -9,6 +9,7 @@ one mode, names its groups, supports every mode, and can be destroyed and initia
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -19,7 +20,12 @@ import torch
 from torch import distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import env
+from rlcomm.diagnostics.agreement import agree_on_call
+from rlcomm.diagnostics.recorder import FlightRecorder
+from rlcomm.diagnostics.watchdog import Watchdog, default_hang_timeout
+from rlcomm.net import env
+from rlcomm.plan.layout import LayoutPlan
+
 from .errors import (
     BackendError,
     EnvironmentConfigError,
@@ -28,12 +34,9 @@ from .errors import (
     ModeNotRegisteredError,
     RlcommError,
 )
-from .flight import FlightRecorder
 from .group_initializer import get_initializer, group_description
-from .layout import LayoutPlan
 from .modes import CommMode, Mode, ParallelMode, mode_name
 from .utils import SingletonMeta, format_ranks
-from .watchdog import Watchdog, default_hang_timeout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -126,7 +129,7 @@ class CommContext(metaclass=SingletonMeta):
         self._store: dist.Store | None = None
         self._plan: LayoutPlan | None = None
         self._timeout: datetime.timedelta | None = None
-        self.recorder = FlightRecorder(self)
+        self.recorder = FlightRecorder()
         self.watchdog: Watchdog | None = None
         self._tensor_parallel_size: int = 1
         self._train_data_parallel_size: int = 1
@@ -179,7 +182,7 @@ class CommContext(metaclass=SingletonMeta):
             device_id = torch.device("cuda", self.get_in_node_rank() % self._node_cuda_num)
             torch.cuda.set_device(device_id)
 
-        from .rendezvous import join_world
+        from rlcomm.net.rendezvous import join_world
 
         store = join_world(backend, dist_url, rank, world_size, wait)
         dist.init_process_group(
@@ -198,10 +201,16 @@ class CommContext(metaclass=SingletonMeta):
         )
         self._global_ranks[CommMode.GLOBAL] = rank
         self.recorder.enabled = record
-        self.recorder.debug = debug
+        self.recorder.agree = functools.partial(agree_on_call, self) if debug else None
         if record and backend != "fake":
             self.watchdog = Watchdog(
-                self, store, hang_timeout or default_hang_timeout(timeout), timeout
+                self.recorder,
+                lambda: {mode: info.declared_ranks for mode, info in self.describe().items()},
+                store,
+                rank,
+                world_size,
+                hang_timeout or default_hang_timeout(timeout),
+                timeout,
             )
 
     def _register_group(

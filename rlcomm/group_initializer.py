@@ -14,8 +14,9 @@ from typing import Any, ClassVar, NamedTuple
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from rlcomm.plan.layout import RankLists, grid_groups, validate_rank_lists
+
 from .errors import LayoutError
-from .layout import RankLists, grid_groups, validate_rank_lists
 from .modes import CommMode, Mode, ParallelMode, mode_name, register_mode_name
 from .utils import format_ranks
 

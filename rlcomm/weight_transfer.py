@@ -58,7 +58,7 @@ from .group_initializer import group_description
 from .modes import Mode, ParallelMode, mode_name
 
 if TYPE_CHECKING:
-    from .flight import Call
+    from rlcomm.diagnostics.recorder import Call
 
 __all__ = ["TensorMeta", "WeightReceiver", "WeightSender", "WeightTransferError", "tensor_checksum"]
 

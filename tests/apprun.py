@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from app.environment import without_launcher_variables
+from app.launch.environment import without_launcher_variables
 
 REPO = Path(__file__).resolve().parent.parent
 MARKER = "RLCOMM_TEST_MARKER"

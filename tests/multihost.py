@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from app.environment import without_launcher_variables
+from app.launch.environment import without_launcher_variables
 from tests.apprun import MARKER, REPO, assert_no_survivors
 
 SCRIPTS = REPO / "tests" / "hosts"

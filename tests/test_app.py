@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from app.errors import ConfigError
-from app.planning import validate
+from app.launch.planning import validate
 from tests.apprun import REPO, describe, run_app
 
 LAYOUTS = sorted(p.stem for p in (REPO / "conf" / "layout").glob("*.yaml"))
@@ -170,7 +170,7 @@ class CountRanks:
 '''
 
 # Hydra imports every module under hydra_plugins/ before composing: a user's package registers
-# its loop's schema there, as app/config.py registers the shipped ones.
+# its loop's schema there, as app/config/ registers the shipped ones.
 USER_PLUGIN = """
 from app.config import register_loop
 from mypkg.loops import CountRanks
@@ -255,7 +255,7 @@ def test_help_lists_groups_and_every_setting_with_its_doc() -> None:
     assert "loop.hparams.gamma: float = 0.99  # discount factor, in (0, 1]" in out
     from app.config import AppConfig, CommConfig, LauncherConfig, LayoutConfig
     from app.loops.ppo import PPOLoop
-    from app.loops.ppo_core import PPOHyperParams
+    from app.loops.ppo.core import PPOHyperParams
 
     for prefix, schema in [("comm", CommConfig), ("layout", LayoutConfig),
                            ("launcher", LauncherConfig), ("loop", PPOLoop),

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from app.environment import (
+from app.launch.environment import (
     LAUNCHER_VARIABLES,
     RankEnv,
     is_launcher_variable,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlcomm.hangs import diagnose
+from rlcomm.diagnostics.diagnosis import diagnose
 from tests.multiproc import run_ranks
 from tests.test_reliability import AppProcess, read_result
 

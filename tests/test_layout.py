@@ -13,8 +13,8 @@ from rlcomm import (
     grid_groups,
     plan_layout,
 )
-from rlcomm.layout import place_on_hosts
 from rlcomm.modes import register_mode_name
+from rlcomm.plan.layout import place_on_hosts
 
 
 def groups(spec: LayoutSpec) -> dict[str, tuple[tuple[int, ...], ...]]:

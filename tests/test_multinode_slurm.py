@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from app.environment import without_launcher_variables
+from app.launch.environment import without_launcher_variables
 from tests.apprun import MARKER, REPO, assert_no_survivors
 from tests.multihost import _skip_or_fail, kill_host, netns_list, set_link
 from tests.test_app import assert_commcheck_passed, read_result

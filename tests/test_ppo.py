@@ -89,7 +89,7 @@ def test_same_seed_same_layout_is_reproducible(tmp_path: Path) -> None:
 
 def _send_a_changed_policy(rank: int, world_size: int) -> str:
     from app.loops.ppo import policy_receiver
-    from app.loops.ppo_core import ActorCritic
+    from app.loops.ppo.core import ActorCritic
     from rlcomm import CommContext, ParallelMode
     from rlcomm.weight_transfer import WeightSender, WeightTransferError
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from app.loops.ppo_core import (
+from app.loops.ppo.core import (
     ActorCritic,
     PPOHyperParams,
     Rollout,

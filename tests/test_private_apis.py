@@ -90,14 +90,14 @@ def _hydra_config_loader() -> None:
 
 
 PINNED: list[tuple[str, str, Callable[[], None]]] = [
-    ("torch.testing._internal.distributed.fake_pg.FakeStore", "rlcomm/rendezvous.py, benchmarks/scale.py: the fake backend", _fake_store),
+    ("torch.testing._internal.distributed.fake_pg.FakeStore", "rlcomm/net/rendezvous.py, benchmarks/scale.py: the fake backend", _fake_store),
     ("torch._foreach_copy_", "rlcomm/weight_transfer.py: packing many tensors in one call", _foreach_copy),
-    ("StaticTCPRendezvous._store/master_port/run_id/timeout", "app/local_launch.py: LoopbackRendezvous", _static_tcp_rendezvous),
-    ("hydra.core.utils.JobReturn._return_value", "app/callbacks.py, app/slurm.py: a failed job's error without return_value's stderr print", _job_return_value),
-    ("submitit.slurm.slurm._parse_node_list", "app/environment.py: first host of a SLURM node list", _parse_node_list),
-    ("BaseSubmititLauncher.__call__/params/config/hydra_context", "app/slurm.py: RlcommLauncher", _submitit_launcher),
-    ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/slurm.py: waiting for and reading task results", _submitit_job_internals),
-    ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/slurm.py, app/help.py", _hydra_config_loader),
+    ("StaticTCPRendezvous._store/master_port/run_id/timeout", "app/launch/local.py: LoopbackRendezvous", _static_tcp_rendezvous),
+    ("hydra.core.utils.JobReturn._return_value", "app/sweep/callbacks.py, app/launch/slurm.py: a failed job's error without return_value's stderr print", _job_return_value),
+    ("submitit.slurm.slurm._parse_node_list", "app/launch/environment.py: first host of a SLURM node list", _parse_node_list),
+    ("BaseSubmititLauncher.__call__/params/config/hydra_context", "app/launch/slurm.py: RlcommLauncher", _submitit_launcher),
+    ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/launch/slurm.py: waiting for and reading task results", _submitit_job_internals),
+    ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/config/help.py", _hydra_config_loader),
 ]
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
-from app.environment import without_launcher_variables
+from app.launch.environment import without_launcher_variables
 from tests.apprun import MARKER, REPO, assert_no_survivors, describe, run_app
 from tests.multiproc import free_port, run_ranks
 
@@ -561,8 +561,8 @@ def _ppo_rank_without_unpickling(rank: int, world_size: int, config: dict[str, A
                                  run_dir: str) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    from app.job import run_rank
-    from app.planning import validate
+    from app.launch.planning import validate
+    from app.launch.rank import run_rank
     from rlcomm import CommContext, collectives
 
     calls: list[str] = []

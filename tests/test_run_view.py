@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from app.progress import RunProgress, Snapshot, StopRule
-from app.scalars import HINT
+from app.output.progress import RunProgress, Snapshot, StopRule
+from app.output.tensorboard import HINT
 from tests.apprun import REPO, describe, run_app, run_app_in_terminal
 
 COLUMNS = 140

@@ -136,7 +136,7 @@ STEP_ENV = {"SLURM_JOB_ID": "26", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SL
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    from app.environment import is_launcher_variable
+    from app.launch.environment import is_launcher_variable
 
     for name in list(os.environ):
         if is_launcher_variable(name):
@@ -145,7 +145,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def test_an_srun_task_is_a_rank_even_under_salloc(clean_env: pytest.MonkeyPatch) -> None:
-    from app.environment import resolve_rank_env, run_id
+    from app.launch.environment import resolve_rank_env, run_id
 
     for name, value in STEP_ENV.items():
         clean_env.setenv(name, value)
@@ -163,7 +163,7 @@ def test_an_srun_task_is_a_rank_even_under_salloc(clean_env: pytest.MonkeyPatch)
 def test_the_batch_script_and_one_task_steps_launch_ranks_themselves(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
-    from app.environment import resolve_rank_env
+    from app.launch.environment import resolve_rank_env
 
     # what sbatch sets in the batch script itself: SLURM_PROCID and SLURM_NTASKS, no step
     for name in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_NODELIST"):
@@ -179,7 +179,7 @@ def test_the_batch_script_and_one_task_steps_launch_ranks_themselves(
 
 
 def test_a_submitit_local_task_is_a_rank(clean_env: pytest.MonkeyPatch) -> None:
-    from app.environment import master_port, resolve_rank_env
+    from app.launch.environment import master_port, resolve_rank_env
 
     for name, value in {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "2",
                         "SUBMITIT_LOCAL_LOCALID": "2", "SUBMITIT_LOCAL_NTASKS": "4",
@@ -193,7 +193,7 @@ def test_a_submitit_local_task_is_a_rank(clean_env: pytest.MonkeyPatch) -> None:
 
 
 def test_master_ports_differ_between_nearby_jobs_and_steps() -> None:
-    from app.environment import master_port
+    from app.launch.environment import master_port
 
     ports = {master_port(job, step) for job in range(1000, 3000) for step in range(8)}
     assert len(ports) == 2000 * 8
@@ -201,7 +201,7 @@ def test_master_ports_differ_between_nearby_jobs_and_steps() -> None:
 
 
 def test_node_lists_and_task_counts_parse() -> None:
-    from app.environment import first_host, tasks_on_node
+    from app.launch.environment import first_host, tasks_on_node
 
     assert first_host("gpu[003-004,010],cpu01") == "gpu003"
     assert [tasks_on_node("2(x3),1", n) for n in range(5)] == [2, 2, 2, 1, None]

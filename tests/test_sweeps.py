@@ -12,12 +12,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from app.errors import ConfigError
-from app.layout_picture import describe_layout, draw_layout, write_layout_files
+from app.launch.planning import validate
 from app.loops.commcheck import group_metrics, slowest_group
-from app.metrics import DIRECTIONS, check_metric_name, default_rank_by, direction
-from app.planning import validate
-from app.sweep_plot import sweep_plot_data
-from app.sweep_report import JobRecord, build_report, format_table, group_by_seed, rank_groups
+from app.output.layout_picture import describe_layout, draw_layout, write_layout_files
+from app.sweep.metrics import DIRECTIONS, check_metric_name, default_rank_by, direction
+from app.sweep.plot import sweep_plot_data
+from app.sweep.report import JobRecord, build_report, format_table, group_by_seed, rank_groups
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
 from tests.apprun import REPO, describe, run_app
 

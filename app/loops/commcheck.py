@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 
+from app.api import JobInfo, setting
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.utils import format_ranks
 
-from ..config import setting
 from ..errors import ConfigError
-from ..job import JobInfo
 
 
 class CommCheckError(AssertionError):

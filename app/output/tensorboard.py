@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from app.errors import ConfigError
 
 SUBDIR = "tensorboard"
 HINT = "loop.tensorboard: needs the tensorboard package; pip install -e '.[tensorboard]'"

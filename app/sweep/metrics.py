@@ -11,18 +11,18 @@ import os
 import time
 from typing import Literal
 
-from .errors import ConfigError
+from app.errors import ConfigError
 
 Direction = Literal["min", "max"]
 JOB_START_VARIABLE = "RLCOMM_JOB_START"  # time.time() when the job started; ranks inherit it
 _PROCESS_START = time.time()  # roughly this process's start: the app imports this module early
 
 DIRECTIONS: dict[str, Direction] = {
-    # the app, every loop (app/job.py)
+    # the app, every loop (app/launch/rank.py)
     "startup_s": "min",  # job start to the first collective (rendezvous done), rank 0
     "group_creation_s": "min",  # creating every planned group, rank 0
     "wall_s": "min",  # job start to result.json written
-    # PPO (app/loops/ppo.py)
+    # PPO (app/loops/ppo/)
     "env_steps_per_s": "max",
     "time_to_target_s": "min",  # None when the target return was not reached
     "env_steps_to_target": "min",  # None when the target return was not reached

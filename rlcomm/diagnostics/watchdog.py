@@ -22,15 +22,15 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .hangs import diagnose
+from rlcomm.diagnostics.diagnosis import diagnose
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from .context import CommContext
-    from .flight import Call
+    from rlcomm.diagnostics.recorder import Call, FlightRecorder
 
 log = logging.getLogger("rlcomm.hang")
 
@@ -63,14 +63,28 @@ def format_stacks() -> str:
 
 
 class Watchdog:
-    """The hang watchdog of one context (started by ``init_distributed_env``)."""
+    """The hang watchdog of one rank (started by ``CommContext.init_distributed_env``).
 
-    def __init__(self, ctx: CommContext, store: Store, hang_timeout: float, timeout: float) -> None:
-        self._ctx = ctx
+    It reads ``recorder`` for calls in flight, and ``groups()`` (mode -> declared ranks) for the
+    report it shares with the other ranks through ``store``.
+    """
+
+    def __init__(
+        self,
+        recorder: FlightRecorder,
+        groups: Callable[[], dict[str, list[int]]],
+        store: Store,
+        rank: int,
+        world_size: int,
+        hang_timeout: float,
+        timeout: float,
+    ) -> None:
+        self._recorder = recorder
+        self._groups = groups
         self._store = store
         self.hang_timeout = hang_timeout
-        self._rank = ctx.get_global_rank()
-        self._world = ctx.get_world_size("GLOBAL")
+        self._rank = rank
+        self._world = world_size
         # One tiny store request per poll and rank: large worlds poll less often (5 s at most).
         self._poll_s = min(5.0, max(POLL_S, self._world / _POLLS_PER_S_MAX))
         # Answers are awaited until the groups' own timeout at most (a call that fails meanwhile
@@ -101,7 +115,7 @@ class Watchdog:
 
     def dump(self, reason: str) -> None:
         """Write this rank's collective table and every thread's stack to the log."""
-        recorder = self._ctx.recorder
+        recorder = self._recorder
         log.warning(
             "rank %d: %s\ncollectives of rank %d:\n%s\nPython stacks of rank %d:\n%s",
             self._rank, reason, self._rank, recorder.format_table(), self._rank, format_stacks(),
@@ -147,7 +161,7 @@ class Watchdog:
         if epoch > self._answered:
             self._answer(epoch, "another rank asked: a collective does not complete")
         now = time.monotonic()
-        for call in self._ctx.recorder.in_flight():
+        for call in self._recorder.in_flight():
             if now - call.started < self.hang_timeout or any(c is call for c in self._fired):
                 continue
             self._fired.append(call)
@@ -158,11 +172,11 @@ class Watchdog:
         elif self._fired:
             self._fired = [c for c in self._fired if c.in_flight()]
             if not self._fired:  # it completed after all (a slow rank): forget the diagnosis
-                self._ctx.recorder.set_diagnosis("", diagnosing=False)
+                self._recorder.set_diagnosis("", diagnosing=False)
 
     def _request(self, call: Call) -> None:
         """Ask every rank for its progress (unless a request newer than this call is out)."""
-        self._ctx.recorder.start_diagnosis()
+        self._recorder.start_diagnosis()
         epoch = self._answered
         if self._answered_at < call.started:
             epoch = int(self._store.add(_EPOCH_KEY, 1))
@@ -179,11 +193,10 @@ class Watchdog:
         self.dump(reason)
 
     def _report(self) -> dict[str, Any]:
-        ctx = self._ctx
         return {
             "rank": self._rank,
-            "groups": {mode: info.declared_ranks for mode, info in ctx.describe().items()},
-            "modes": ctx.recorder.table(),
+            "groups": self._groups(),
+            "modes": self._recorder.table(),
             "where": main_thread_site(),
         }
 
@@ -202,4 +215,4 @@ class Watchdog:
         text = diagnose(reports)
         if text:
             log.error("rank %d: %s", self._rank, text)
-        self._ctx.recorder.set_diagnosis(text)
+        self._recorder.set_diagnosis(text)

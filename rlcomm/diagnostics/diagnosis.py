@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from .flight import format_call
-from .utils import format_ranks
+from rlcomm.diagnostics.recorder import format_call
+from rlcomm.utils import format_ranks
 
 Report = dict[str, Any]
 

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from .logs import bar_on_screen, write_console
+from app.output.logs import bar_on_screen, write_console
 
 PLAIN_INTERVAL_S = 5.0  # between plain lines when the console is not a terminal
 BAR_INTERVAL_S = 0.5  # between redraws of the bar in a terminal

@@ -30,11 +30,10 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from app.errors import LaunchInterruptedError, RankFailedError
+from app.launch.rank import run_rank
+from app.output.logs import console_handler
 from rlcomm import LayoutPlan
-
-from .errors import LaunchInterruptedError, RankFailedError
-from .job import run_rank
-from .logs import console_handler
 
 LOOPBACK = "127.0.0.1"
 _BACKEND = "rlcomm-loopback"

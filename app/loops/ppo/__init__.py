@@ -28,15 +28,8 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
-from rlcomm.weight_transfer import WeightReceiver, WeightSender
-
-from ..config import setting
-from ..errors import ConfigError
-from ..job import JobInfo
-from ..progress import RunProgress, Snapshot, StopRule
-from ..scalars import SUBDIR, ScalarLog, check_tensorboard
-from .ppo_core import (
+from app.api import ConfigError, JobInfo, setting
+from app.loops.ppo.core import (
     MAX_RETURN,
     ActorCritic,
     PPOHyperParams,
@@ -46,6 +39,10 @@ from .ppo_core import (
     ppo_update,
     set_lr,
 )
+from app.output.progress import RunProgress, Snapshot, StopRule
+from app.output.tensorboard import SUBDIR, ScalarLog, check_tensorboard
+from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
+from rlcomm.weight_transfer import WeightReceiver, WeightSender
 
 log = logging.getLogger(__name__)
 WT, TDP, GLOBAL = (
@@ -487,7 +484,7 @@ class _PPORun:
     def _job_metrics(
         self, elapsed: float, reached_at: tuple[float, int] | None, updates: int, steps: int
     ) -> dict[str, float | None]:
-        """The figures that compare jobs (app/metrics.py), the same on every rank: per-role
+        """The figures that compare jobs (app/sweep/metrics.py), the same on every rank: per-role
         times are summed over GLOBAL in one collective, so the fractions are the whole job's."""
         rollout = not self.is_trainer
         totals = collectives.all_reduce_dict(self.ctx, GLOBAL, {

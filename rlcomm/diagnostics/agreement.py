@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError
-from .flight import format_call
-from .group_initializer import group_description
+from rlcomm.diagnostics.recorder import format_call
+from rlcomm.errors import CollectiveMismatchError
+from rlcomm.group_initializer import group_description
 
 if TYPE_CHECKING:
-    from .context import CommContext
-    from .flight import Call
+    from rlcomm.context import CommContext
+    from rlcomm.diagnostics.recorder import Call
 
 _OPS = (
     "all_reduce", "broadcast", "broadcast_object_list", "all_gather", "gather", "scatter",

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .collectives import barrier
-from .context import CommContext
-from .interfaces import socket_address
-from .layout import LayoutPlan, place_on_hosts
-from .modes import CommMode
-from .rendezvous import serves_store
-from .utils import format_ranks
+from rlcomm.collectives import barrier
+from rlcomm.context import CommContext
+from rlcomm.modes import CommMode
+from rlcomm.net.interfaces import socket_address
+from rlcomm.net.rendezvous import serves_store
+from rlcomm.plan.layout import LayoutPlan, place_on_hosts
+from rlcomm.utils import format_ranks
 
 _PEER_ADDRESS = re.compile(r"\[(\d+\.\d+\.\d+\.\d+)\]:\d+")  # how gloo names a peer
 

@@ -35,9 +35,8 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQue
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import OmegaConf, open_dict
 
-from rlcomm.env import RANK_VARIABLES
-
-from .errors import JobFailedError, RankFailedError
+from app.errors import JobFailedError, RankFailedError
+from rlcomm.net.env import RANK_VARIABLES
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class RlcommLauncher(BaseSubmititLauncher):
         """In each task: run the Hydra job; a failure exits this task non-zero."""
         ret = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
         if ret.status == JobStatus.FAILED:
-            from .environment import resolve_rank_env
+            from app.launch.environment import resolve_rank_env
 
             env = resolve_rank_env()
             err = ret._return_value
@@ -227,7 +226,7 @@ class RlcommLauncher(BaseSubmititLauncher):
         error = JobFailedError(
             self._failure_message(job, num, overrides, tasks, outcomes, job_dir)
         )
-        from .callbacks import record_job
+        from app.sweep.callbacks import record_job
 
         record_job(sweep_dir, {
             "job": num,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .errors import LayoutError
-from .modes import ParallelMode, is_known_mode, known_mode_names, mode_name
-from .utils import format_ranks
+from rlcomm.errors import LayoutError
+from rlcomm.modes import ParallelMode, is_known_mode, known_mode_names, mode_name
+from rlcomm.utils import format_ranks
 
 RankLists = tuple[tuple[int, ...], ...]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import EnvironmentConfigError
+from rlcomm.errors import EnvironmentConfigError
 
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"

@@ -3,28 +3,19 @@
 Plain dataclasses whose fields carry a one-line doc (``setting(default, "doc")``, shown by
 ``python -m app --help``): OmegaConf type-checks every override against them and rejects unknown
 keys (``comm.timeout=abc``, ``loop.hparams.num_envs=abc``, ``loop.nosuch=1``) before anything
-starts; ``app.planning.validate`` range-checks what types cannot. A loop is a dataclass too and is
+starts; ``app.launch.planning.validate`` range-checks what types cannot. A loop is a dataclass too and is
 its own schema (:func:`loop_schema`); shipped loops are registered as ``loop/<name>_schema``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-
-def setting(default: Any = MISSING, doc: str = "", *, factory: Any = None) -> Any:
-    """A config field with its one-line doc; ``factory`` for mutable defaults."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+from app.api import setting
 
 
 class Backend(str, Enum):
@@ -71,10 +62,10 @@ class LauncherConfig:
 
 @dataclass
 class SweepConfig:
-    """How a ``--multirun`` is summarised (app/callbacks.py, app/sweep_report.py)."""
+    """How a ``--multirun`` is summarised (app/sweep/callbacks.py, app/sweep/report.py)."""
 
     rank_by: str | None = setting(
-        None, "metric to rank sweep jobs by (app/metrics.py); default: the loop's headline one"
+        None, "metric to rank sweep jobs by (app/sweep/metrics.py); default: the loop's headline one"
     )
 
 
@@ -87,41 +78,3 @@ class AppConfig:
     sweep: SweepConfig = setting(doc="how a --multirun is ranked", factory=SweepConfig)
     seed: int = setting(0, "base seed; rank r uses seed + r")
     plan_only: bool = setting(False, "print every rank's groups and exit; start nothing")
-
-
-@functools.cache
-def loop_schema(loop_cls: type) -> type:
-    """The structured config of a dataclass loop: its fields, typed, plus ``_target_``."""
-    if not dataclasses.is_dataclass(loop_cls):
-        raise TypeError(f"{loop_cls.__qualname__} is not a dataclass")
-    hints = typing.get_type_hints(loop_cls)
-    specs: list[tuple[str, Any, Any]] = []
-    for f in dataclasses.fields(loop_cls):
-        if not f.init:
-            continue
-        if f.default_factory is not dataclasses.MISSING:
-            copied = field(default_factory=f.default_factory, metadata=f.metadata)
-        else:
-            copied = field(default=f.default, metadata=f.metadata)
-        specs.append((f.name, hints[f.name], copied))
-    target = f"{loop_cls.__module__}.{loop_cls.__qualname__}"
-    specs.append(("_target_", str, field(default=target)))
-    return dataclasses.make_dataclass(f"{loop_cls.__name__}Config", specs)
-
-
-def register_loop(name: str, loop_cls: type) -> None:
-    """Make ``loop/<name>_schema`` the typed schema of ``loop_cls`` (a loop YAML file lists it in
-    its defaults, as ``conf/loop/ppo.yaml`` does)."""
-    ConfigStore.instance().store(group="loop", name=f"{name}_schema", node=loop_schema(loop_cls))
-
-
-def register_configs() -> None:
-    from .loops.commcheck import CommCheck
-    from .loops.ppo import PPOLoop
-
-    cs = ConfigStore.instance()
-    cs.store(name="app_schema", node=AppConfig)
-    cs.store(group="comm", name="comm_schema", node=CommConfig)
-    cs.store(group="layout", name="layout_schema", node=LayoutConfig)
-    register_loop("ppo", PPOLoop)
-    register_loop("commcheck", CommCheck)

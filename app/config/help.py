@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .config import AppConfig, loop_schema
+from app.config import AppConfig, loop_schema
 
 GROUPS = ("comm", "layout", "loop", "hydra/launcher", "experiment")
 OPTIONAL = {"experiment"}  # no default: picked with +experiment=NAME

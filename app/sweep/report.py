@@ -2,7 +2,7 @@
 (median, min, max), failed jobs come last with their error.
 
 Pure functions over plain records (no Hydra), so the ranking is tested on its own;
-app/callbacks.py feeds them the sweep's ``summary.json`` and writes ``summary.md``.
+app/sweep/callbacks.py feeds them the sweep's ``summary.json`` and writes ``summary.md``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .metrics import Direction, default_rank_by, direction, headline
+from app.sweep.metrics import Direction, default_rank_by, direction, headline
 
 Metrics = dict[str, float | None]
 SEED_KEY = "seed"

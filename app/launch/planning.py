@@ -9,11 +9,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from app.config import loop_schema
+from app.errors import ConfigError
+from app.sweep.metrics import check_metric_name
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
-
-from .config import loop_schema
-from .errors import ConfigError
-from .metrics import check_metric_name
 
 
 def build_plan(cfg: DictConfig) -> LayoutPlan:

@@ -18,10 +18,10 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from . import env
-from .errors import JoinTimeoutError
-from .interfaces import choose_socket_interfaces, is_loopback, socket_address
-from .utils import format_ranks
+from rlcomm.errors import JoinTimeoutError
+from rlcomm.net import env
+from rlcomm.net.interfaces import choose_socket_interfaces, is_loopback, socket_address
+from rlcomm.utils import format_ranks
 
 _stores: dict[tuple[str, int, int], dist.Store] = {}
 _listeners: list[socket.socket] = []

@@ -13,16 +13,15 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import HangError
-from .modes import Mode, mode_name
+from rlcomm.errors import HangError
+from rlcomm.modes import Mode, mode_name
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import Work
-
-    from .context import CommContext
 
 RING_SIZE = 64  # recent calls kept per mode
 _RLCOMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -32,6 +31,9 @@ _DIAGNOSIS_GRACE_S = 12.0  # the watchdog gathers answers for 10 s at most
 
 _SRC_OPS = frozenset({"broadcast", "broadcast_object_list", "scatter"})  # peer is a src
 
+
+# (call, its tensor, whether every rank must pass the same shape) -> None, raises on mismatch
+Agreement = Callable[["Call", "torch.Tensor | None", bool], None]
 
 def format_bytes(n: int) -> str:
     """``4 B``, ``3.1 MB``: sizes as a person reads them (decimal units)."""
@@ -163,14 +165,14 @@ _OFF.done = True
 class FlightRecorder:
     """Per-mode rings of recorded collectives for one context.
 
-    ``enabled`` switches recording (on by default); ``debug`` makes every collective first agree
-    on (op, dtype, shape) across its group and fail at once on a mismatch naming both sides.
+    ``enabled`` switches recording (on by default); ``agree``, when set (``comm.debug``), runs
+    before every collective: it makes the group agree on (op, dtype, shape) and raises at once on
+    a mismatch naming both sides (:func:`rlcomm.diagnostics.agreement.agree_on_call`).
     """
 
-    def __init__(self, ctx: CommContext) -> None:
-        self._ctx = ctx
+    def __init__(self) -> None:
         self.enabled = True
-        self.debug = False
+        self.agree: Agreement | None = None
         self._modes: dict[str, _ModeLog] = {}
         self._diagnosis = ""
         self._diagnosing = threading.Event()  # the watchdog is gathering reports
@@ -197,11 +199,9 @@ class FlightRecorder:
             peer, frame.f_code.co_filename, frame.f_lineno, time.monotonic(),
         )
         log.ring.append(call)
-        if self.debug:  # recorded first: a hang in the agreement is diagnosed as this call's
-            from .debug import agree_on_call
-
+        if self.agree is not None:  # recorded first: a hang in the agreement is this call's
             try:
-                agree_on_call(self._ctx, call, tensor, same_shape)
+                self.agree(call, tensor, same_shape)
             except BaseException:
                 call.done = True  # it never started: no watchdog should wait for it
                 raise

@@ -26,8 +26,8 @@ import socket
 import struct
 from pathlib import Path
 
-from . import env
-from .errors import EnvironmentConfigError
+from rlcomm.errors import EnvironmentConfigError
+from rlcomm.net import env
 
 log = logging.getLogger(__name__)
 

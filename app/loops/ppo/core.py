@@ -18,7 +18,7 @@ from gymnasium.wrappers.vector import RecordEpisodeStatistics
 from torch import nn
 from torch.distributions import Categorical
 
-from ..config import setting
+from app.api import setting
 
 ENV_ID = "CartPole-v1"
 # The best return of one episode: +1 per step until the time limit. A higher target never fires.

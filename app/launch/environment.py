@@ -19,10 +19,10 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
-from rlcomm.env import (
+from app.api import RankEnv
+from rlcomm.net.env import (
     GLOO_SOCKET_IFNAME,
     LOCAL_RANK,
     LOCAL_WORLD_SIZE,
@@ -66,49 +66,6 @@ def is_launcher_variable(name: str) -> bool:
 def without_launcher_variables(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` as a shell outside any launcher would have it."""
     return {k: v for k, v in env.items() if not is_launcher_variable(k)}
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """How this process was started and which rank it is.
-
-    ``launcher`` is ``local`` when this process launches the layout's ranks itself; otherwise how
-    the rank was started: ``torchrun`` (torch's elastic agent, the app's own local launch
-    included), ``slurm``, ``submitit`` (a local submitit task) or ``env`` (RANK/WORLD_SIZE by hand).
-    """
-
-    launcher: str
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node: str = ""  # this host's name
-    master_addr: str = ""
-    master_port: int | None = None
-    restart_count: int = 0  # how often torch's elastic agent restarted the ranks
-    max_restarts: int | None = None  # the elastic agent's limit (torchrun --max-restarts)
-    run_name: str | None = None  # the run directory every rank of a joined run agrees on
-    note: str | None = None  # something the user should know about how the app was started
-
-    @property
-    def joins(self) -> bool:
-        """True when this process is one rank of a job something else launched."""
-        return self.launcher != "local"
-
-    def torch_variables(self) -> dict[str, str]:
-        """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torch
-        and rlcomm read them (none for a process that launches the ranks itself)."""
-        if not self.joins:
-            return {}
-        values = {
-            RANK: self.rank,
-            WORLD_SIZE: self.world_size,
-            LOCAL_RANK: self.local_rank,
-            LOCAL_WORLD_SIZE: self.local_world_size,
-            MASTER_ADDR: self.master_addr,
-            MASTER_PORT: self.master_port,
-        }
-        return {name: str(value) for name, value in values.items() if value not in ("", None)}
 
 
 def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:

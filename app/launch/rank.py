@@ -10,49 +10,25 @@ import random
 import re
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from app.api import JobInfo, Loop, RankEnv
+from app.launch.environment import resolve_rank_env
+from app.launch.planning import build_loop, check_world_size
+from app.output.logs import FILE_ONLY
+from app.output.summary import run_summary
+from app.sweep.metrics import job_start_time
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.errors import PeerLostError
-from rlcomm.hosts import agree_on_hosts, announce_lost, lost_hosts
-
-from .environment import RankEnv, resolve_rank_env
-from .logs import FILE_ONLY
-from .metrics import job_start_time
-from .planning import build_loop, check_world_size
-from .summary import run_summary
+from rlcomm.net.hosts import agree_on_hosts, announce_lost, lost_hosts
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    """What a loop gets besides the group registry."""
-
-    plan: LayoutPlan
-    run_dir: Path
-    seed: int
-    rank: int
-    env: RankEnv  # how this rank was started (restart count, host, launcher)
-
-
-class Loop(Protocol):
-    """A training loop: ``loop(ctx, job) -> dict`` (JSON-serialisable), called on every rank.
-
-    Build one with ``loop._target_=mypkg.MyLoop`` plus its constructor arguments; it receives the
-    registry explicitly and must not reach for ``CommContext()`` itself. Optionally, a method
-    ``summary(result, run_dir) -> dict`` adds figures (and ``files``: name -> path) to the
-    closing summary, from rank 0's result.
-    """
-
-    def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]: ...
 
 
 @record
@@ -67,7 +43,7 @@ def run_rank(
     purpose (a layout's nodes are then simulated, as under submitit's local executor); otherwise
     a launcher placed the ranks on hosts, and the layout's nodes must match them.
     """
-    from .logs import setup_rank_logging
+    from app.output.logs import setup_rank_logging
 
     # Until the watchdog listens (after init), `kill -USR1` must not end the rank.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -141,7 +117,7 @@ def _run(
         "status": "ok",
         "world_size": plan.world_size,
         "loop": cfg.loop.get("_target_"),
-        # The figures a sweep compares (app/metrics.py): the loop's, as rank 0 reports them.
+        # The figures a sweep compares (app/sweep/metrics.py): the loop's, as rank 0 reports them.
         "metrics": {
             **((result.get("metrics") or {}) if isinstance(result, dict) else {}),
             "startup_s": round(startup_s, 3),

@@ -24,9 +24,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .environment import resolve_rank_env
-from .errors import ConfigError
-from .metrics import check_metric_name
+from app.errors import ConfigError
+from app.launch.environment import resolve_rank_env
+from app.sweep.metrics import check_metric_name
 
 
 class SweepSummary(Callback):
@@ -93,8 +93,8 @@ def write_sweep_report(sweep_dir: Path, rank_by: str | None, loop: str | None) -
     """Every job's metrics into ``summary.json``, the ranked metric into ``sweep.png`` (what it
     plots under ``plot`` in summary.json) and the ranked table into ``summary.md`` (returned);
     None when no job was recorded."""
-    from .sweep_plot import plot_sweep
-    from .sweep_report import build_report, format_table, read_jobs, report_json
+    from app.sweep.plot import plot_sweep
+    from app.sweep.report import build_report, format_table, read_jobs, report_json
 
     path = sweep_dir / "summary.json"
     if not path.exists():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sweep_report import SweepReport
+from app.sweep.report import SweepReport
 
 
 @dataclass(frozen=True)

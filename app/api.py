@@ -1,0 +1,108 @@
+"""What a loop plugin imports: the whole surface between the app and a loop.
+
+A loop is ``loop(ctx, job) -> dict``; it gets the group registry and a :class:`JobInfo`, declares
+its settings with :func:`setting` and rejects bad values with :class:`ConfigError`. This module
+imports nothing else from ``app``, so a loop never pulls in the launcher, and nothing the app
+imports can form a cycle through a loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from omegaconf import MISSING
+
+from rlcomm import LayoutPlan, RlcommError
+from rlcomm.net.env import (
+    LOCAL_RANK,
+    LOCAL_WORLD_SIZE,
+    MASTER_ADDR,
+    MASTER_PORT,
+    RANK,
+    WORLD_SIZE,
+)
+
+if TYPE_CHECKING:
+    from rlcomm import CommContext
+
+
+def setting(default: Any = MISSING, doc: str = "", *, factory: Any = None) -> Any:
+    """A config field with its one-line doc; ``factory`` for mutable defaults."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+
+class ConfigError(RlcommError, ValueError):
+    """A config value the schema's types cannot catch; the message names field and value."""
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """How this process was started and which rank it is.
+
+    ``launcher`` is ``local`` when this process launches the layout's ranks itself; otherwise how
+    the rank was started: ``torchrun`` (torch's elastic agent, the app's own local launch
+    included), ``slurm``, ``submitit`` (a local submitit task) or ``env`` (RANK/WORLD_SIZE by hand).
+    """
+
+    launcher: str
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node: str = ""  # this host's name
+    master_addr: str = ""
+    master_port: int | None = None
+    restart_count: int = 0  # how often torch's elastic agent restarted the ranks
+    max_restarts: int | None = None  # the elastic agent's limit (torchrun --max-restarts)
+    run_name: str | None = None  # the run directory every rank of a joined run agrees on
+    note: str | None = None  # something the user should know about how the app was started
+
+    @property
+    def joins(self) -> bool:
+        """True when this process is one rank of a job something else launched."""
+        return self.launcher != "local"
+
+    def torch_variables(self) -> dict[str, str]:
+        """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torch
+        and rlcomm read them (none for a process that launches the ranks itself)."""
+        if not self.joins:
+            return {}
+        values = {
+            RANK: self.rank,
+            WORLD_SIZE: self.world_size,
+            LOCAL_RANK: self.local_rank,
+            LOCAL_WORLD_SIZE: self.local_world_size,
+            MASTER_ADDR: self.master_addr,
+            MASTER_PORT: self.master_port,
+        }
+        return {name: str(value) for name, value in values.items() if value not in ("", None)}
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What a loop gets besides the group registry."""
+
+    plan: LayoutPlan
+    run_dir: Path
+    seed: int
+    rank: int
+    env: RankEnv  # how this rank was started (restart count, host, launcher)
+
+
+class Loop(Protocol):
+    """A training loop: ``loop(ctx, job) -> dict`` (JSON-serialisable), called on every rank.
+
+    Build one with ``loop._target_=mypkg.MyLoop`` plus its constructor arguments; it receives the
+    registry explicitly and must not reach for ``CommContext()`` itself. Optionally, a method
+    ``summary(result, run_dir) -> dict`` adds figures (and ``files``: name -> path) to the
+    closing summary, from rank 0's result.
+    """
+
+    def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]: ...
+
+

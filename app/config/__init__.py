@@ -1,0 +1,17 @@
+"""Structured config: the schemas, their ConfigStore entries and ``--help``."""
+
+from app.api import setting
+from app.config.registry import loop_schema, register_configs, register_loop
+from app.config.schema import AppConfig, CommConfig, LauncherConfig, LayoutConfig, SweepConfig
+
+__all__ = [
+    "AppConfig",
+    "CommConfig",
+    "LauncherConfig",
+    "LayoutConfig",
+    "SweepConfig",
+    "loop_schema",
+    "register_configs",
+    "register_loop",
+    "setting",
+]

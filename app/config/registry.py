@@ -1,0 +1,54 @@
+"""The ConfigStore entries: the app's schema, the config groups' schemas, and each loop's.
+
+A loop is a dataclass and is its own schema (:func:`loop_schema`); shipped loops are registered
+as ``loop/<name>_schema``, and a plugin registers its own with :func:`register_loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from dataclasses import field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from app.config.schema import AppConfig, CommConfig, LayoutConfig
+from app.loops.commcheck import CommCheck
+from app.loops.ppo import PPOLoop
+
+
+@functools.cache
+def loop_schema(loop_cls: type) -> type:
+    """The structured config of a dataclass loop: its fields, typed, plus ``_target_``."""
+    if not dataclasses.is_dataclass(loop_cls):
+        raise TypeError(f"{loop_cls.__qualname__} is not a dataclass")
+    hints = typing.get_type_hints(loop_cls)
+    specs: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(loop_cls):
+        if not f.init:
+            continue
+        if f.default_factory is not dataclasses.MISSING:
+            copied = field(default_factory=f.default_factory, metadata=f.metadata)
+        else:
+            copied = field(default=f.default, metadata=f.metadata)
+        specs.append((f.name, hints[f.name], copied))
+    target = f"{loop_cls.__module__}.{loop_cls.__qualname__}"
+    specs.append(("_target_", str, field(default=target)))
+    return dataclasses.make_dataclass(f"{loop_cls.__name__}Config", specs)
+
+
+def register_loop(name: str, loop_cls: type) -> None:
+    """Make ``loop/<name>_schema`` the typed schema of ``loop_cls`` (a loop YAML file lists it in
+    its defaults, as ``conf/loop/ppo.yaml`` does)."""
+    ConfigStore.instance().store(group="loop", name=f"{name}_schema", node=loop_schema(loop_cls))
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="app_schema", node=AppConfig)
+    cs.store(group="comm", name="comm_schema", node=CommConfig)
+    cs.store(group="layout", name="layout_schema", node=LayoutConfig)
+    register_loop("ppo", PPOLoop)
+    register_loop("commcheck", CommCheck)
