@@ -12,14 +12,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from app.api import RankEnv
 from app.config import register_configs
 from app.config.help import help_text
-from app.launch.environment import output_subdir, resolve_rank_env, run_id
+from app.launch.environment import mark_job_start, output_subdir, resolve_rank_env, run_id
+from app.launch.failures import recording_failures
 from app.launch.planning import check_restarts, check_world_size, validate
 from app.launch.slurm import register_launcher_configs
 from app.output.layout_picture import write_layout_files
 from app.output.summary import format_summary
-from app.sweep.metrics import mark_job_start
 from rlcomm import RlcommError, format_plan
 
 log = logging.getLogger("app")
@@ -32,13 +33,21 @@ register_launcher_configs()  # hydra/launcher=rlcomm_slurm|rlcomm_local
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
-    """The whole job, testable without Hydra's decorator."""
+    """The whole job, testable without Hydra's decorator. A rank of a joined job that fails,
+    even in validation, leaves its failure record for the launcher (app/launch/failures.py)."""
+    env = resolve_rank_env()
+    if not env.joins or cfg.plan_only:
+        return _run(cfg, run_dir, env)
+    with recording_failures(run_dir / "logs", env.rank, env.restart_count, env.node):
+        return _run(cfg, run_dir, env)
+
+
+def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     plan = validate(cfg)
     if cfg.plan_only:
         print(format_plan(plan))
         print(f"layout picture: {write_layout_files(plan, run_dir)}")
         return None
-    env = resolve_rank_env()
     if env.note and env.rank == 0:
         log.warning(env.note)
     if env.joins:

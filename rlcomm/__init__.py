@@ -18,6 +18,7 @@ from rlcomm.plan.layout import (
     plan_layout,
 )
 
+from .backends import Backend, resolve_backend
 from .errors import (
     BackendError,
     EnvironmentConfigError,
@@ -32,7 +33,6 @@ from .modes import CommMode, ParallelMode, mode_name
 _LAZY = {
     "CommContext": "context",
     "GroupInfo": "context",
-    "resolve_backend": "context",
     "GroupInitializer": "group_initializer",
     "register_initializer": "group_initializer",
     "collectives": "collectives",
@@ -41,6 +41,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "Backend",
     "BackendError",
     "CommMode",
     "EnvironmentConfigError",
@@ -57,12 +58,13 @@ __all__ = [
     "grid_groups",
     "mode_name",
     "plan_layout",
+    "resolve_backend",
     *_LAZY,
 ]
 
 if TYPE_CHECKING:
     from . import collectives
-    from .context import CommContext, GroupInfo, resolve_backend
+    from .context import CommContext, GroupInfo
     from .group_initializer import GroupInitializer, register_initializer
     from .weight_transfer import WeightReceiver, WeightSender
 

@@ -24,13 +24,6 @@ from .modes import Mode
 ReduceOp = dist.ReduceOp
 
 
-def group_device(ctx: CommContext, mode: Mode) -> torch.device:
-    """Where tensors for this mode's group must live: the current GPU for nccl, else CPU."""
-    if dist.get_backend(ctx.get_group(mode)) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def leader(ctx: CommContext, mode: Mode) -> int:
     """Global rank of the group's first declared rank."""
     return ctx.get_declared_ranks(mode)[0]
@@ -52,7 +45,7 @@ def all_reduce_dict(
     """Reduce scalar metrics in one collective, on the device the group's backend needs."""
     names = sorted(values)
     packed = torch.tensor(
-        [float(values[name]) for name in names], dtype=torch.float64, device=group_device(ctx, mode)
+        [float(values[name]) for name in names], dtype=torch.float64, device=ctx.get_device(mode)
     )
     all_reduce(ctx, mode, packed)
     if average:
@@ -150,7 +143,7 @@ def all_to_all(
 def gather_json(ctx: CommContext, mode: Mode, obj: Any, dst: int | None = None) -> list[Any] | None:
     """Gather JSON-serialisable results on ``dst`` as bytes in tensors: data, never code."""
     payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    device = group_device(ctx, mode)
+    device = ctx.get_device(mode)
     lengths = all_gather(ctx, mode, torch.tensor([payload.numel()], device=device))
     padded = torch.zeros(int(lengths.max()), dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload

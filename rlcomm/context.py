@@ -20,14 +20,14 @@ import torch
 from torch import distributed as dist
 from torch.distributed import ProcessGroup
 
+from rlcomm.backends import FAKE, resolve_backend
 from rlcomm.diagnostics.agreement import agree_on_call
 from rlcomm.diagnostics.recorder import FlightRecorder
-from rlcomm.diagnostics.watchdog import Watchdog, default_hang_timeout
+from rlcomm.diagnostics.watchdog import Watchdog, default_hang_timeout, timeout_problem
 from rlcomm.net import env
 from rlcomm.plan.layout import LayoutPlan
 
 from .errors import (
-    BackendError,
     EnvironmentConfigError,
     GroupRegistrationError,
     LayoutError,
@@ -41,8 +41,6 @@ from .utils import SingletonMeta, format_ranks
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-BACKENDS = ("nccl", "gloo", "auto")
-
 # The seed keeps each parallel size as an attribute; registration keeps them current.
 _SIZE_ATTRIBUTES: dict[str, str] = {
     ParallelMode.TENSOR_PARALLEL: "_tensor_parallel_size",
@@ -50,20 +48,6 @@ _SIZE_ATTRIBUTES: dict[str, str] = {
     ParallelMode.DATA_PARALLEL: "_data_parallel_size",
     ParallelMode.SEQUENCE_PARALLEL: "_sequence_parallel_size",
 }
-
-
-def resolve_backend(backend: str) -> str:
-    """``auto`` -> nccl with CUDA devices, else gloo; nccl without CUDA is an error naming gloo."""
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise BackendError(
-            "backend 'nccl' needs CUDA devices but none are visible on this machine; "
-            "use backend='gloo' (or 'auto')"
-        )
-    if backend not in ("nccl", "gloo", "fake"):
-        raise BackendError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    return backend
 
 
 def plan_digest(plan: LayoutPlan) -> str:
@@ -167,12 +151,9 @@ class CommContext(metaclass=SingletonMeta):
         if self.is_initialized():
             raise RlcommError("CommContext is already initialized; call destroy() first")
         backend = resolve_backend(backend)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if hang_timeout is not None and not 0 < hang_timeout < timeout:
-            raise ValueError(
-                f"hang_timeout must be > 0 and < timeout ({timeout}), got {hang_timeout!r}"
-            )
+        problem = timeout_problem(timeout, hang_timeout)
+        if problem:
+            raise ValueError(problem)
         world_size, rank = env.world_size_and_rank(world_size, rank)
         wait = datetime.timedelta(seconds=timeout)
 
@@ -202,7 +183,7 @@ class CommContext(metaclass=SingletonMeta):
         self._global_ranks[CommMode.GLOBAL] = rank
         self.recorder.enabled = record
         self.recorder.agree = functools.partial(agree_on_call, self) if debug else None
-        if record and backend != "fake":
+        if record and backend != FAKE:
             self.watchdog = Watchdog(
                 self.recorder,
                 lambda: {mode: info.declared_ranks for mode, info in self.describe().items()},
@@ -256,6 +237,12 @@ class CommContext(metaclass=SingletonMeta):
     def get_group(self, comm_mode: Mode) -> ProcessGroup:
         """The process group of ``comm_mode`` this rank belongs to."""
         return self._lookup(self._groups, comm_mode)
+
+    def get_device(self, comm_mode: Mode) -> torch.device:
+        """Where tensors for this mode's group live: the current GPU for nccl, else the CPU."""
+        if dist.get_backend(self.get_group(comm_mode)) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def get_world_size(self, comm_mode: Mode) -> int:
         """Size of this rank's group of ``comm_mode``."""
@@ -330,8 +317,8 @@ class CommContext(metaclass=SingletonMeta):
         """
         initializer_cls = get_initializer(mode)
         group_backend = "gloo" if use_cpu else resolve_backend(backend)
-        if self._backend == "fake":
-            group_backend = "fake"
+        if self._backend == FAKE:
+            group_backend = FAKE
         initializer = initializer_cls(
             self.get_global_rank(),
             self.get_world_size(CommMode.GLOBAL),
@@ -357,7 +344,7 @@ class CommContext(metaclass=SingletonMeta):
                 f"layout.world_size: the plan has {plan.world_size} ranks but "
                 f"init_distributed_env joined {world_size}"
             )
-        if self._backend != "fake":  # the fake backend's store holds nothing
+        if self._backend != FAKE:  # the fake backend's store holds nothing
             self._agree_on_plan(plan)
         rank = self.get_global_rank()
         for spec in plan.groups:
@@ -374,7 +361,7 @@ class CommContext(metaclass=SingletonMeta):
         if self.get_global_rank() == 0:
             self.store.set("plan_digest", mine)
         value = int(mine[:15], 16)  # fits int64
-        device = torch.device("cuda", torch.cuda.current_device()) if self._backend == "nccl" else None
+        device = self.get_device(CommMode.GLOBAL)
         extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         if int(extremes[0]) == -int(extremes[1]):
@@ -415,7 +402,7 @@ class CommContext(metaclass=SingletonMeta):
                 f"device_mesh: the {', '.join(names)} groups of this layout do not form one "
                 f"row-major grid of the {world} ranks (sizes {shape})"
             )
-        device = "cuda" if self._backend == "nccl" else "cpu"
+        device = self.get_device(names[0]).type
         return DeviceMesh.from_group(
             [self.get_group(name) for name in names], device, mesh=mesh, mesh_dim_names=tuple(names)
         )
@@ -474,7 +461,7 @@ class CommContext(metaclass=SingletonMeta):
             self.watchdog.stop()
         if self.is_initialized():
             try:
-                if self._backend != "fake":
+                if self._backend != FAKE:
                     dist.barrier()  # nobody tears down while a peer is still sending
             finally:
                 dist.destroy_process_group()

@@ -394,13 +394,6 @@ def _is_view_of(tensor: Tensor, view: Tensor) -> bool:
     )
 
 
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    """Where the buffers live: the current GPU for an NCCL group, else the CPU."""
-    if "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class _Endpoint:
     """What sender and receiver share: the group, its sender, the version and the buffers."""
 
@@ -413,7 +406,7 @@ class _Endpoint:
         self._declared = ctx.get_declared_ranks(mode)
         self._src = self._declared[0]
         self._rank = ctx.get_global_rank()
-        self._device = torch.device(device) if device is not None else _group_device(self._group)
+        self._device = torch.device(device) if device is not None else ctx.get_device(mode)
         self._version = 0
         self._metadata: Metadata | None = None
         self._buffers: _FlatBuffers | None = None

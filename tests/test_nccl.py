@@ -17,7 +17,7 @@ def _nccl_rank(rank: int, world_size: int) -> dict[str, float]:
     ctx = CommContext()
     ctx.init_distributed_env(backend="nccl", timeout=120)
     ctx.init_group([list(range(world_size))], ParallelMode.TRAIN_DATA_PARALLEL, backend="nccl")
-    device = collectives.group_device(ctx, ParallelMode.TRAIN_DATA_PARALLEL)
+    device = ctx.get_device(ParallelMode.TRAIN_DATA_PARALLEL)
     assert device.type == "cuda" and torch.cuda.current_device() == rank % torch.cuda.device_count()
     out = collectives.all_reduce_dict(ctx, ParallelMode.TRAIN_DATA_PARALLEL, {"r": float(rank)})
     ctx.destroy()

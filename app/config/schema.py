@@ -10,18 +10,12 @@ its own schema (:func:`loop_schema`); shipped loops are registered as ``loop/<na
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
 
 from app.api import setting
-
-
-class Backend(str, Enum):
-    gloo = "gloo"
-    nccl = "nccl"
-    auto = "auto"
+from rlcomm import Backend
 
 
 @dataclass
@@ -65,7 +59,8 @@ class SweepConfig:
     """How a ``--multirun`` is summarised (app/sweep/callbacks.py, app/sweep/report.py)."""
 
     rank_by: str | None = setting(
-        None, "metric to rank sweep jobs by (app/sweep/metrics.py); default: the loop's headline one"
+        None, "metric to rank sweep jobs by: one the loop declares (its `metrics`) or the app's "
+        "startup_s, group_creation_s, wall_s; default: the loop's first headline one"
     )
 
 

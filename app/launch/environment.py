@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -50,10 +51,15 @@ _PORT_BASE = 15000
 _PORT_SPAN = 16000
 _STEPS_PER_JOB = 8
 
+# The app's own variables, set where a job starts and inherited by its ranks.
+RUN_ID_VARIABLE = "RLCOMM_RUN_ID"  # the run directory's name every rank of a joined run agrees on
+JOB_START_VARIABLE = "RLCOMM_JOB_START"  # time.time() when the job started
+_PROCESS_START = time.time()  # roughly this process's start: the app imports this module early
+
 # Every variable through which a launcher describes a rank: tests scrub these to start the app as
 # from a fresh shell, and the SLURM launcher keeps the submitting shell's out of its jobs.
 LAUNCHER_VARIABLES = (
-    *RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", "RLCOMM_RUN_ID", "RLCOMM_JOB_START",
+    *RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", RUN_ID_VARIABLE, JOB_START_VARIABLE,
     GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME,
 )
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_")
@@ -96,7 +102,7 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
             master_addr=first_host(nodelist) if nodelist else node,
             master_port=int(env.get(MASTER_PORT) or master_port(*step)),
             restart_count=restarts,
-            run_name=env.get("RLCOMM_RUN_ID") or f"slurm-{job}.{step[1]}",
+            run_name=env.get(RUN_ID_VARIABLE) or f"slurm-{job}.{step[1]}",
         )
     if env.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in env:
         ntasks = int(env.get("SUBMITIT_LOCAL_NTASKS", "1"))
@@ -113,7 +119,7 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
                 master_addr="127.0.0.1",
                 master_port=int(env.get(MASTER_PORT) or master_port(job_id)),
                 restart_count=restarts,
-                run_name=env.get("RLCOMM_RUN_ID"),
+                run_name=env.get(RUN_ID_VARIABLE),
             )
     if RANK in env and WORLD_SIZE in env:
         name = f"join-{env.get(MASTER_ADDR, 'local')}-{env[MASTER_PORT]}" if MASTER_PORT in env else None
@@ -124,8 +130,8 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
             "srun job step: launching every rank on this node; run `srun python -m app ...` to "
             "make each SLURM task one rank"
         )
-        return RankEnv("local", node=node, run_name=env.get("RLCOMM_RUN_ID"), note=note)
-    return RankEnv("local", node=node, run_name=env.get("RLCOMM_RUN_ID"))
+        return RankEnv("local", node=node, run_name=env.get(RUN_ID_VARIABLE), note=note)
+    return RankEnv("local", node=node, run_name=env.get(RUN_ID_VARIABLE))
 
 
 def _from_torch_variables(
@@ -153,7 +159,7 @@ def _from_torch_variables(
         master_port=int(port) if port else None,
         restart_count=restarts,
         max_restarts=int(limit) if limit else None,
-        run_name=env.get("RLCOMM_RUN_ID") or run_name,
+        run_name=env.get(RUN_ID_VARIABLE) or run_name,
         note=note,
     )
 
@@ -237,3 +243,15 @@ def _start_ticks(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[19]
     except (OSError, IndexError):
         return "0"
+
+
+def mark_job_start() -> None:
+    """Called where a job starts (the app's entry point, once per sweep job)."""
+    os.environ[JOB_START_VARIABLE] = repr(time.time())
+
+
+def job_start_time() -> float:
+    """When this job started: the mark, else this process's start (a rank started another way,
+    e.g. a test calling ``run_rank`` directly)."""
+    mark = os.environ.get(JOB_START_VARIABLE)
+    return float(mark) if mark else _PROCESS_START

@@ -31,6 +31,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from app.errors import LaunchInterruptedError, RankFailedError
+from app.launch.failures import Kind, read_records
 from app.launch.rank import run_rank
 from app.output.logs import console_handler
 from rlcomm import LayoutPlan
@@ -113,7 +114,7 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
         elastic_launch(launch, _local_rank)(config, plan, str(run_dir))
     except ChildFailedError as err:
         raise RankFailedError(
-            _describe_failures(err, run_dir, launch.run_id, deaths.killed())
+            _describe_failures(err, run_dir, deaths.killed())
         ) from None
     except SignalException as err:  # the agent forwarded the signal to every rank and waited
         name = signal.Signals(err.sigval).name
@@ -161,10 +162,6 @@ def _forward_to_ranks(signum: int, run_dir: Path) -> None:
         "%s: %d ranks write their Python stacks and collectives to %s",
         signal.Signals(signum).name, len(pids), run_dir / "logs",
     )
-
-
-# Ranks that fail only because a peer died first: reported when nothing else is.
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker")
 
 
 class DeathWatch:
@@ -232,61 +229,52 @@ class DeathWatch:
 
 
 def _describe_failures(
-    err: ChildFailedError, run_dir: Path, run_id: str, killed: dict[int, str] | None = None
+    err: ChildFailedError, run_dir: Path, killed: dict[int, str] | None = None
 ) -> str:
     """One line naming the rank(s) that caused the failure, why, and where their logs are.
 
     The agent reports whichever failed rank it noticed first, often a peer that merely lost its
-    connection; every rank's error record (written by ``@record``) tells the cause apart, and
+    connection; every rank's failure record (app/launch/failures.py) tells the cause apart, and
     ``killed`` (from :class:`DeathWatch`) names the ranks a signal killed, which leave none.
     """
+    records = read_records(run_dir / "logs")
     why: dict[int, str] = {}
+    kinds: dict[int, Kind] = {}
     for rank, failure in err.failures.items():
         if failure.exitcode < 0:
-            why[rank] = f"killed by {failure.signal_name()}"
-        else:
-            why[rank] = f"exit code {failure.exitcode}: {_error_line(failure.message)}"
-    attempts = sorted(
-        (run_dir / "logs" / "elastic").glob(f"{run_id}_*/attempt_*"),
-        key=lambda p: int(p.name.rpartition("_")[2]),
-    )
-    for record in attempts[-1].glob("*/error.json") if attempts else ():
-        rank = int(record.parent.name)
+            why[rank], kinds[rank] = f"killed by {failure.signal_name()}", "error"
+    for rank, record in records.items():
         if rank not in why:
-            why[rank] = f"exit code 1: {_error_line(json.loads(record.read_text()))}"
+            code = err.failures[rank].exitcode if rank in err.failures else 1
+            why[rank], kinds[rank] = f"exit code {code}: {_last_line(record.line)}", record.kind
+    for rank, failure in err.failures.items():  # failed before it could write a record
+        if rank not in why:
+            why[rank] = f"exit code {failure.exitcode}: {_error_line(failure.message)}"
+            kinds[rank] = "error"
     for rank, name in (killed or {}).items():
-        if rank not in why or any(s in why[rank] for s in _PEER_LOST):
-            why[rank] = f"killed by {name}"
-    causes = {r: w for r, w in why.items() if not any(s in w for s in _PEER_LOST)} or why
-    diagnosis = _run_diagnosis(causes)
+        if rank not in why or kinds[rank] == "peer_lost":
+            why[rank], kinds[rank] = f"killed by {name}", "error"
+    causes = {r: w for r, w in why.items() if kinds[r] != "peer_lost"} or why
     if any(w.startswith("killed by") for w in causes.values()):
         # A crash wins: the hang its peers may report is its consequence.
-        causes = {r: w for r, w in causes.items() if not any(m in w for m in _RUN_DIAGNOSES)}
-    elif diagnosis:
-        return f"{diagnosis} (logs: {run_dir / 'logs'})"
+        causes = {r: w for r, w in causes.items() if kinds[r] != "diagnosis"}
+    else:
+        diagnoses = [records[r].message for r in sorted(causes) if kinds[r] == "diagnosis"]
+        if diagnoses:  # the same on every rank that raises it: reported once
+            return f"{diagnoses[0]} (logs: {run_dir / 'logs'})"
     return "; ".join(
         f"rank {rank} {text} (log: {run_dir / 'logs' / f'rank{rank}.log'})"
         for rank, text in sorted(causes.items())
     )
 
 
-# Errors that describe the whole run, the same on every rank that raises them: reported once.
-_RUN_DIAGNOSES = ("HangError: ", "CollectiveMismatchError: ")
-
-
-def _run_diagnosis(causes: dict[int, str]) -> str:
-    """A hang or mismatch diagnosis among the causes (the lowest rank's), else ``""``; a crash
-    (a rank killed by a signal) still wins over it, since peers may hang because of it."""
-    for _, text in sorted(causes.items()):
-        for marker in _RUN_DIAGNOSES:
-            if marker in text:
-                return text.partition(marker)[2]
-    return ""
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "no error message"
 
 
 def _error_line(message: object) -> str:
     """The exception line of a worker's error record (torch nests it differently by version)."""
     while isinstance(message, dict):
         message = message.get("message", "")
-    lines = str(message).strip().splitlines()
-    return lines[-1] if lines else "no error message"
+    return _last_line(str(message))

@@ -13,6 +13,7 @@ from app.config import loop_schema
 from app.errors import ConfigError
 from app.sweep.metrics import check_metric_name
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
+from rlcomm.diagnostics.watchdog import timeout_problem
 
 
 def build_plan(cfg: DictConfig) -> LayoutPlan:
@@ -42,19 +43,14 @@ def check_restarts(max_restarts: int, agent_limit: int | None) -> None:
 
 def validate(cfg: DictConfig) -> LayoutPlan:
     """Everything that can be checked without starting a process; raises one-line errors."""
-    timeout = cfg.comm.timeout
-    if timeout <= 0:
-        raise ConfigError(f"comm.timeout: must be a positive number of seconds, got {timeout}")
-    hang = cfg.comm.get("hang_timeout")
-    if hang is not None and not 0 < hang < timeout:
-        raise ConfigError(
-            f"comm.hang_timeout: must be > 0 and < comm.timeout ({timeout:g}), got {hang}"
-        )
+    problem = timeout_problem(cfg.comm.timeout, cfg.comm.get("hang_timeout"), prefix="comm.")
+    if problem:
+        raise ConfigError(problem)
     if cfg.launcher.max_restarts < 0:
         raise ConfigError(f"launcher.max_restarts: must be >= 0, got {cfg.launcher.max_restarts}")
-    if cfg.sweep.rank_by is not None:
-        check_metric_name(cfg.sweep.rank_by)
     _check_target(cfg.loop)
+    if cfg.sweep.rank_by is not None:  # the configured loop's declared metrics, or the app's
+        check_metric_name(cfg.sweep.rank_by, str(cfg.loop._target_))
     plan = build_plan(cfg)
     _check_loop(cfg.loop, plan)
     return plan

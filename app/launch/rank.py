@@ -19,11 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.api import JobInfo, Loop, RankEnv
-from app.launch.environment import resolve_rank_env
+from app.launch.environment import job_start_time, resolve_rank_env
+from app.launch.failures import recording_failures
 from app.launch.planning import build_loop, check_world_size
 from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
-from app.sweep.metrics import job_start_time
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.errors import PeerLostError
 from rlcomm.net.hosts import agree_on_hosts, announce_lost, lost_hosts
@@ -55,7 +55,8 @@ def run_rank(
     cfg: DictConfig = OmegaConf.create(config)
     setup_rank_logging(Path(run_dir), env.rank)
     try:
-        return _run(cfg, plan, env, Path(run_dir), launched_here)
+        with recording_failures(Path(run_dir) / "logs", env.rank, env.restart_count, env.node):
+            return _run(cfg, plan, env, Path(run_dir), launched_here)
     except BaseException:
         # The traceback lands in this rank's log file; the console gets the launcher's error line.
         log.exception("rank %d failed", env.rank, extra=FILE_ONLY)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from app.api import JobInfo, setting
+from app.api import JobInfo, LoopMetrics, setting
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.utils import format_ranks
 
@@ -30,6 +30,17 @@ class CommCheck:
     latency_iters: int = setting(20, "small all_reduces timed per group (median reported)")
     bandwidth_bytes: int = setting(4 * 1024 * 1024, "bytes broadcast per bandwidth measurement")
     bandwidth_iters: int = setting(3, "broadcasts timed per group (median reported)")
+
+    # What group_metrics reports, for sweeps to rank by.
+    metrics: ClassVar[LoopMetrics] = LoopMetrics(
+        {
+            "latency_us": "min",  # per group, as "latency_us:<group>"
+            "bandwidth_gbps": "max",  # per group, as "bandwidth_gbps:<group>"
+            "max_latency_us": "min",  # the slowest group's all_reduce latency
+            "min_bandwidth_gbps": "max",  # the slowest group's broadcast bandwidth
+        },
+        headline=("max_latency_us", "min_bandwidth_gbps"),
+    )
 
     def validate(self, plan: LayoutPlan) -> None:
         for name in ("latency_iters", "bandwidth_bytes", "bandwidth_iters"):
@@ -53,7 +64,7 @@ class CommCheck:
         return report
 
     def _check(self, ctx: CommContext, mode: str, ranks: list[int]) -> None:
-        device = collectives.group_device(ctx, mode)
+        device = ctx.get_device(mode)
         me = ctx.get_global_rank()
         total = collectives.all_reduce(ctx, mode, torch.tensor([float(me)], device=device))
         _expect(mode, "all_reduce", total.item(), float(sum(ranks)))
@@ -64,7 +75,7 @@ class CommCheck:
         _expect(mode, "all_gather", gathered.tolist(), ranks)
 
     def _latency_us(self, ctx: CommContext, mode: str) -> float:
-        tensor = torch.zeros(1, device=collectives.group_device(ctx, mode))
+        tensor = torch.zeros(1, device=ctx.get_device(mode))
         collectives.all_reduce(ctx, mode, tensor)  # warm-up
         times = []
         for _ in range(self.latency_iters):
@@ -74,7 +85,7 @@ class CommCheck:
         return round(statistics.median(times) * 1e6, 1)
 
     def _bandwidth_gbps(self, ctx: CommContext, mode: str) -> float:
-        device = collectives.group_device(ctx, mode)
+        device = ctx.get_device(mode)
         payload = torch.empty(self.bandwidth_bytes, dtype=torch.uint8, device=device)
         collectives.broadcast(ctx, mode, payload)
         times = []

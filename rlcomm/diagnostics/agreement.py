@@ -54,9 +54,7 @@ def agree_on_call(
 ) -> None:
     """Fail on every member of ``call``'s group unless all are about to run the same call."""
     group = ctx.get_group(call.mode)
-    device = tensor.device if tensor is not None else torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = ctx.get_device(call.mode)
     mine = torch.tensor(_describe(call, tensor, same_shape), dtype=torch.int64, device=device)
     size = ctx.get_world_size(call.mode)
     rows = torch.empty(size * _WIDTH, dtype=torch.int64, device=device)

@@ -45,6 +45,23 @@ def default_hang_timeout(timeout_s: float) -> float:
     return timeout_s - min(timeout_s / 2, 30.0)
 
 
+def timeout_problem(timeout: Any, hang_timeout: Any, prefix: str = "") -> str | None:
+    """What is wrong with a (timeout, hang_timeout) pair, or None: the one home of the rule.
+
+    ``prefix`` names where the values came from (``"comm."`` for the app's config), so the
+    message reads ``comm.timeout: must be ...``; without it, ``timeout must be ...``.
+    """
+    sep = ": " if prefix else " "
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        return f"{prefix}timeout{sep}must be a positive number of seconds, got {timeout!r}"
+    if hang_timeout is not None and not 0 < hang_timeout < timeout:
+        return (
+            f"{prefix}hang_timeout{sep}must be > 0 and < {prefix}timeout ({timeout:g}), "
+            f"got {hang_timeout!r}"
+        )
+    return None
+
+
 def main_thread_site() -> str:
     """``loops.py:17 in __call__``: the innermost Python frame of the main thread."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
