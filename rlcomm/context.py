@@ -41,15 +41,6 @@ from .utils import SingletonMeta, format_ranks
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-# The seed keeps each parallel size as an attribute; registration keeps them current.
-_SIZE_ATTRIBUTES: dict[str, str] = {
-    ParallelMode.TENSOR_PARALLEL: "_tensor_parallel_size",
-    ParallelMode.TRAIN_DATA_PARALLEL: "_train_data_parallel_size",
-    ParallelMode.DATA_PARALLEL: "_data_parallel_size",
-    ParallelMode.SEQUENCE_PARALLEL: "_sequence_parallel_size",
-}
-
-
 def plan_digest(plan: LayoutPlan) -> str:
     """A digest of everything ``init_groups`` creates. Tuples of ints hash alike in every
     process (only str/bytes hashing is salted), so the rank lists, the bulk of a 65,536-rank
@@ -115,10 +106,6 @@ class CommContext(metaclass=SingletonMeta):
         self._timeout: datetime.timedelta | None = None
         self.recorder = FlightRecorder()
         self.watchdog: Watchdog | None = None
-        self._tensor_parallel_size: int = 1
-        self._train_data_parallel_size: int = 1
-        self._data_parallel_size: int = 1
-        self._sequence_parallel_size: int = 1
 
     def is_initialized(self) -> bool:
         """True once ``init_distributed_env`` registered the global group."""
@@ -219,9 +206,6 @@ class CommContext(metaclass=SingletonMeta):
         self._groups[key] = process_group
         self._ranks_in_group[key] = list(ranks_in_group)
         self._declared_ranks[key] = list(declared_ranks or ranks_in_group)
-        size_attr = _SIZE_ATTRIBUTES.get(key)
-        if size_attr:
-            setattr(self, size_attr, world_size)
 
     def _lookup(self, table: dict[str, Any], comm_mode: Mode) -> Any:
         key = mode_name(comm_mode)

@@ -92,7 +92,9 @@ def _every_mode(rank: int, world_size: int) -> dict[str, Any]:
     out["intra_same_group"] = ctx.get_group(ParallelMode.INTRA_NODE) is ctx.get_group(
         CommMode.INTRA_NODE
     )
-    out["sizes"] = (ctx._tensor_parallel_size, ctx._data_parallel_size)
+    # The seed's _tensor_parallel_size/_data_parallel_size attributes repeated these: gone.
+    out["sizes"] = (ctx.get_world_size(ParallelMode.TENSOR_PARALLEL),
+                    ctx.get_world_size(ParallelMode.DATA_PARALLEL))
     if rank != 2:
         out["declared"] = ctx.get_declared_ranks(ParallelMode.WEIGHT_TRANSFER)
     ctx.destroy()

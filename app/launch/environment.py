@@ -56,8 +56,9 @@ RUN_ID_VARIABLE = "RLCOMM_RUN_ID"  # the run directory's name every rank of a jo
 JOB_START_VARIABLE = "RLCOMM_JOB_START"  # time.time() when the job started
 _PROCESS_START = time.time()  # roughly this process's start: the app imports this module early
 
-# Every variable through which a launcher describes a rank: tests scrub these to start the app as
-# from a fresh shell, and the SLURM launcher keeps the submitting shell's out of its jobs.
+# Every variable through which a launcher describes a rank: tests and benchmarks scrub these to
+# start the app as from a fresh shell. (The SLURM launcher strips only rlcomm.net.env's
+# RANK_VARIABLES from the jobs it submits: see app/launch/slurm.py.)
 LAUNCHER_VARIABLES = (
     *RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", RUN_ID_VARIABLE, JOB_START_VARIABLE,
     GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME,

@@ -36,14 +36,11 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import OmegaConf, open_dict
 
 from app.errors import JobFailedError, RankFailedError
+from app.launch.failures import read_records
 from rlcomm.net.env import RANK_VARIABLES
 
 log = logging.getLogger(__name__)
 
-# Rank-related variables of the submitting shell must not leak into the jobs (sbatch and the local
-# controller copy the environment): an inherited MASTER_PORT would give every job of an array the
-# same rendezvous port.
-_RANK_FAILED_MARK = "RankFailedError: "
 _SHAPE_KEYS = ("nodes", "tasks_per_node", "mem_gb")
 
 
@@ -158,6 +155,9 @@ class RlcommLauncher(BaseSubmititLauncher):
         groups: dict[tuple[Any, ...], list[int]] = {}
         for pos, (_, _, shape) in enumerate(planned):
             groups.setdefault(tuple(shape.values()), []).append(pos)
+        # Rank variables of the submitting shell must not leak into the jobs (sbatch and the local
+        # controller copy the environment): an inherited MASTER_PORT would give every job of an
+        # array the same rendezvous port. Other launcher variables (SLURM_*) pass, as sbatch wants.
         with _without_env(RANK_VARIABLES):
             for positions in groups.values():
                 executor = self._executor(planned[positions[0]][2])
@@ -273,9 +273,14 @@ class RlcommLauncher(BaseSubmititLauncher):
         what = " ".join(filter_overrides(overrides)) or "(no overrides)"
         head = f"sweep job #{num} ({what}) failed ({self._EXECUTOR} job {job.job_id})"
         errors = sorted((o[2], i, o[1]) for i, o in outcomes.items() if o[0] == "error")
+        # Each failed rank's own record says what failed; a traceback's last line where none
+        # could be written (or the job's folder is known only inside the job).
+        records = read_records(job_dir / "logs") if job_dir is not None else {}
         by_message: dict[str, list[int]] = {}  # in order of failure; equal errors together
         for _, rank, trace in errors:
-            message = _error_line(str(trace), rank).replace(f" (rank {rank})", "")
+            record = records.get(rank)
+            message = record.line if record else _last_line(str(trace))
+            message = message.replace(f" (rank {rank})", "").replace("\n", "\n    ")
             by_message.setdefault(message, []).append(rank)
         lines = [head]
         for n, (message, ranks) in enumerate(by_message.items()):
@@ -314,13 +319,7 @@ def _any_error(tasks: list[Any]) -> bool:
     return any(_outcome(t)[0] == "error" for t in tasks if t.paths.result_pickle.exists())
 
 
-def _error_line(trace: str, rank: int) -> str:
-    """The one-line error of a task's traceback."""
-    if _RANK_FAILED_MARK in trace:
-        message = trace.rsplit(_RANK_FAILED_MARK, 1)[1].strip()
-        if message.startswith(f"rank {rank} of ") and " failed: " in message:
-            message = message.split(" failed: ", 1)[1]
-        return message.replace("\n", "\n    ")
+def _last_line(trace: str) -> str:
     lines = [line for line in trace.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no traceback)"
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed import Work
 
 RING_SIZE = 64  # recent calls kept per mode
-_RLCOMM_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_RLCOMM_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # rlcomm/
 # How long a failing collective waits for a diagnosis the watchdog is still gathering.
 _DIAGNOSIS_GRACE_S = 12.0  # the watchdog gathers answers for 10 s at most
 
