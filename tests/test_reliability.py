@@ -340,6 +340,10 @@ def test_a_loop_that_raises_on_one_rank_fails_the_run_promptly(
     assert "Traceback (most recent call last)" in traceback
     assert 'raise ValueError(f"boom on rank {job.rank}")' in traceback
     assert not (app.run_dir / "result.json").exists()
+    # The launcher named rank 1 from its failure record, which says what failed, typed.
+    record = json.loads((app.run_dir / "logs" / "rank1.error.json").read_text())
+    assert (record["rank"], record["kind"], record["error"]) == (1, "error", "ValueError")
+    assert record["message"] == "boom on rank 1" and record["attempt"] == 0
     app.assert_all_ended()
 
 

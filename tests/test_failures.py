@@ -1,0 +1,76 @@
+"""Failure records (app/launch/failures.py): what a failed rank writes, what launchers read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.launch.failures import (
+    FailureRecord,
+    classify,
+    read_records,
+    record_path,
+    recording_failures,
+)
+from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("error", "kind"), [
+    (HangError("hang in GLOBAL[0,1] all_reduce #3: rank 1 never entered it"), "diagnosis"),
+    (CollectiveMismatchError("collective mismatch in GLOBAL[0,1] #2"), "diagnosis"),
+    (PeerLostError("rank 0 on host1: lost host2 (ranks [2,3])"), "peer_lost"),
+    (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5"),
+     "peer_lost"),
+    (RuntimeError("Read error [127.0.0.1]:7: Connection reset by peer"), "peer_lost"),
+    (ValueError("boom on rank 1"), "error"),
+    # A diagnosis wrapped by something else is that something's error, as the launcher saw it.
+    (RuntimeError("loop failed"), "error"),
+])
+def test_a_failure_is_classified_by_its_type_and_gloos_peer_loss_wording(
+    error: BaseException, kind: str
+) -> None:
+    assert classify(error) == kind
+
+
+def test_a_failing_block_leaves_one_record_and_reraises(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    with pytest.raises(ValueError, match="boom"), \
+            recording_failures(logs, 3, attempt=1, host="h1"), \
+            recording_failures(logs, 3, attempt=1, host="h1"):  # nested: written once
+        raise ValueError("boom")
+    record = json.loads(record_path(logs, 3).read_text())
+    assert record["rank"] == 3 and record["kind"] == "error" and record["error"] == "ValueError"
+    assert record["message"] == "boom" and record["attempt"] == 1 and record["host"] == "h1"
+    assert list(logs.iterdir()) == [record_path(logs, 3)]  # no temporary file left behind
+
+
+def test_a_clean_attempt_removes_its_ranks_stale_record_and_a_stop_is_no_failure(
+    tmp_path: Path,
+) -> None:
+    logs = tmp_path / "logs"
+    with pytest.raises(RuntimeError), recording_failures(logs, 0, attempt=0, host="h"):
+        raise RuntimeError("first attempt")
+    with recording_failures(logs, 0, attempt=1, host="h"):
+        pass
+    assert not record_path(logs, 0).exists()
+    with pytest.raises(KeyboardInterrupt), recording_failures(logs, 0, attempt=1, host="h"):
+        raise KeyboardInterrupt
+    assert not record_path(logs, 0).exists()
+
+
+def test_records_of_the_newest_attempt_are_read_and_unreadable_ones_skipped(
+    tmp_path: Path,
+) -> None:
+    logs = tmp_path / "logs"
+    for rank, attempt in ((0, 0), (1, 1), (2, 1)):
+        with pytest.raises(ValueError), recording_failures(logs, rank, attempt, host="h"):
+            raise ValueError(f"rank {rank}")
+    (logs / "rank3.error.json").write_text("{not json")
+    records = read_records(logs)
+    assert sorted(records) == [1, 2]
+    assert isinstance(records[1], FailureRecord) and records[1].line == "ValueError: rank 1"
+    assert read_records(tmp_path / "nowhere") == {}
