@@ -77,7 +77,8 @@ def _field_lines(key: str, owner: type, f: dataclasses.Field[Any], value: Any) -
             lines += _field_lines(f"{key}.{sub.name}", hint, sub, sub_value)
         return lines
     shown = "???" if value is None and f.default is MISSING else _value(value)
-    return [f"  {key}: {_type_name(hint)} = {shown}  # {f.metadata.get('doc', '')}".rstrip(" #")]
+    kind = f.metadata.get("type") or _type_name(hint)  # "type": a schema's name for an Any field
+    return [f"  {key}: {kind} = {shown}  # {f.metadata.get('doc', '')}".rstrip(" #")]
 
 
 def _loop_lines(loop: Any, target: Any) -> list[str]:

@@ -9,13 +9,17 @@ its own schema (:func:`loop_schema`); shipped loops are registered as ``loop/<na
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import collections.abc
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING
 
 from app.api import setting
-from rlcomm import Backend
+from rlcomm import Backend, LayoutSpec
 
 
 @dataclass
@@ -30,19 +34,53 @@ class CommConfig:
     record: bool = setting(True, "record every collective for hang diagnosis (false: no watchdog)")
 
 
-@dataclass
-class LayoutConfig:
-    world_size: int = setting(MISSING, "number of ranks")
-    ranks_per_node: int | None = setting(None, "ranks per node (null: all on one node)")
-    nodes: int | None = setting(None, "number of nodes (checked against ranks_per_node)")
-    trainers: list[int] = setting(doc="ranks that train (DDP over TRAIN_DATA_PARALLEL)", factory=list)
-    rollouts: list[int] = setting(doc="ranks that step environments (none: colocated)", factory=list)
-    groups: dict[str, list[list[int]]] = setting(
-        doc="explicit rank lists per mode; override what is derived", factory=dict
-    )
-    tensor_parallel_size: int | None = setting(None, "TENSOR_PARALLEL group size (Megatron grid)")
-    sequence_parallel_size: int | None = setting(None, "SEQUENCE_PARALLEL group size")
-    data_parallel_size: int | None = setting(None, "DATA_PARALLEL size (checked against the grid)")
+def structured_mirror(spec: type, name: str) -> type:
+    """The plain dataclass ``spec`` as a structured config: the same fields, defaults and docs
+    (``metadata["doc"]``), each type as OmegaConf holds it (``Sequence`` -> ``list``, ``Mapping`` ->
+    ``dict``). A union OmegaConf cannot hold (``layout.trainers``: a list, a count or ranges) is
+    ``Any`` here and checked where the value is used; ``--help`` names its first member, the
+    canonical form (``metadata["type"]``), and the field's doc the others."""
+    hints = typing.get_type_hints(spec)
+    specs: list[tuple[str, Any, Any]] = []
+    for f in dataclasses.fields(spec):
+        kind, shown = _omegaconf_type(hints[f.name])
+        metadata = {**f.metadata, **({"type": shown} if shown else {})}
+        if f.default_factory is not dataclasses.MISSING:
+            copied = field(default_factory=f.default_factory, metadata=metadata)
+        elif f.default is dataclasses.MISSING:
+            copied = field(default=MISSING, metadata=metadata)  # required: "???"
+        else:
+            copied = field(default=f.default, metadata=metadata)
+        specs.append((f.name, kind, copied))
+    mirror = dataclasses.make_dataclass(name, specs)
+    mirror.__module__ = __name__  # importable by name, so a pickled config finds it
+    return mirror
+
+
+def _omegaconf_type(hint: Any) -> tuple[Any, str | None]:
+    """``hint`` as OmegaConf can type a field, and the name ``--help`` shows if not ``hint``'s."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1 and len(args) == 2:
+            inner, shown = _omegaconf_type(members[0])
+            return (Any if inner is Any else inner | None), shown
+        first, _ = _omegaconf_type(members[0])
+        return Any, str(first).replace("typing.", "")
+    if origin in (list, tuple, collections.abc.Sequence):
+        return list[_omegaconf_type(args[0])[0]], None  # type: ignore[misc]
+    if origin in (dict, collections.abc.Mapping):
+        key, value = (_omegaconf_type(a)[0] for a in args)
+        return dict[key, value], None  # type: ignore[valid-type]
+    return hint, None
+
+
+# The layout is declared once, by rlcomm's LayoutSpec (the planner's input); this is it as
+# OmegaConf types it (mypy sees LayoutSpec itself).
+if TYPE_CHECKING:
+    LayoutConfig = LayoutSpec
+else:
+    LayoutConfig = structured_mirror(LayoutSpec, "LayoutConfig")
 
 
 @dataclass

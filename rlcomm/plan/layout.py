@@ -6,14 +6,28 @@ layout before a single rank starts, and so that planning 65,536 ranks stays well
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 from rlcomm.errors import LayoutError
 from rlcomm.modes import ParallelMode, is_known_mode, known_mode_names, mode_name
+from rlcomm.plan.ranks import RankLists, is_int, resolve_roles, validate_rank_lists
+from rlcomm.plan.spec import LayoutSpec, RankSelection
 from rlcomm.utils import format_ranks
 
-RankLists = tuple[tuple[int, ...], ...]
+__all__ = [
+    "GroupSpec",
+    "LayoutPlan",
+    "LayoutSpec",
+    "RankLists",
+    "RankSelection",
+    "format_plan",
+    "grid_groups",
+    "place_on_hosts",
+    "plan_layout",
+    "validate_rank_lists",
+]
 
 # Creation order of derived groups; every rank must call new_group in the same order.
 _DERIVED_ORDER = (
@@ -42,21 +56,6 @@ class GroupSpec:
         return None
 
 
-@dataclass
-class LayoutSpec:
-    """What a user declares; everything not given is derived by :func:`plan_layout`."""
-
-    world_size: int
-    ranks_per_node: int | None = None
-    nodes: int | None = None
-    trainers: Sequence[int] | None = None
-    rollouts: Sequence[int] = ()
-    groups: Mapping[str, Sequence[Sequence[int]]] = field(default_factory=dict)
-    tensor_parallel_size: int | None = None
-    sequence_parallel_size: int | None = None
-    data_parallel_size: int | None = None
-
-
 @dataclass(frozen=True)
 class LayoutPlan:
     world_size: int
@@ -75,9 +74,18 @@ class LayoutPlan:
         return not self.rollouts
 
     def role(self, rank: int) -> str:
-        if rank in self.trainers:
+        if rank in self._trainer_set:
             return "trainer+rollout" if self.colocated else "trainer"
-        return "rollout" if rank in self.rollouts else "idle"
+        return "rollout" if rank in self._rollout_set else "idle"
+
+    # Sets for role(): a picture or table of a 65,536-rank plan asks for many ranks' roles.
+    @cached_property
+    def _trainer_set(self) -> frozenset[int]:
+        return frozenset(self.trainers)
+
+    @cached_property
+    def _rollout_set(self) -> frozenset[int]:
+        return frozenset(self.rollouts)
 
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Mode -> the declared ranks of the group ``rank`` belongs to."""
@@ -96,7 +104,7 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     """Validate ``spec`` and return every group to create, in creation order."""
     world = _check_positive_int("layout.world_size", spec.world_size)
     per_node, nodes = _node_shape(spec, world)
-    trainers, rollouts = _roles(spec, world)
+    trainers, rollouts = resolve_roles(spec.trainers, spec.rollouts, world)
 
     explicit = {}
     for raw_mode, lists in spec.groups.items():
@@ -168,39 +176,6 @@ def place_on_hosts(plan: LayoutPlan, hosts: Sequence[str]) -> LayoutPlan:
     return replace(plan, ranks_per_node=width, nodes=len(actual), groups=groups)
 
 
-def validate_rank_lists(
-    mode: str, lists: object, world_size: int, where: str | None = None
-) -> RankLists:
-    """Check one mode's rank lists: ints in range, no duplicates, disjoint, none empty."""
-    where = where or mode
-    if isinstance(lists, Sequence) and lists and _is_int(lists[0]):
-        lists = [lists]  # a single flat list is one group
-    if not isinstance(lists, Sequence) or isinstance(lists, str) or not lists:
-        raise LayoutError(f"{where}: expected a non-empty list of rank lists, got {lists!r}")
-    owner: dict[int, int] = {}
-    result: list[tuple[int, ...]] = []
-    for index, ranks in enumerate(lists):
-        group = _rank_tuple(f"{where}[{index}]", ranks)
-        if not group:
-            raise LayoutError(f"{where}[{index}]: empty group")
-        for rank in group:
-            if rank < 0 or rank >= world_size:
-                raise LayoutError(
-                    f"{where}: rank {rank} in group {format_ranks(group)} is out of range "
-                    f"for world_size {world_size}"
-                )
-            if rank in owner:
-                other = result[owner[rank]] if owner[rank] < len(result) else group
-                what = "twice in group" if owner[rank] == index else "in two groups of one mode:"
-                raise LayoutError(
-                    f"{where}: rank {rank} appears {what} {format_ranks(other)}"
-                    + ("" if owner[rank] == index else f" and {format_ranks(group)}")
-                )
-            owner[rank] = index
-        result.append(group)
-    return tuple(result)
-
-
 def grid_groups(ranks: Sequence[int], mode: str, size: int, inner_size: int = 1) -> RankLists:
     """Megatron-style groups over ``ranks``: TENSOR_PARALLEL contiguous blocks of ``size``;
     SEQUENCE_PARALLEL ``size`` ranks strided by ``inner_size`` (the TP size) inside blocks of
@@ -267,34 +242,6 @@ def _node_shape(spec: LayoutSpec, world: int) -> tuple[int, int]:
     return per_node, world // per_node
 
 
-def _roles(spec: LayoutSpec, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    if spec.trainers is None or (isinstance(spec.trainers, Sequence) and not spec.trainers):
-        raise LayoutError("layout.trainers: missing or empty; list the ranks that train, e.g. [0]")
-    trainers = validate_rank_lists("layout.trainers", [spec.trainers], world)[0]
-    rollouts: tuple[int, ...] = ()
-    if spec.rollouts:
-        rollouts = validate_rank_lists("layout.rollouts", [spec.rollouts], world)[0]
-    both = sorted(set(trainers) & set(rollouts))
-    if both:
-        raise LayoutError(
-            f"layout.rollouts: ranks {both} are also trainers; roles must not overlap"
-        )
-    idle = world - len(trainers) - len(rollouts)
-    if idle:
-        assigned = set(trainers) | set(rollouts)
-        missing = [r for r in range(world) if r not in assigned]
-        raise LayoutError(
-            f"layout: ranks {format_ranks(missing)} are neither trainers nor rollouts "
-            f"(world_size {world})"
-        )
-    if rollouts and len(rollouts) < len(trainers):
-        raise LayoutError(
-            f"layout.rollouts: {len(rollouts)} rollout ranks cannot serve {len(trainers)} trainers;"
-            " give each trainer at least one, or none for colocated training"
-        )
-    return trainers, rollouts
-
-
 def _pair_trainers(trainers: tuple[int, ...], rollouts: tuple[int, ...]) -> RankLists:
     """Trainer i with the i-th contiguous share of the rollouts, trainer first."""
     share, extra = divmod(len(rollouts), len(trainers))
@@ -331,21 +278,7 @@ def _size_groups(spec: LayoutSpec, world: int) -> dict[str, RankLists]:
     }
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _rank_tuple(where: str, ranks: object) -> tuple[int, ...]:
-    if not isinstance(ranks, Iterable) or isinstance(ranks, (str, bytes)):
-        raise LayoutError(f"{where}: expected a list of integer ranks, got {ranks!r}")
-    group = tuple(ranks)
-    for rank in group:
-        if not _is_int(rank):
-            raise LayoutError(f"{where}: rank {rank!r} is not an integer (in {list(group)!r})")
-    return group
-
-
 def _check_positive_int(where: str, value: object) -> int:
-    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+    if not is_int(value) or value <= 0:  # type: ignore[operator]
         raise LayoutError(f"{where}: must be a positive integer, got {value!r}")
     return value  # type: ignore[return-value]

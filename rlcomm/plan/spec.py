@@ -1,0 +1,58 @@
+"""What a user declares about a layout: :class:`LayoutSpec`, each field with its one-line doc.
+
+The docs live in plain dataclass metadata (``metadata["doc"]``) so that a front end (the app's
+config schema and ``--help``) can show them without this module knowing of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+# The ranks of one role: a list of ranks, a count N (the N lowest ranks the other role does not
+# name), or ranges such as "0-3,8,10-11". The list comes first: it is the canonical form.
+RankSelection = Sequence[int] | int | str
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass
+class LayoutSpec:
+    """What a user declares; everything not given is derived by :func:`plan_layout`."""
+
+    world_size: int = field(metadata=_doc("number of ranks"))
+    ranks_per_node: int | None = field(
+        default=None, metadata=_doc("ranks per node (null: all on one node)")
+    )
+    nodes: int | None = field(
+        default=None, metadata=_doc("number of nodes (checked against ranks_per_node)")
+    )
+    trainers: RankSelection | None = field(
+        default=None,
+        metadata=_doc(
+            "ranks that train (DDP over TRAIN_DATA_PARALLEL): [0,1], a count 2 (the first 2 "
+            'ranks) or ranges "0-3,8"'
+        ),
+    )
+    rollouts: RankSelection | None = field(
+        default=None,
+        metadata=_doc(
+            "ranks that step environments: a list, count or ranges (after the trainers); "
+            "null: every rank that is not a trainer; []: none (colocated)"
+        ),
+    )
+    groups: Mapping[str, Sequence[Sequence[int]]] = field(
+        default_factory=dict,
+        metadata=_doc("explicit rank lists per mode; override what is derived"),
+    )
+    tensor_parallel_size: int | None = field(
+        default=None, metadata=_doc("TENSOR_PARALLEL group size (Megatron grid)")
+    )
+    sequence_parallel_size: int | None = field(
+        default=None, metadata=_doc("SEQUENCE_PARALLEL group size")
+    )
+    data_parallel_size: int | None = field(
+        default=None, metadata=_doc("DATA_PARALLEL size (checked against the grid)")
+    )
