@@ -8,9 +8,10 @@ imports can form a cycle through a loop.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from omegaconf import MISSING
 
@@ -33,7 +34,6 @@ def setting(default: Any = MISSING, doc: str = "", *, factory: Any = None) -> An
     if factory is not None:
         return field(default_factory=factory, metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
-
 
 
 class ConfigError(RlcommError, ValueError):
@@ -94,13 +94,38 @@ class JobInfo:
     env: RankEnv  # how this rank was started (restart count, host, launcher)
 
 
+Direction = Literal["min", "max"]  # lower or higher is better
+
+
+@dataclass(frozen=True)
+class LoopMetrics:
+    """The figures a loop reports in its result's ``metrics`` mapping, and which way each one
+    is better; a loop class declares them as ``metrics: ClassVar[LoopMetrics] = LoopMetrics(...)``.
+
+    ``sweep.rank_by`` accepts these names plus the app's own (``startup_s``,
+    ``group_creation_s``, ``wall_s``). A figure reported per group as ``<name>:<group>`` (e.g.
+    ``latency_us:GLOBAL[0,1]``) takes ``<name>``'s direction. ``headline``: the sweep table's
+    columns, the first one what a sweep ranks by when ``sweep.rank_by`` is not set (empty: the
+    app's ``wall_s``, ``startup_s``).
+    """
+
+    directions: Mapping[str, Direction]
+    headline: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        wrong = {name: how for name, how in self.directions.items() if how not in ("min", "max")}
+        if wrong:
+            raise ValueError(f"LoopMetrics: a direction is 'min' or 'max', got {wrong}")
+
+
 class Loop(Protocol):
     """A training loop: ``loop(ctx, job) -> dict`` (JSON-serialisable), called on every rank.
 
     Build one with ``loop._target_=mypkg.MyLoop`` plus its constructor arguments; it receives the
     registry explicitly and must not reach for ``CommContext()`` itself. Optionally, a method
     ``summary(result, run_dir) -> dict`` adds figures (and ``files``: name -> path) to the
-    closing summary, from rank 0's result.
+    closing summary, from rank 0's result; the result's ``metrics`` (name -> number or None)
+    are what a sweep compares jobs by, declared on the class as ``metrics`` (:class:`LoopMetrics`).
     """
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]: ...

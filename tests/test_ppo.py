@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import csv
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.apprun import describe, run_app
+from tests.helpers.apprun import metrics, run_ppo
 
 SMALL = ("loop.hparams.num_envs=4", "loop.hparams.num_steps=64")
-
-
-def run_ppo(run_dir: Path, *overrides: str) -> dict:
-    proc = run_app("loop.progress=false", f"hydra.run.dir={run_dir}", *overrides)
-    assert proc.returncode == 0, describe(proc)
-    return json.loads((run_dir / "result.json").read_text())
 
 
 def trainer_result(result: dict) -> dict:
     return next(r["result"] for r in result["ranks"] if r["role"].startswith("trainer"))
 
 
-def metrics(run_dir: Path) -> list[dict[str, float]]:
-    with (run_dir / "metrics.csv").open() as handle:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
-
-
+@pytest.mark.e2e
 def test_return_clearly_improves_and_outputs_are_valid(tmp_path: Path) -> None:
     result = run_ppo(tmp_path, "layout=1t1r", "loop.total_env_steps=40960", "loop.target_return=1e9")
     rows = metrics(tmp_path)
@@ -42,6 +30,7 @@ def test_return_clearly_improves_and_outputs_are_valid(tmp_path: Path) -> None:
     assert trainer_result(result)["updates"] == 40
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["single", "2t2r"])
 def test_colocated_and_split_layouts_run(layout: str, tmp_path: Path) -> None:
     result = run_ppo(tmp_path, f"layout={layout}", *SMALL, "loop.total_env_steps=2048",
@@ -53,10 +42,12 @@ def test_colocated_and_split_layouts_run(layout: str, tmp_path: Path) -> None:
     if layout == "2t2r":
         versions = {r["rank"]: r["result"]["weights_version"] for r in result["ranks"]}
         assert versions == {0: 4, 1: 4, 2: 4, 3: 4}  # 2 collectors x 256 steps: 4 updates
-    else:
-        assert result["ranks"][0]["result"]["transfer_fraction"] == 0.0
+    else:  # nothing is sent: no weight-transfer time (the figure sweeps and the summary read)
+        assert result["metrics"]["transfer_share"] == 0.0
+        assert "transfer_fraction" not in result["ranks"][0]["result"]
 
 
+@pytest.mark.e2e
 def test_checkpoint_then_resume_continues_and_matches_parameters(tmp_path: Path) -> None:
     first = tmp_path / "first"
     base = ("layout=1t1r", *SMALL, "loop.target_return=1e9", "loop.checkpoint_every=4")
@@ -77,6 +68,27 @@ def test_checkpoint_then_resume_continues_and_matches_parameters(tmp_path: Path)
     assert [r["update"] for r in metrics(more_dir)] == [9.0, 10.0, 11.0, 12.0]
 
 
+@pytest.mark.e2e
+def test_a_resumed_attempts_env_steps_per_s_counts_only_its_own_steps(tmp_path: Path) -> None:
+    base = ("layout=single", *SMALL, "loop.target_return=1e9", "loop.checkpoint_every=2")
+    run_ppo(tmp_path / "first", *base, "loop.total_env_steps=1024")  # 4 updates of 256 steps
+    resumed = run_ppo(tmp_path / "more", *base, "loop.total_env_steps=2048",
+                      f"loop.resume={tmp_path / 'first'}")
+    rows = metrics(tmp_path / "more")
+    assert [r["update"] for r in rows] == [5.0, 6.0, 7.0, 8.0]
+    per_update = rows[1]["env_steps"] - rows[0]["env_steps"]
+    resumed_at = rows[0]["env_steps"] - per_update  # the checkpoint's env steps
+    assert resumed_at == 1024
+    for row in rows:  # wall_s is this attempt's time: the rate is over this attempt's steps
+        assert row["env_steps_per_s"] == pytest.approx(
+            (row["env_steps"] - resumed_at) / row["wall_s"], rel=1e-9
+        ), row
+    # The rank's result and the job's figure (and so the closing summary) say the same.
+    assert trainer_result(resumed)["env_steps_per_s"] == resumed["metrics"]["env_steps_per_s"]
+    assert resumed["summary"]["env_steps_per_s"] == resumed["metrics"]["env_steps_per_s"]
+
+
+@pytest.mark.e2e
 def test_same_seed_same_layout_is_reproducible(tmp_path: Path) -> None:
     args = ("layout=1t1r", *SMALL, "loop.total_env_steps=1024", "loop.checkpoint_every=0", "seed=3")
     a = run_ppo(tmp_path / "a", *args)
@@ -91,7 +103,7 @@ def _send_a_changed_policy(rank: int, world_size: int) -> str:
     from app.loops.ppo import policy_receiver
     from app.loops.ppo.core import ActorCritic
     from rlcomm import CommContext, ParallelMode
-    from rlcomm.weight_transfer import WeightSender, WeightTransferError
+    from rlcomm.weights import WeightSender, WeightTransferError
 
     ctx = CommContext()
     ctx.init_distributed_env(backend="gloo", timeout=60)
@@ -111,8 +123,9 @@ def _send_a_changed_policy(rank: int, world_size: int) -> str:
         ctx.destroy()
 
 
+@pytest.mark.integration
 def test_the_ppo_receiver_rejects_weights_of_another_layout_naming_the_tensor() -> None:
-    from tests.multiproc import run_ranks
+    from rlcomm.testing import run_ranks
 
     said = run_ranks(_send_a_changed_policy, 2)
     assert "tensor 'actor.0.weight' is [64, 4] float64 but expected [64, 4] float32" in said[1]

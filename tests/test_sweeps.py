@@ -15,14 +15,21 @@ from app.errors import ConfigError
 from app.launch.planning import validate
 from app.loops.commcheck import group_metrics, slowest_group
 from app.output.layout_picture import describe_layout, draw_layout, write_layout_files
-from app.sweep.metrics import DIRECTIONS, check_metric_name, default_rank_by, direction
+from app.sweep.metrics import (
+    check_metric_name,
+    default_rank_by,
+    direction,
+    headline,
+    known_metrics,
+)
 from app.sweep.plot import sweep_plot_data
 from app.sweep.report import JobRecord, build_report, format_table, group_by_seed, rank_groups
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
-from tests.apprun import REPO, describe, run_app
+from tests.helpers.apprun import REPO, describe, run_app
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PPO = "app.loops.ppo.PPOLoop"
+COMMCHECK = "app.loops.commcheck.CommCheck"
 # A PPO budget of 2-4 updates per job; a target the first updates can reach (window 5).
 SHORT_PPO = (
     "loop.progress=false", "loop.hparams.num_envs=4", "loop.hparams.num_steps=32",
@@ -46,6 +53,7 @@ def job(num: int, layout: str, seed: int, value: float | None, status: str = "ok
                      error="boom" if status == "failed" else None)
 
 
+@pytest.mark.unit
 def test_jobs_that_differ_only_in_seed_form_one_group_labelled_by_what_varies() -> None:
     jobs = [job(0, "single", 0, 5.0), job(1, "single", 1, 7.0), job(2, "2t2r", 0, 3.0)]
     groups = group_by_seed(jobs, "time_to_target_s")
@@ -56,6 +64,7 @@ def test_jobs_that_differ_only_in_seed_form_one_group_labelled_by_what_varies() 
     assert [j.seed for j in groups[0].jobs] == ["0", "1"]
 
 
+@pytest.mark.unit
 def test_ranking_follows_the_metrics_direction_and_puts_missing_values_last() -> None:
     jobs = [
         job(0, "a", 0, 5.0), job(1, "a", 1, 9.0),  # median 7
@@ -69,6 +78,7 @@ def test_ranking_follows_the_metrics_direction_and_puts_missing_values_last() ->
     assert [g.label for g in highest] == ["layout=a", "layout=c", "layout=b", "layout=d"]
 
 
+@pytest.mark.unit
 def test_report_uses_the_loops_default_metric_and_lists_failed_jobs_last() -> None:
     jobs = [job(0, "x", 0, None, status="failed"), job(1, "a", 0, 8.0), job(2, "b", 0, 2.0)]
     report = build_report(jobs)
@@ -86,17 +96,19 @@ def test_report_uses_the_loops_default_metric_and_lists_failed_jobs_last() -> No
     assert plot.labels == ("layout=b", "layout=a") and plot.medians == (300.0, 200.0)
 
 
+@pytest.mark.unit
 def test_metric_registry_knows_every_direction_and_rejects_unknown_names() -> None:
-    assert direction("time_to_target_s") == "min" and direction("env_steps_per_s") == "max"
-    assert direction("latency_us:WEIGHT_TRANSFER[0,2]") == "min"
-    assert set(DIRECTIONS.values()) == {"min", "max"}
+    assert direction("time_to_target_s", PPO) == "min" and direction("env_steps_per_s", PPO) == "max"
+    assert direction("latency_us:WEIGHT_TRANSFER[0,2]", COMMCHECK) == "min"
+    assert set(known_metrics(PPO, COMMCHECK).values()) == {"min", "max"}
     assert default_rank_by(PPO) == "time_to_target_s"
-    assert default_rank_by("app.loops.commcheck.CommCheck") == "max_latency_us"
+    assert default_rank_by(COMMCHECK) == "max_latency_us"
     assert default_rank_by("mypkg.loops.CountRanks") == "wall_s"
     with pytest.raises(ConfigError, match=r"^sweep.rank_by: unknown metric 'speed'; known: "):
-        check_metric_name("speed")
+        check_metric_name("speed", PPO)
 
 
+@pytest.mark.unit
 def test_commcheck_metrics_take_each_groups_slowest_member() -> None:
     def figures(ranks: list[int], latency: float, gbps: float) -> dict:
         return {"ranks": ranks, "allreduce_latency_us": latency, "broadcast_gbps": gbps}
@@ -126,6 +138,7 @@ def spans(picture: object, mode: str) -> list[tuple[int, ...]]:
     return [s.ranks for s in band.spans]
 
 
+@pytest.mark.unit
 def test_layout_pictures_of_the_shipped_layouts(tmp_path: Path) -> None:
     single = describe_layout(shipped_plan("single"))
     assert [(c.rank, c.role) for c in single.cells] == [(0, "trainer+rollout")]
@@ -155,6 +168,7 @@ def test_layout_pictures_of_the_shipped_layouts(tmp_path: Path) -> None:
     assert "WEIGHT_TRANSFER" in (tmp_path / "layout.txt").read_text()
 
 
+@pytest.mark.unit
 def test_a_65536_rank_layout_is_drawn_summarised_in_under_two_seconds(tmp_path: Path) -> None:
     world = 65_536
     plan = plan_layout(LayoutSpec(
@@ -179,6 +193,7 @@ def test_a_65536_rank_layout_is_drawn_summarised_in_under_two_seconds(tmp_path: 
     assert (tmp_path / "layout.png").read_bytes()[:8] == PNG
 
 
+@pytest.mark.e2e
 def test_plan_only_writes_layout_png_and_txt(tmp_path: Path) -> None:
     proc = run_app("plan_only=true", "layout=2x2", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, describe(proc)
@@ -217,7 +232,7 @@ def check_sweep(sweep: Path, stdout: str, layouts: list[str], seeds: list[int], 
         rollout_wait = result["metrics"]["rollout_wait_fraction"]
         assert (rollout_wait is None) == (layout == "single")
         assert 0 < result["metrics"]["startup_s"] < result["metrics"]["wall_s"]
-    sign = 1 if direction(metric) == "min" else -1
+    sign = 1 if direction(metric, PPO) == "min" else -1
     expected = sorted(values, key=lambda label: sign * statistics.median(values[label]))
     rows = table_rows((sweep / "summary.md").read_text())
     ranked = [r for r in rows if r[0] != "failed"]
@@ -235,6 +250,7 @@ def check_sweep(sweep: Path, stdout: str, layouts: list[str], seeds: list[int], 
     assert (sweep / "summary.md").read_text().strip() in stdout  # the multirun ends with it
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(900)  # 10 jobs, 22 rank processes: about 2 minutes on 2 idle cores
 def test_sweep_over_four_layouts_and_two_seeds_ranks_its_jobs(tmp_path: Path) -> None:
     conf = tmp_path / "conf" / "layout"
@@ -253,6 +269,7 @@ def test_sweep_over_four_layouts_and_two_seeds_ranks_its_jobs(tmp_path: Path) ->
     assert all("ranks [2] are neither trainers nor rollouts" in r[3] for r in failed)
 
 
+@pytest.mark.e2e
 def test_sweep_through_the_local_submitit_launcher_ranks_its_jobs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_app("--multirun", "hydra/launcher=rlcomm_local", "layout=single,1t1r", "seed=0,1",
@@ -262,6 +279,7 @@ def test_sweep_through_the_local_submitit_launcher_ranks_its_jobs(tmp_path: Path
     check_sweep(sweep, proc.stdout, ["single", "1t1r"], [0, 1], "env_steps_per_s")
 
 
+@pytest.mark.e2e
 def test_unknown_rank_by_metric_fails_before_any_job(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_app("--multirun", "layout=single,1t1r", "sweep.rank_by=speed",
@@ -272,6 +290,7 @@ def test_unknown_rank_by_metric_fails_before_any_job(tmp_path: Path) -> None:
     assert not list(sweep.glob("*/result.json")) and not (sweep / "0").exists()
 
 
+@pytest.mark.e2e
 def test_the_shipped_layout_sweep_composes_into_twelve_jobs(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_app("--multirun", "+experiment=layouts", "plan_only=true",
@@ -287,6 +306,7 @@ def test_the_shipped_layout_sweep_composes_into_twelve_jobs(tmp_path: Path) -> N
     assert all((sweep / str(n) / "layout.png").exists() for n in range(12))
 
 
+@pytest.mark.e2e
 def test_a_two_node_layout_through_the_local_submitit_launcher_simulates_its_nodes(
     tmp_path: Path,
 ) -> None:
@@ -299,3 +319,102 @@ def test_a_two_node_layout_through_the_local_submitit_launcher_simulates_its_nod
     result = json.loads((sweep / "0" / "result.json").read_text())
     intra = {tuple(r["groups"]["INTRA_NODE"]["ranks"]) for r in result["ranks"]}
     assert intra == {(0, 1), (2, 3)}
+
+
+# ---- a plugged-in loop's own metrics --------------------------------------------------------
+
+SCORED_LOOP = '''
+from dataclasses import dataclass
+from typing import ClassVar
+
+from app.api import LoopMetrics, setting
+
+
+@dataclass
+class Scored:
+    """A loop with a figure of its own that no shipped loop reports: higher ``score`` is better."""
+
+    scale: float = setting(1.0, "the score this job reports")
+
+    metrics: ClassVar[LoopMetrics] = LoopMetrics({"score": "max"}, headline=("score",))
+
+    def __call__(self, ctx, job):
+        return {"metrics": {"score": self.scale}}
+'''
+SCORED_KNOWN = "known: group_creation_s, score, startup_s, wall_s"  # its own and the app's
+
+
+def scored_loop(tmp_path: Path, package: str) -> str:
+    """The loop above as ``<package>.loops`` under ``tmp_path``; returns its ``_target_``."""
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "loops.py").write_text(SCORED_LOOP)
+    return f"{package}.loops.Scored"
+
+
+@pytest.mark.unit
+def test_the_shipped_loops_declare_the_metrics_they_report() -> None:
+    assert set(known_metrics(PPO)) == PPO_METRICS  # what every PPO job's result.json holds
+    for target in (PPO, COMMCHECK):
+        assert set(headline(target)) <= set(known_metrics(target))
+    check_metric_name("latency_us:GLOBAL[0,1]", COMMCHECK)  # per group: the base name's
+    with pytest.raises(ConfigError, match=r"unknown metric 'latency_us:GLOBAL\[0,1\]'"):
+        check_metric_name("latency_us:GLOBAL[0,1]", PPO)
+
+
+@pytest.mark.unit
+def test_a_plugged_in_loops_metrics_rank_its_report_and_check_rank_by(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = scored_loop(tmp_path, "scored_unit")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    jobs = [JobRecord(n, (f"+loop.scale={v:g}",), "ok", {"score": v, "wall_s": 5.0 - v}, loop=target)
+            for n, v in enumerate([1.0, 3.0, 2.0])]
+    report = build_report(jobs)  # no sweep.rank_by: the loop's first headline metric
+    assert (report.rank_by, report.direction, report.columns) == ("score", "max", ())
+    assert [g.label for g in report.groups] == ["+loop.scale=3", "+loop.scale=2", "+loop.scale=1"]
+    assert "higher is better" in format_table(report)
+    by_wall = build_report(jobs, rank_by="wall_s")  # the app's figures rank any loop's jobs
+    assert by_wall.direction == "min" and by_wall.groups[0].label == "+loop.scale=3"
+
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+
+    def validated(rank_by: str) -> None:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            validate(compose("config", overrides=[
+                "layout=single", "loop=custom", f"loop._target_={target}", f"sweep.rank_by={rank_by}",
+            ]))
+
+    validated("score")
+    with pytest.raises(ConfigError) as failure:  # PPO's figure, not this loop's
+        validated("time_to_target_s")
+    assert str(failure.value) == f"sweep.rank_by: unknown metric 'time_to_target_s'; {SCORED_KNOWN}"
+
+
+@pytest.mark.e2e
+def test_a_sweep_ranks_by_a_metric_a_plugged_in_loop_declares(tmp_path: Path) -> None:
+    target = scored_loop(tmp_path, "scored")
+    env = {"PYTHONPATH": f"{REPO}:{tmp_path}"}
+    args = ("--multirun", "layout=single", "loop=custom", f"loop._target_={target}")
+    sweep = tmp_path / "sweep"
+    proc = run_app(*args, "+loop.scale=1,3", "sweep.rank_by=score", f"hydra.sweep.dir={sweep}",
+                   env=env, cwd=tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert (summary["rank_by"], summary["direction"]) == ("score", "max")
+    assert [j["metrics"]["score"] for j in summary["jobs"]] == [1, 3]  # as each job reported it
+    assert [(g["label"], g["median"]) for g in summary["ranking"]] == [
+        ("+loop.scale=3", 3), ("+loop.scale=1", 1)
+    ]  # higher first: the loop's direction
+    assert [r[1] for r in table_rows((sweep / "summary.md").read_text())] == [
+        "+loop.scale=3", "+loop.scale=1"
+    ]
+    assert "Ranked by `score` (higher is better)" in proc.stdout
+    # A name this loop does not declare fails before any job, listing what it does.
+    proc = run_app(*args, "+loop.scale=1,3", "sweep.rank_by=speed",
+                   f"hydra.sweep.dir={tmp_path / 'bad'}", env=env, cwd=tmp_path)
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: sweep.rank_by: unknown metric 'speed'; {SCORED_KNOWN}"
+    )
+    assert not (tmp_path / "bad" / "0").exists()

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from app.errors import ConfigError
 from app.launch.environment import resolve_rank_env
-from app.sweep.metrics import check_metric_name
+from app.sweep.metrics import check_metric_name, declared_metrics
 
 
 class SweepSummary(Callback):
@@ -39,13 +39,15 @@ class SweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         rank_by = OmegaConf.select(config, "sweep.rank_by")
+        loop = OmegaConf.select(config, "loop._target_")
+        # Against the configured loop's metrics and the app's; a loop that cannot be imported
+        # is left to each job's own validation, which names the real problem.
         try:
-            if rank_by is not None:
-                check_metric_name(str(rank_by))
+            if rank_by is not None and declared_metrics(loop) is not None:
+                check_metric_name(str(rank_by), loop)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)  # before any job starts
             sys.exit(2)
-        loop = OmegaConf.select(config, "loop._target_")
         self._pending = (Path(str(config.hydra.sweep.dir)), rank_by, loop)
         atexit.register(self._report)  # runs when a failed job ended the sweep early
 
@@ -57,7 +59,11 @@ class SweepSummary(Callback):
             return
         sweep_dir, rank_by, loop = self._pending
         self._pending = None
-        table = write_sweep_report(sweep_dir, rank_by, loop)
+        try:
+            table = write_sweep_report(sweep_dir, rank_by, loop)
+        except ConfigError as err:  # no job's loop declares the metric (e.g. not importable here)
+            print(f"error: sweep report: {err}", file=sys.stderr)
+            return
         if table is not None:
             print(f"\nsweep summary: {sweep_dir / 'summary.md'}\n{table}", flush=True)
 

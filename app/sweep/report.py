@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.sweep.metrics import Direction, default_rank_by, direction, headline
+from app.api import Direction
+from app.sweep.metrics import check_metric_name, default_rank_by, direction, headline
 
 Metrics = dict[str, float | None]
 SEED_KEY = "seed"
@@ -29,7 +30,7 @@ class JobRecord:
     status: str  # "ok" | "failed"
     metrics: Metrics = field(default_factory=dict)
     error: str | None = None
-    loop: str | None = None  # the loop's _target_
+    loop: str | None = None  # the loop's _target_: it declares the metrics' directions
 
     @property
     def seed(self) -> str | None:
@@ -87,7 +88,7 @@ def read_jobs(entries: list[dict[str, Any]]) -> list[JobRecord]:
             status=str(entry.get("status")),
             metrics=dict(result.get("metrics") or {}),
             error=entry.get("error"),
-            loop=result.get("loop"),
+            loop=result.get("loop") or (result.get("summary") or {}).get("loop"),
         ))
     return jobs
 
@@ -122,10 +123,15 @@ def rank_groups(groups: list[Group], how: Direction) -> list[Group]:
 def build_report(
     jobs: list[JobRecord], rank_by: str | None = None, loop: str | None = None
 ) -> SweepReport:
-    """Rank ``jobs`` by ``rank_by`` (default: the loop's headline metric)."""
-    loop = _most_common([j.loop for j in jobs if j.loop]) or loop
+    """Rank ``jobs`` by ``rank_by`` (default: the loop's first headline metric). The loop named
+    by most jobs' results (else ``loop``, the sweep's configured one) gives the default and the
+    columns; the metric's direction is what that loop, any job's loop or the app declares."""
+    named = [j.loop for j in jobs if j.loop]
+    loop = _most_common(named) or loop
+    loops = (loop, *sorted(set(named) - {loop}))
     metric = rank_by or default_rank_by(loop)
-    how = direction(metric)
+    check_metric_name(metric, *loops)  # ConfigError: no loop here declares it
+    how = direction(metric, *loops)
     groups = rank_groups(group_by_seed(jobs, metric), how)
     columns = tuple(m for m in headline(loop) if m != metric)
     failed = tuple(j for j in jobs if j.status != "ok")

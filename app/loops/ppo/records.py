@@ -1,0 +1,144 @@
+"""What a PPO run records: one metrics row per update (``metrics.csv``, TensorBoard, the
+progress line), the figures that compare jobs (``result["metrics"]``, declared on
+``PPOLoop.metrics``) and ``learning_curve.png``.
+
+Rates are this attempt's: after a resume, the env steps taken since it over the time since it.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from app.loops.ppo.core import Episode
+from rlcomm import CommContext, ParallelMode, collectives
+
+LOSSES = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac")
+
+
+def update_row(
+    ctx: CommContext,
+    trainers: int | None,
+    previous: dict[str, float] | None,
+    *,
+    update: int,
+    env_steps: int,
+    attempt_steps: int,
+    elapsed: float,
+    version: int,
+    new: list[Episode],
+    recent: float,
+    transfer_s: float,
+    shared: dict[str, float],
+    losses: dict[str, float],
+) -> dict[str, float]:
+    """One update's metrics row. ``trainers``: how many, on a trainer; None on a rollout rank.
+    Only trainers reduce (over TRAIN_DATA_PARALLEL): a collective with the rollouts here would
+    make them wait for every update. Rollouts' rows (never written) carry NaN losses.
+    ``attempt_steps`` and ``elapsed``: env steps and seconds since this attempt started."""
+    transfer_total = previous["transfer_s_total"] if previous else 0.0
+    if trainers is not None:
+        reduced = collectives.all_reduce_dict(
+            ctx, ParallelMode.TRAIN_DATA_PARALLEL, {"transfer_s": transfer_s, **losses}
+        )
+        losses = {k: reduced[k] / trainers for k in LOSSES}
+        transfer_now = reduced["transfer_s"]
+    else:
+        losses = dict.fromkeys(LOSSES, float("nan"))
+        transfer_now = transfer_total
+    return {
+        "update": float(update),
+        "env_steps": float(env_steps),
+        "wall_s": elapsed,
+        "mean_return": float(np.mean([r for r, _ in new])) if new else float("nan"),
+        "return_window": recent if recent > float("-inf") else float("nan"),
+        "mean_length": float(np.mean([n for _, n in new])) if new else float("nan"),
+        "episodes": float(len(new)),
+        "env_steps_per_s": attempt_steps / elapsed if elapsed else 0.0,
+        "weights_version": float(version),
+        "transfer_s_total": transfer_now,
+        "transfer_s": transfer_now - transfer_total,
+        **shared,
+        **losses,
+    }
+
+
+def job_metrics(
+    ctx: CommContext,
+    is_trainer: bool,
+    *,
+    elapsed: float,
+    transfer_s: float,
+    wait_s: float,
+    reached_at: tuple[float, int] | None,
+    updates: int,
+    steps: int,
+    recent: float,
+) -> dict[str, float | None]:
+    """The figures that compare jobs, the same on every rank: per-role times are summed over
+    GLOBAL in one collective, so the fractions are the whole job's. ``updates``, ``steps`` and
+    ``elapsed``: this attempt's; ``recent``: the stop rule's mean return (-inf before
+    ``window`` episodes finished)."""
+    rollout = not is_trainer
+    totals = collectives.all_reduce_dict(ctx, ParallelMode.GLOBAL, {
+        "trainers": float(is_trainer),
+        "trainer_s": elapsed if is_trainer else 0.0,
+        "trainer_wait_s": wait_s if is_trainer else 0.0,
+        "transfer_s": transfer_s,
+        "rollouts": float(rollout),
+        "rollout_s": elapsed if rollout else 0.0,
+        "rollout_wait_s": wait_s if rollout else 0.0,
+    })
+
+    def share(part: float, whole: float) -> float | None:
+        return round(part / whole, 4) if whole > 0 else None
+
+    return {
+        "env_steps_per_s": round(steps / elapsed, 1) if elapsed else None,
+        "time_to_target_s": round(reached_at[0], 2) if reached_at else None,
+        "env_steps_to_target": reached_at[1] if reached_at else None,
+        "reached_target": 1 if reached_at else 0,
+        "updates_per_s": round(updates / elapsed, 2) if elapsed else None,
+        "transfer_s": round(totals["transfer_s"] / totals["trainers"], 3),
+        "transfer_share": share(totals["transfer_s"], totals["trainer_s"]),
+        "trainer_wait_fraction": share(totals["trainer_wait_s"], totals["trainer_s"]),
+        "rollout_wait_fraction": share(totals["rollout_wait_s"], totals["rollout_s"]),
+        "final_mean_return": round(recent, 2) if recent > float("-inf") else None,
+    }
+
+
+def write_metrics(rows: list[dict[str, float]], run_dir: Path, target: float) -> None:
+    """``metrics.csv`` (one row per update) and ``learning_curve.png`` from it."""
+    path = run_dir / "metrics.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot_learning_curve(path, run_dir / "learning_curve.png", target)
+
+
+def plot_learning_curve(metrics_csv: Path, png: Path, target: float) -> None:
+    """The stop rule's quantity (mean return of the last ``window`` episodes) against env steps
+    and against wall time, with each update's mean return faint behind it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with metrics_csv.open() as handle:
+        rows = [r for r in csv.DictReader(handle) if r["mean_return"] not in ("", "nan")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, x_key, label in zip(axes, ("env_steps", "wall_s"), ("env steps", "wall time (s)")):
+        x = [float(r[x_key]) for r in rows]
+        ax.plot(x, [float(r["mean_return"]) for r in rows], alpha=0.3, label="update mean")
+        ax.plot(x, [float(r["return_window"]) for r in rows], label="mean of last window")
+        ax.axhline(target, linestyle="--", color="grey")
+        ax.set_xlabel(label)
+    axes[0].set_ylabel("episodic return")
+    axes[0].legend(loc="lower right")
+    fig.suptitle("PPO CartPole-v1")
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
