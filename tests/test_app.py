@@ -14,24 +14,12 @@ from hydra import compose, initialize_config_dir
 
 from app.errors import ConfigError
 from app.launch.planning import validate
-from tests.apprun import REPO, describe, run_app
+from tests.helpers.apprun import REPO, assert_commcheck_passed, describe, read_result, run_app
 
 LAYOUTS = sorted(p.stem for p in (REPO / "conf" / "layout").glob("*.yaml"))
 
 
-def read_result(run_dir: Path) -> dict:
-    return json.loads((run_dir / "result.json").read_text())
-
-
-def assert_commcheck_passed(result: dict, world_size: int) -> None:
-    assert result["status"] == "ok" and result["world_size"] == world_size
-    assert sorted(r["rank"] for r in result["ranks"]) == list(range(world_size))
-    for report in result["ranks"]:
-        checked = {k: v for k, v in report["result"].items() if k not in ("metrics", "slowest_group")}
-        assert set(checked) == set(report["groups"])  # every group was checked
-        assert all(g["checks"] == "passed" for g in checked.values())
-
-
+@pytest.mark.unit
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_shipped_layout_composes_and_plans(layout: str) -> None:
     import app.__main__  # noqa: F401  (registers the schemas and resolvers)
@@ -43,10 +31,12 @@ def test_every_shipped_layout_composes_and_plans(layout: str) -> None:
     assert {"INTRA_NODE", "INTER_NODE", "TRAIN_DATA_PARALLEL"} <= {g.mode for g in plan.groups}
 
 
+@pytest.mark.unit
 def test_required_layouts_ship() -> None:
     assert {"single", "1t1r", "2t2r", "1t3r", "2x2", "tp2dp2"} <= set(LAYOUTS)
 
 
+@pytest.mark.e2e
 def test_plan_only_prints_the_table_and_starts_nothing(tmp_path: Path) -> None:
     proc = run_app("plan_only=true", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, describe(proc)
@@ -54,6 +44,7 @@ def test_plan_only_prints_the_table_and_starts_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.e2e
 def test_default_layout_runs_four_ranks_and_checks_every_group(tmp_path: Path) -> None:
     proc = run_app("loop=commcheck", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, describe(proc)
@@ -76,6 +67,7 @@ def test_default_layout_runs_four_ranks_and_checks_every_group(tmp_path: Path) -
     assert wt == {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["2x2", "tp2dp2"])
 def test_other_layouts_with_overrides(layout: str, tmp_path: Path) -> None:
     proc = run_app(f"layout={layout}", "loop=commcheck", "comm.timeout=60",
@@ -90,6 +82,7 @@ def test_other_layouts_with_overrides(layout: str, tmp_path: Path) -> None:
         assert result["ranks"][3]["groups"]["INTRA_NODE"]["ranks"] == [2, 3]
 
 
+@pytest.mark.e2e
 def test_multirun_over_three_layouts_leaves_one_result_per_job(tmp_path: Path) -> None:
     proc = run_app("--multirun", "layout=1t1r,2t2r,1t3r", "loop=commcheck",
                    "loop.bandwidth_bytes=65536", f"hydra.sweep.dir={tmp_path}", timeout=600)
@@ -109,6 +102,7 @@ def test_multirun_over_three_layouts_leaves_one_result_per_job(tmp_path: Path) -
     }
 
 
+@pytest.mark.e2e
 def test_a_failing_sweep_job_does_not_hide_the_others(tmp_path: Path) -> None:
     proc = run_app("--multirun", "layout=1t1r", "layout.world_size=3,2", "loop=commcheck",
                    "loop.bandwidth_bytes=65536", f"hydra.sweep.dir={tmp_path}")
@@ -119,6 +113,7 @@ def test_a_failing_sweep_job_does_not_hide_the_others(tmp_path: Path) -> None:
     assert_commcheck_passed(read_result(tmp_path / "1"), 2)
 
 
+@pytest.mark.e2e
 def test_torchrun_join_mode_uses_one_run_dir(tmp_path: Path) -> None:
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "4", "-m", "app")
@@ -133,6 +128,7 @@ def test_torchrun_join_mode_uses_one_run_dir(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("outputs/runs/*"))) == 1
 
 
+@pytest.mark.e2e
 def test_launcher_max_restarts_must_agree_with_torchrun(tmp_path: Path) -> None:
     """Under torchrun its agent restarts the ranks: a launcher.max_restarts other than its
     --max-restarts is a one-line error on every rank, before any group exists."""
@@ -187,6 +183,7 @@ def _user_package(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONPATH": f"{REPO}:{tmp_path}"}
 
 
+@pytest.mark.e2e
 def test_user_loop_plugged_from_outside_the_repo(tmp_path: Path) -> None:
     env = _user_package(tmp_path)
     conf = tmp_path / "myconf" / "loop"
@@ -209,6 +206,7 @@ def test_user_loop_plugged_from_outside_the_repo(tmp_path: Path) -> None:
     ] * 3
 
 
+@pytest.mark.e2e
 def test_a_user_loop_is_type_checked_against_its_dataclass(tmp_path: Path) -> None:
     env = _user_package(tmp_path)
     conf = tmp_path / "myconf" / "loop"
@@ -227,6 +225,7 @@ def test_a_user_loop_is_type_checked_against_its_dataclass(tmp_path: Path) -> No
     assert not (tmp_path / "run" / "logs").exists()
 
 
+@pytest.mark.e2e
 def test_a_user_loop_registers_its_schema_like_the_shipped_ones(tmp_path: Path) -> None:
     env = _user_package(tmp_path)
     plugin = tmp_path / "hydra_plugins" / "mypkg_loops"
@@ -244,6 +243,7 @@ def test_a_user_loop_registers_its_schema_like_the_shipped_ones(tmp_path: Path) 
     assert proc.returncode == 1 and "loop.scale" in proc.stderr, describe(proc)
 
 
+@pytest.mark.e2e
 def test_help_lists_groups_and_every_setting_with_its_doc() -> None:
     proc = run_app("--help")
     assert proc.returncode == 0, describe(proc)
@@ -323,6 +323,7 @@ def compose_and_validate(overrides: list[str]) -> None:
     validate(cfg)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("overrides", "message"), BAD_OVERRIDES, ids=[" ".join(o[0]) for o in BAD_OVERRIDES])
 def test_bad_overrides_are_rejected_before_launch(overrides: list[str], message: str) -> None:
     with pytest.raises(Exception) as failure:
@@ -333,6 +334,7 @@ def test_bad_overrides_are_rejected_before_launch(overrides: list[str], message:
         assert "\n" not in str(failure.value)  # one line
 
 
+@pytest.mark.e2e
 def test_a_bad_override_is_one_line_and_exit_2_before_any_rank_starts(tmp_path: Path) -> None:
     proc = run_app("layout.rollouts=[2,9]", "loop=commcheck", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2
@@ -345,6 +347,7 @@ def test_a_bad_override_is_one_line_and_exit_2_before_any_rank_starts(tmp_path: 
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.e2e
 def test_nccl_without_cuda_fails_before_any_rank_starts(tmp_path: Path) -> None:
     import torch
 
@@ -360,6 +363,7 @@ def test_nccl_without_cuda_fails_before_any_rank_starts(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path)
 
 
+@pytest.mark.e2e
 def test_installed_console_script_works_from_any_directory(tmp_path: Path) -> None:
     script = shutil.which("rlcomm-run")
     assert script, "rlcomm-run is not on PATH: install the package (pip install -e .)"
@@ -367,3 +371,86 @@ def test_installed_console_script_works_from_any_directory(tmp_path: Path) -> No
                    env={"PYTHONPATH": ""})
     assert proc.returncode == 0, describe(proc)
     assert "rollout" in proc.stdout and (tmp_path / "outputs" / "runs").is_dir()
+
+
+# ---- layouts by count and ranges (one layout declaration: rlcomm's LayoutSpec) -------------
+
+
+@pytest.mark.e2e
+def test_a_65536_rank_layout_is_one_command_line(tmp_path: Path) -> None:
+    proc = run_app("plan_only=true", "loop=commcheck", "layout.world_size=65536",
+                   "layout.trainers=1", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, describe(proc)
+    out = proc.stdout
+    assert out.startswith("world_size=65536 nodes=1 ranks_per_node=65536 |")
+    assert "WEIGHT_TRANSFER: 1 group(s)" in out and "... 65472 more ranks" in out
+    assert [line.split()[2] for line in out.splitlines()[3:5]] == ["trainer", "rollout"]
+    assert (tmp_path / "layout.png").is_file() and not (tmp_path / "logs").exists()
+
+
+@pytest.mark.e2e
+def test_ranges_on_the_command_line_with_the_rest_as_rollouts(tmp_path: Path) -> None:
+    proc = run_app("plan_only=true", "loop=commcheck", "layout.world_size=6",
+                   'layout.trainers="0-1,4"', f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, describe(proc)
+    rows = [line.split() for line in proc.stdout.splitlines()[3:9]]
+    assert [row[2] for row in rows] == ["trainer", "trainer", "rollout", "rollout", "trainer",
+                                        "rollout"]
+    assert [row[-1] for row in rows][:2] == ["[0,2]", "[1,3]"]  # WEIGHT_TRANSFER: 0->2, 1->3
+
+
+@pytest.mark.e2e
+def test_a_bad_range_is_one_line_and_exit_2_before_any_rank_starts(tmp_path: Path) -> None:
+    proc = run_app("loop=commcheck", "layout.trainers=3-1", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: layout.trainers: range '3-1' runs backwards; write 1-3"
+    )
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.unit
+def test_the_default_layout_still_plans_trainers_0_1_and_rollouts_2_3() -> None:
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+    from rlcomm import LayoutSpec, plan_layout
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["loop=commcheck"])
+    assert validate(cfg) == plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3]))
+
+
+LAYOUT_OVERRIDES = [
+    (["layout.trainers=0"], "layout.trainers: a count must be at least 1, got 0"),
+    (["layout.trainers=5"], "layout.trainers: count 5 is more than world_size 4"),
+    (["layout.trainers=a-b"], "layout.trainers: 'a-b' is not a rank (8) or a range (0-3)"),
+    (['layout.trainers="0-1,7"'], "layout.trainers: rank 7 in '0-1,7' is out of range for world_size 4"),
+    (["layout.trainers=0-1", "layout.rollouts=1-3"], "layout.rollouts: ranks [1] are also trainers"),
+    (["layout.trainers=1", "layout.rollouts=2"], "layout: ranks [3] are neither trainers nor rollouts"),
+    (["layout.trainers=2.5"], "layout.trainers: expected a list of ranks [0,1], a count 2 or ranges"),
+    (["layout.nosuch=1"], "Key 'nosuch' not in 'LayoutConfig'"),  # the schema is still strict
+    (["layout.ranks_per_node=abc"], "layout.ranks_per_node"),  # and still typed
+    (["+layout.groups={WEIGHT_TRANSFER:abc}"], "layout.groups"),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("overrides", "message"), LAYOUT_OVERRIDES,
+                         ids=[" ".join(o[0]) for o in LAYOUT_OVERRIDES])
+def test_bad_counts_ranges_and_layout_keys_are_rejected_before_launch(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(Exception) as failure:
+        compose_and_validate(overrides)
+    said = f"{failure.value}\n{failure.value.__cause__}"
+    assert message in said
+    if message.startswith("layout"):
+        assert "\n" not in str(failure.value)  # the planner's one line
+
+
+@pytest.mark.e2e
+def test_help_documents_the_count_and_range_forms() -> None:
+    proc = run_app("layout.trainers=1", "--help")
+    assert proc.returncode == 0, describe(proc)
+    assert ('layout.trainers: list[int] = 1  # ranks that train (DDP over TRAIN_DATA_PARALLEL): '
+            '[0,1], a count 2 (the first 2 ranks) or ranges "0-3,8"') in proc.stdout
+    assert "layout.rollouts: list[int] = null  # " in proc.stdout

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from rlcomm import CommContext, ParallelMode
 from rlcomm import collectives as C
-from tests.multiproc import run_ranks
+from rlcomm.testing import run_ranks
+
+pytestmark = pytest.mark.integration
 
 TDP, WT = ParallelMode.TRAIN_DATA_PARALLEL, ParallelMode.WEIGHT_TRANSFER
 

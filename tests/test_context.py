@@ -19,7 +19,7 @@ from rlcomm import (
     ParallelMode,
 )
 from rlcomm.group_initializer import GroupInitializer, register_initializer
-from tests.multiproc import run_ranks
+from rlcomm.testing import run_ranks
 
 
 def _seed_sequence(rank: int, world_size: int) -> dict[str, Any]:
@@ -52,6 +52,7 @@ def _seed_sequence(rank: int, world_size: int) -> dict[str, Any]:
     return seen
 
 
+@pytest.mark.integration
 def test_seed_call_sequence_on_four_ranks() -> None:
     results = run_ranks(_seed_sequence, 4)
     for rank, seen in results.items():
@@ -101,6 +102,7 @@ def _every_mode(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.integration
 def test_every_mode_and_trainer_with_higher_rank_than_rollouts() -> None:
     results = run_ranks(_every_mode, 4)
     assert results[3]["WEIGHT_TRANSFER"] == (2, 3, [0, 1, 3])  # torch sorts: trainer is last
@@ -144,6 +146,7 @@ def _user_mode_and_errors(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.integration
 def test_user_initializer_duplicate_registration_and_backend_errors() -> None:
     results = run_ranks(_user_mode_and_errors, 4)
     assert results[2]["neighbours"] == [2, 3]
@@ -166,12 +169,14 @@ def _destroy_and_reinit(rank: int, world_size: int) -> list[float]:
     return sums
 
 
+@pytest.mark.integration
 def test_destroy_then_init_again_in_the_same_process() -> None:
     results = run_ranks(_destroy_and_reinit, 4)
     assert results[0] == [1.0, 3.0, 5.0]
     assert results[3] == [5.0, 7.0, 9.0]
 
 
+@pytest.mark.integration
 def test_group_timeout_is_passed_to_every_group() -> None:
     def check(rank: int, world_size: int) -> float:
         ctx = CommContext()
@@ -185,6 +190,7 @@ def test_group_timeout_is_passed_to_every_group() -> None:
     assert run_ranks(check, 2) == {0: 42.0, 1: 42.0}
 
 
+@pytest.mark.unit
 def test_nccl_without_cuda_is_a_clear_error() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA; the error is for machines without it")
@@ -195,6 +201,7 @@ def test_nccl_without_cuda_is_a_clear_error() -> None:
     assert not CommContext().is_initialized()
 
 
+@pytest.mark.unit
 def test_auto_backend_picks_gloo_without_cuda() -> None:
     from rlcomm import resolve_backend
 
@@ -203,6 +210,7 @@ def test_auto_backend_picks_gloo_without_cuda() -> None:
         resolve_backend("mpi")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("env", "kwargs", "message"),
     [
@@ -224,6 +232,7 @@ def test_environment_errors_name_the_variable(
         CommContext().init_distributed_env(backend="gloo", **kwargs)
 
 
+@pytest.mark.unit
 def test_local_rank_missing_is_a_clear_error_not_a_type_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -246,6 +255,7 @@ def _derive_local_rank(rank: int, world_size: int) -> tuple[int, int]:
     return derived
 
 
+@pytest.mark.integration
 def test_local_rank_derived_from_intra_node_group() -> None:
     assert run_ranks(_derive_local_rank, 4) == {0: (0, 2), 1: (1, 2), 2: (0, 2), 3: (1, 2)}
 
@@ -267,6 +277,7 @@ def _init_groups_with_own_plan(rank: int, world_size: int) -> dict[str, Any]:
         ctx.destroy()
 
 
+@pytest.mark.integration
 def test_a_rank_with_another_plan_fails_every_rank_before_any_group_exists() -> None:
     results = run_ranks(_init_groups_with_own_plan, 4, timeout=120)
     assert results[1]["error"].startswith("rank 1: its layout plan differs from rank 0's")
@@ -288,12 +299,14 @@ def _init_groups_agreeing(rank: int, world_size: int) -> list[str]:
     return groups
 
 
+@pytest.mark.integration
 def test_init_groups_creates_every_planned_group() -> None:
     results = run_ranks(_init_groups_agreeing, 4)
     assert results[0] == ["GLOBAL", "INTER_NODE", "INTRA_NODE", "TRAIN_DATA_PARALLEL", "WEIGHT_TRANSFER"]
     assert results[2] == ["GLOBAL", "INTER_NODE", "INTRA_NODE", "WEIGHT_TRANSFER"]
 
 
+@pytest.mark.unit
 def test_init_groups_needs_a_plan_of_the_joined_world_size() -> None:
     from rlcomm import LayoutSpec, plan_layout
 

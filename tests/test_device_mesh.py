@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from rlcomm import CommContext, LayoutError, LayoutSpec, ParallelMode, plan_layout
-from tests.multiproc import run_ranks
+from rlcomm.testing import run_ranks
 
 TP, DP = ParallelMode.TENSOR_PARALLEL.value, ParallelMode.DATA_PARALLEL.value
 
@@ -52,6 +52,7 @@ def _sharded_linear(rank: int, world_size: int) -> dict[str, Any]:
         ctx.destroy()
 
 
+@pytest.mark.integration
 def test_a_tensor_parallel_linear_on_the_planned_mesh_matches_the_dense_layer() -> None:
     results = run_ranks(_sharded_linear, 4)
     for rank, got in results.items():
@@ -63,6 +64,7 @@ def test_a_tensor_parallel_linear_on_the_planned_mesh_matches_the_dense_layer() 
         assert got["max_error"] < 1e-5
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("rank", [0, 4095])
 def test_the_mesh_of_a_4096_rank_grid_has_the_planned_groups(rank: int) -> None:
     world = 4096
@@ -87,6 +89,7 @@ def test_the_mesh_of_a_4096_rank_grid_has_the_planned_groups(rank: int) -> None:
         ctx.destroy()
 
 
+@pytest.mark.unit
 def test_a_mesh_needs_grid_groups() -> None:
     plan = plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3]))
     ctx = CommContext()

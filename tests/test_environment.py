@@ -14,6 +14,8 @@ from app.launch.environment import (
     without_launcher_variables,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_plain_shell_launches_the_ranks_itself() -> None:
     env = resolve_rank_env({"PATH": "/bin"})

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from rlcomm.diagnostics.diagnosis import diagnose
-from tests.multiproc import run_ranks
-from tests.test_reliability import AppProcess, read_result
+from rlcomm.testing import run_ranks
+from tests.helpers.apprun import AppProcess, read_result
 
 TIMEOUT_S = 10  # comm.timeout of the hanging runs: the watchdog diagnoses after 5 s
-LOOPS = Path(__file__).with_name("hang_loops.py")
-HANG = ("loop=custom", "loop._target_=tests.hang_loops.Hang")
+LOOPS = Path(__file__).parent / "helpers" / "hang_loops.py"
+HANG = ("loop=custom", "loop._target_=tests.helpers.hang_loops.Hang")
 
 
 def site(marker: str) -> str:
@@ -91,6 +91,7 @@ def _done(mode: str, seq: int) -> dict[str, Any]:
     return _call(mode, seq, in_flight=False, started=1.0)
 
 
+@pytest.mark.unit
 def test_diagnosis_names_a_rank_in_user_code() -> None:
     reports = {r: _report(r, [_done("GLOBAL", 1), _call("GLOBAL", 2, started=100 + r)])
                for r in (0, 1, 3)}
@@ -102,6 +103,7 @@ def test_diagnosis_names_a_rank_in_user_code() -> None:
     )
 
 
+@pytest.mark.unit
 def test_diagnosis_names_where_a_missing_rank_is_instead_and_starts_at_the_oldest_call() -> None:
     # Rank 0 waits in TDP for rank 1 (since t=100); rank 1 waits in GLOBAL (since t=102), and so
     # do 2 and 3: the hang started in TDP; GLOBAL is its consequence.
@@ -117,6 +119,7 @@ def test_diagnosis_names_where_a_missing_rank_is_instead_and_starts_at_the_oldes
     )
 
 
+@pytest.mark.unit
 def test_diagnosis_names_both_sides_of_a_mismatch_and_a_rank_that_did_not_answer() -> None:
     reports: dict[int, Any] = {
         r: _report(r, [_call("GLOBAL", 6, started=100 + r)]) for r in (0, 1)
@@ -130,6 +133,7 @@ def test_diagnosis_names_both_sides_of_a_mismatch_and_a_rank_that_did_not_answer
     )
 
 
+@pytest.mark.unit
 def test_diagnosis_of_a_collective_everyone_is_in_and_of_no_hang() -> None:
     reports = {r: _report(r, [_call("WEIGHT_TRANSFER", 2, started=100 + r)]) for r in (0, 2)}
     reports.update({r: _report(r, []) for r in (1, 3)})
@@ -145,7 +149,7 @@ def test_diagnosis_of_a_collective_everyone_is_in_and_of_no_hang() -> None:
 
 def _record(rank: int, world_size: int, record: bool) -> dict[str, Any]:
     from rlcomm import CommContext, collectives
-    from rlcomm.weight_transfer import WeightReceiver, WeightSender
+    from rlcomm.weights import WeightReceiver, WeightSender
 
     ctx = CommContext()
     ctx.init_distributed_env(backend="gloo", timeout=60, record=record)
@@ -166,6 +170,7 @@ def _record(rank: int, world_size: int, record: bool) -> dict[str, Any]:
         ctx.destroy()
 
 
+@pytest.mark.integration
 def test_the_recorder_keeps_each_modes_calls_with_sequence_numbers_and_callers() -> None:
     out = run_ranks(_record, 2, True, timeout=120)
     this_file = f"{Path(__file__).name}:"
@@ -187,6 +192,7 @@ def test_the_recorder_keeps_each_modes_calls_with_sequence_numbers_and_callers()
         assert got["in_flight"] == 0 and got["watchdog"]
 
 
+@pytest.mark.integration
 def test_recording_off_records_nothing_and_starts_no_watchdog() -> None:
     out = run_ranks(_record, 2, False, timeout=120)
     assert all(got == {"table": {}, "in_flight": 0, "watchdog": False} for got in out.values())
@@ -203,6 +209,7 @@ def _hang_in_library(rank: int, world_size: int) -> None:
     collectives.all_reduce(ctx, "GLOBAL", torch.ones(1))
 
 
+@pytest.mark.integration
 def test_a_library_user_gets_a_hang_error_naming_the_missing_rank() -> None:
     errors = run_ranks(_hang_in_library, 2, expect_failure=True, timeout=60)
     first = errors[0].splitlines()[0]
@@ -223,6 +230,7 @@ def _line_of(text: str) -> int:
 # ---- end to end: one line per kind of hang --------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_a_rank_in_user_code(app_run: Callable[..., AppProcess]) -> None:
     app = run_hang(app_run, "sleep", "+loop.fault=sleep")
     assert app.last_line == (
@@ -238,6 +246,7 @@ def test_a_rank_in_user_code(app_run: Callable[..., AppProcess]) -> None:
     assert "all_reduce #3 (float32[4], 16 B, " in app.log(0) and "IN FLIGHT" in app.log(0)
 
 
+@pytest.mark.e2e
 def test_a_rank_that_skips_a_collective(app_run: Callable[..., AppProcess]) -> None:
     app = run_hang(app_run, "skip", "+loop.fault=skip")
     assert app.last_line == (
@@ -247,6 +256,7 @@ def test_a_rank_that_skips_a_collective(app_run: Callable[..., AppProcess]) -> N
     ), app.describe()
 
 
+@pytest.mark.e2e
 def test_ranks_that_call_different_collectives(app_run: Callable[..., AppProcess]) -> None:
     app = run_hang(app_run, "mismatch", "+loop.fault=broadcast")
     assert app.last_line == (
@@ -256,6 +266,7 @@ def test_ranks_that_call_different_collectives(app_run: Callable[..., AppProcess
     ), app.describe()
 
 
+@pytest.mark.e2e
 def test_a_deadlock_across_two_modes(app_run: Callable[..., AppProcess]) -> None:
     app = run_hang(app_run, "deadlock", "+loop.fault=deadlock", "+loop.rank=1")
     assert app.last_line == (
@@ -265,6 +276,7 @@ def test_a_deadlock_across_two_modes(app_run: Callable[..., AppProcess]) -> None
     ), app.describe()
 
 
+@pytest.mark.e2e
 def test_shapes_that_differ(app_run: Callable[..., AppProcess]) -> None:
     # Gloo either hangs on a size mismatch (then the mismatch is named) or the rank that receives
     # more than it expects aborts (SIGABRT): the crash path names it and its log holds its
@@ -281,6 +293,7 @@ def test_shapes_that_differ(app_run: Callable[..., AppProcess]) -> None:
         assert "Fatal Python error: Aborted" in Path(crash.group(2)).read_text(), app.describe()
 
 
+@pytest.mark.e2e
 def test_a_killed_rank_is_reported_as_the_crash_it_is(app_run: Callable[..., AppProcess]) -> None:
     # Rank 2 sits in its own code, the others wait for it; then it is killed, before the watchdog
     # (30 s) would diagnose a hang.
@@ -307,6 +320,7 @@ def _stack(app: AppProcess, rank: int) -> str:
 # ---- stacks on demand, comm.debug, config ---------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_sigusr1_writes_every_ranks_stack_and_table_and_the_run_goes_on(
     app_run: Callable[..., AppProcess],
 ) -> None:
@@ -328,6 +342,7 @@ def test_sigusr1_writes_every_ranks_stack_and_table_and_the_run_goes_on(
     app.assert_all_ended()
 
 
+@pytest.mark.e2e
 def test_comm_debug_fails_at_once_on_a_shape_mismatch_naming_both_sides(
     app_run: Callable[..., AppProcess],
 ) -> None:

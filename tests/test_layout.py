@@ -17,6 +17,8 @@ from rlcomm.modes import register_mode_name
 from rlcomm.plan.layout import place_on_hosts
 from rlcomm.plan.ranks import parse_ranges
 
+pytestmark = pytest.mark.unit
+
 
 def groups(spec: LayoutSpec) -> dict[str, tuple[tuple[int, ...], ...]]:
     return {g.mode: g.rank_lists for g in plan_layout(spec).groups}

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.multihost import (
+from tests.helpers.apprun import assert_commcheck_passed, read_result
+from tests.helpers.multihost import (
     SCRIPTS,
     describe_runs,
     finish,
@@ -32,7 +33,8 @@ from tests.multihost import (
     start_on_host,
     torchrun,
 )
-from tests.test_app import assert_commcheck_passed, read_result
+
+pytestmark = pytest.mark.cluster
 
 FAST_COMMCHECK = ("loop=commcheck", "loop.latency_iters=3", "loop.bandwidth_bytes=1048576",
                   "loop.bandwidth_iters=2", "comm.timeout=60")
@@ -356,7 +358,7 @@ def test_a_hang_across_hosts_names_the_rank_that_never_entered(
     timeout_s = 10
     runs, run_dir = run_torchrun(
         hosts, 2,
-        ["layout=2x2", "loop=custom", "loop._target_=tests.hang_loops.Hang", "+loop.fault=sleep",
+        ["layout=2x2", "loop=custom", "loop._target_=tests.helpers.hang_loops.Hang", "+loop.fault=sleep",
          "+loop.rank=2", "+loop.mode=GLOBAL", "+loop.max_wait_s=90", f"comm.timeout={timeout_s}"],
         tmp_path, timeout=150, port=29440)
     assert all(r.returncode not in (0, None) for r in runs), describe_runs(runs)

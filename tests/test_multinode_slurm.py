@@ -20,9 +20,16 @@ from pathlib import Path
 import pytest
 
 from app.launch.environment import without_launcher_variables
-from tests.apprun import MARKER, REPO, assert_no_survivors
-from tests.multihost import _skip_or_fail, kill_host, netns_list, set_link
-from tests.test_app import assert_commcheck_passed, read_result
+from tests.helpers.apprun import (
+    MARKER,
+    REPO,
+    assert_commcheck_passed,
+    assert_no_survivors,
+    read_result,
+)
+from tests.helpers.multihost import _skip_or_fail, kill_host, netns_list, set_link
+
+pytestmark = pytest.mark.cluster
 
 SLURM_SCRIPTS = REPO / "tests" / "slurm"
 ON_HOST = REPO / "tests" / "hosts" / "on_host.sh"

@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from rlcomm import CommContext, ParallelMode, collectives
-from tests.multiproc import run_ranks
+from rlcomm.testing import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="nccl needs a CUDA device; this machine has none"
-)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="nccl needs a CUDA device; this machine has none"
+    ),
+]
 
 
 def _nccl_rank(rank: int, world_size: int) -> dict[str, float]:

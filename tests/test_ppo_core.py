@@ -18,6 +18,8 @@ from app.loops.ppo.core import (
     set_lr,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def _single_thread() -> None:

@@ -1,6 +1,12 @@
 """Every private (or internal) API of torch, submitit, hydra-submitit-launcher and Hydra that the
 code relies on, pinned: an upgrade that changes one fails here, naming it, not in a user's job.
 
+Pinned in-process (PINNED) where a call shows it; with real processes where only they do: the
+command line of the elastic agent's rank processes (``spawn_main``, how app/launch/local.py
+tells ranks from the agent's other children), and gloo's wording of a peer that left or fell
+silent, which the code matches on (rlcomm/net/hosts.py, app/launch/failures.py,
+app/launch/rank.py).
+
 Replaced by public equivalents (so not listed): rendezvous_handler_registry._registry (register()
 is idempotent for the same creator), torch.distributed.elastic.multiprocessing.api.SignalException
 (exported by the package), Enum._value2member_map_, nn.Module._modules (get_submodule).
@@ -8,10 +14,23 @@ is idempotent for the same creator), torch.distributed.elastic.multiprocessing.a
 
 from __future__ import annotations
 
+import datetime
 import inspect
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 
+import psutil
 import pytest
+import torch
+import torch.distributed as dist
+
+from app.launch.failures import GLOO_PEER_LOST, classify
+from app.launch.local import rank_pids
+from app.launch.rank import _gist
+from rlcomm.net.hosts import _LOST, _PEER_ADDRESS
+from rlcomm.testing import run_ranks
 
 
 def _fake_store() -> None:
@@ -101,6 +120,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("name", "where", "check"), PINNED, ids=[p[0] for p in PINNED])
 def test_private_api_still_behaves_as_the_code_expects(
     name: str, where: str, check: Callable[[], None]
@@ -109,3 +129,115 @@ def test_private_api_still_behaves_as_the_code_expects(
         check()
     except Exception as err:
         pytest.fail(f"private API changed: {name} (used in {where}): {type(err).__name__}: {err}")
+
+
+# ---- with real processes ----------------------------------------------------------------------
+
+
+def _rank_until_told(folder: str) -> None:
+    """An agent's rank: says it runs, then waits (bounded) until the test has looked at it."""
+    (Path(folder) / f"started.{os.getpid()}").touch()
+    deadline = time.monotonic() + 60
+    while not (Path(folder) / "stop").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.integration
+def test_the_elastic_agents_ranks_carry_spawn_main_in_their_command_lines(tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    # How the agent LocalElasticAgent (start_method="spawn", app/launch/local.py) starts ranks.
+    ranks = start_processes(
+        name="pin", entrypoint=_rank_until_told, args={0: (str(tmp_path),), 1: (str(tmp_path),)},
+        envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+        start_method="spawn",
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("started.*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = sorted(int(p.suffix[1:]) for p in tmp_path.glob("started.*"))
+        spawned = sorted(ranks.pids().values())
+        assert started == spawned, (started, spawned)
+        found = rank_pids(os.getpid())  # the children whose command line holds spawn_main
+    finally:
+        (tmp_path / "stop").touch()
+        ranks.wait(timeout=60)
+        ranks.close()
+    if found != spawned:
+        lines = {p.pid: p.cmdline() for p in psutil.Process().children()}
+        pytest.fail(f"private API changed: multiprocessing's spawn_main in a spawned rank's "
+                    f"command line (used in app/launch/local.py: rank_pids): found {found}, "
+                    f"ranks {spawned}; children: {lines}")
+
+
+def _running(pid: int | None) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _lose_the_peer(rank: int, world_size: int, when: str) -> str | None:
+    """Rank 1 leaves without a word (its process ends, its sockets close) while rank 0 is in
+    (``during``) or enters (``after``) an all_reduce with it; rank 0 returns gloo's error."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    pids: list[int | None] = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        return None
+    deadline = time.monotonic() + 60
+    while when == "after" and _running(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # until rank 1's process has ended
+    try:
+        dist.all_reduce(torch.ones(4))
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def _fall_silent(rank: int, world_size: int) -> str | None:
+    """Rank 1 stays away from a collective longer than its group's timeout."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(6)
+        return None
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("when", ["during", "after"])
+def test_gloos_words_for_a_lost_peer_are_the_ones_the_code_matches(when: str) -> None:
+    said = run_ranks(_lose_the_peer, 2, when, timeout=120)[0]
+    assert said is not None
+    where = ("rlcomm/net/hosts.py: _LOST, _PEER_ADDRESS; app/launch/failures.py: GLOO_PEER_LOST; "
+             "app/launch/rank.py: _gist")
+    problems = []
+    if not any(w in said for w in GLOO_PEER_LOST) or classify(RuntimeError(said)) != "peer_lost":
+        problems.append(f"none of GLOO_PEER_LOST {GLOO_PEER_LOST}")
+    if not any(w in said for w in _LOST[:2]):
+        problems.append(f"none of _LOST's {_LOST[:2]}")
+    if _PEER_ADDRESS.findall(said) != ["127.0.0.1"]:
+        problems.append("the peer's address as [127.0.0.1]:port")
+    gist = _gist(RuntimeError(said))
+    if gist.startswith("[") or not any(w in gist for w in _LOST[:2]):
+        problems.append(f"a source location prefix that _gist strips (it made {gist!r})")
+    if problems:
+        pytest.fail(f"private API changed: gloo's words for a lost peer (used in {where}): "
+                    f"{said!r} has not {'; nor '.join(problems)}")
+
+
+@pytest.mark.integration
+def test_gloos_words_for_a_silent_peer_are_the_ones_the_code_matches() -> None:
+    said = run_ranks(_fall_silent, 2, timeout=120)[0]
+    assert said is not None
+    gist = _gist(RuntimeError(said))
+    if not any(w in said for w in _LOST[2:]) or not gist.startswith("Timed out"):
+        pytest.fail(f"private API changed: gloo's words for a peer that timed out (used in "
+                    f"rlcomm/net/hosts.py: _LOST, app/launch/rank.py: _gist): {said!r} (gist "
+                    f"{gist!r}) does not say {' or '.join(_LOST[2:])} after a location prefix")

@@ -16,10 +16,8 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,115 +25,21 @@ from typing import Any
 import psutil
 import pytest
 
-from app.launch.environment import without_launcher_variables
-from tests.apprun import MARKER, REPO, assert_no_survivors, describe, run_app
-from tests.multiproc import free_port, run_ranks
+from rlcomm.testing import free_port, run_ranks
+from tests.helpers.apprun import (
+    HANG_S,
+    REPO,
+    AppProcess,
+    describe,
+    read_result,
+    run_app,
+)
 
-HANG_S = 240.0  # a run still going after this is a hang: the test fails instead of blocking
 STOP_S = 60.0  # a failed or interrupted run must be over this soon after the event
 # Small PPO steps so an update takes a fraction of a second even on 2 loaded cores.
 PPO_SMALL = ("loop.hparams={num_envs:4,num_steps:64}", "loop.progress=false", "loop.target_return=1e9")
 STEPS_PER_UPDATE = 2 * 4 * 64  # layout 2t2r: 2 rollout ranks x num_envs x num_steps
 PPO_FOREVER = (*PPO_SMALL, f"loop.total_env_steps={10**10}")
-
-
-class AppProcess:
-    """``python -m app`` started as a user would, in its own session, output in files."""
-
-    def __init__(self, name: str, workdir: Path, overrides: tuple[str, ...], run_dir: Path,
-                 env: dict[str, str], prefix: tuple[str, ...]) -> None:
-        self.name, self.run_dir = name, run_dir
-        self.marker = uuid.uuid4().hex
-        self._stdout_path = workdir / f"{name}.stdout"
-        self._stderr_path = workdir / f"{name}.stderr"
-        full_env = without_launcher_variables(os.environ)
-        full_env.update({MARKER: self.marker, "PYTHONPATH": str(REPO), **env})
-        with self._stdout_path.open("w") as out, self._stderr_path.open("w") as err:
-            self.proc = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "app", *overrides, f"hydra.run.dir={run_dir}"],
-                cwd=workdir, env=full_env, stdout=out, stderr=err, start_new_session=True,
-            )
-        self.pid = self.proc.pid
-        self.started = time.monotonic()
-
-    @property
-    def stderr(self) -> str:
-        return self._stderr_path.read_text(errors="replace")
-
-    @property
-    def stdout(self) -> str:
-        return self._stdout_path.read_text(errors="replace")
-
-    @property
-    def last_line(self) -> str:
-        lines = self.stderr.strip().splitlines()
-        return lines[-1] if lines else ""
-
-    def log_path(self, rank: int) -> Path:
-        return self.run_dir / "logs" / f"rank{rank}.log"
-
-    def log(self, rank: int) -> str:
-        path = self.log_path(rank)
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def describe(self) -> str:
-        return (f"{self.name}: exit {self.proc.poll()}\n--- stdout\n"
-                f"{self.stdout[-3000:]}\n--- stderr\n"
-                f"{self.stderr[-5000:]}")
-
-    def wait_until(self, what: str, condition: Callable[[], bool], timeout: float = HANG_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the app ended before {what}\n{self.describe()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {what} after {timeout:.0f}s\n{self.describe()}")
-            time.sleep(0.05)
-
-    def wait_until_training(self, world_size: int = 4) -> None:
-        """Every rank created its groups (the loop is running)."""
-        self.wait_until("ranks with groups",
-                        lambda: all("groups:" in self.log(r) for r in range(world_size)))
-
-    def wait(self, timeout: float = HANG_S) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running after {timeout:.0f}s\n{self.describe()}") from None
-
-    def processes(self) -> list[psutil.Process]:
-        """The launcher and everything under it."""
-        try:
-            root = psutil.Process(self.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def ranks(self) -> dict[int, psutil.Process]:
-        """Rank processes by rank, told apart by the rank log file each one holds open (the
-        agent sets RANK after the process starts, so /proc/<pid>/environ does not show it)."""
-        found: dict[int, psutil.Process] = {}
-        for proc in self.processes()[1:]:
-            try:
-                for f in proc.open_files():
-                    match = re.fullmatch(r"rank(\d+)\.log", Path(f.path).name)
-                    if match and Path(f.path).parent == self.run_dir / "logs":
-                        found[int(match.group(1))] = proc
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return found
-
-    def assert_all_ended(self) -> None:
-        """The launcher was reaped, and no process it started is still around anywhere."""
-        assert self.proc.poll() is not None, f"{self.name} is still running"
-        assert not psutil.pid_exists(self.pid) or psutil.Process(self.pid).ppid() != os.getpid()
-        assert_no_survivors(self.marker)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        assert_no_survivors(self.marker)
 
 
 @pytest.fixture
@@ -153,10 +57,6 @@ def start_app(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
     yield start
     for app in apps:
         app.close()
-
-
-def read_result(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "result.json").read_text())
 
 
 def per_rank(result: dict[str, Any], *keys: str) -> dict[int, tuple[Any, ...]]:
@@ -200,6 +100,7 @@ def _not_a_checkpoint(tmp: Path) -> tuple[Path, str]:
     return path, f"error: loop.resume: '{path}' is not a readable checkpoint"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", [_missing, _empty_dir, _only_partial, _not_a_checkpoint],
                          ids=["missing", "empty-dir", "only-partial-tmp", "not-a-checkpoint"])
 def test_bad_resume_path_fails_before_any_rank_starts(
@@ -217,6 +118,7 @@ def test_bad_resume_path_fails_before_any_rank_starts(
 # ---- 2. a rank that never joins ------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_a_rank_that_never_joins_fails_the_others_naming_it(
     start_app: Callable[..., AppProcess], tmp_path: Path
 ) -> None:
@@ -268,6 +170,7 @@ def _join_late(rank: int, world_size: int, delays: list[float], timeout_s: int) 
     ctx.init_distributed_env(world_size + 1, rank, backend="gloo", timeout=timeout_s)
 
 
+@pytest.mark.integration
 def test_ranks_that_arrive_after_the_store_host_gave_up_still_learn_who_is_missing() -> None:
     # As on a cluster, ranks start seconds apart. Rank 0 serves the store and times out first;
     # ranks 1 and 2 arrived 3 s later, so they time out 3 s later, when rank 0 has given up. They
@@ -284,6 +187,7 @@ def test_ranks_that_arrive_after_the_store_host_gave_up_still_learn_who_is_missi
 # ---- 3. a rank that crashes mid-run ---------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_sigkill_of_one_rank_stops_the_whole_run(start_app: Callable[..., AppProcess]) -> None:
     app = start_app("killed", *PPO_FOREVER)
     app.wait_until_training()
@@ -322,6 +226,7 @@ class Boom:
 '''
 
 
+@pytest.mark.e2e
 def test_a_loop_that_raises_on_one_rank_fails_the_run_promptly(
     start_app: Callable[..., AppProcess], tmp_path: Path
 ) -> None:
@@ -350,6 +255,7 @@ def test_a_loop_that_raises_on_one_rank_fails_the_run_promptly(
 # ---- 4. an elastic restart resumes from the last checkpoint ---------------------------------
 
 
+@pytest.mark.e2e
 def test_restart_resumes_from_the_last_checkpoint_without_loss(
     start_app: Callable[..., AppProcess],
 ) -> None:
@@ -398,6 +304,7 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
 # ---- 5. SIGINT / SIGTERM on the launcher ----------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_sigint_sigterm_and_ctrl_c_stop_every_rank_then_a_new_run_starts_cleanly(
     start_app: Callable[..., AppProcess],
 ) -> None:
@@ -428,6 +335,7 @@ def test_sigint_sigterm_and_ctrl_c_stop_every_rank_then_a_new_run_starts_cleanly
     again.assert_all_ended()
 
 
+@pytest.mark.e2e
 def test_an_interrupted_multirun_stops_at_the_interrupted_job(
     start_app: Callable[..., AppProcess], tmp_path: Path
 ) -> None:
@@ -496,6 +404,7 @@ def _hostname_prefix() -> tuple[str, ...]:
     return prefix if probe.returncode == 0 and probe.stdout.strip() == address else ()
 
 
+@pytest.mark.e2e
 def test_two_runs_at_once_succeed_and_listen_on_loopback_only(
     start_app: Callable[..., AppProcess], tmp_path: Path
 ) -> None:
@@ -585,6 +494,7 @@ def _ppo_rank_without_unpickling(rank: int, world_size: int, config: dict[str, A
     return {"result": result, "trapped": calls}
 
 
+@pytest.mark.integration
 def test_weights_and_trajectories_travel_without_unpickling(tmp_path: Path) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf

@@ -17,7 +17,7 @@ import pytest
 
 from app.output.progress import RunProgress, Snapshot, StopRule
 from app.output.tensorboard import HINT
-from tests.apprun import REPO, describe, run_app, run_app_in_terminal
+from tests.helpers.apprun import REPO, describe, run_app, run_app_in_terminal
 
 COLUMNS = 140
 _CSI = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
@@ -80,11 +80,13 @@ class Screen:
         self.col += 1
 
 
+@pytest.mark.unit
 def test_screen_emulator_overwrites_as_a_terminal_does() -> None:
     screen = Screen(10).feed("abc\r\nbar 10%\rbar 50%\r\x1b[Kmsg\r\nbar 90%\x1b[A\rX\n\r\n0123456789AB")
     assert screen.lines() == ["abc", "Xsg", "bar 90%", "0123456789", "AB"]
 
 
+@pytest.mark.unit
 def test_stop_rule_progress_is_the_current_fraction_of_what_ends_the_run() -> None:
     rule = StopRule(target_return=200.0, window=20, total_env_steps=1000)
     assert rule.fraction(-math.inf, 0) == 0.0  # fewer than `window` episodes yet
@@ -95,6 +97,7 @@ def test_stop_rule_progress_is_the_current_fraction_of_what_ends_the_run() -> No
     assert budget.fraction(499.0, 250) == 0.25 and budget.fraction(0.0, 1000) == 1.0
 
 
+@pytest.mark.unit
 def test_off_a_terminal_a_plain_line_is_printed_at_most_once_per_interval() -> None:
     stream = io.StringIO()  # not a terminal
     view = RunProgress(StopRule(None, 20, 4096), stream=stream, plain_interval_s=0.3)
@@ -117,6 +120,7 @@ def test_off_a_terminal_a_plain_line_is_printed_at_most_once_per_interval() -> N
     assert "\r" not in stream.getvalue()
 
 
+@pytest.mark.e2e
 def test_a_run_on_a_terminal_shows_one_bar_messages_above_it_and_the_summary(
     tmp_path: Path,
 ) -> None:
@@ -170,6 +174,7 @@ class Warns:
 """
 
 
+@pytest.mark.e2e
 def test_every_ranks_warnings_reach_the_console_through_the_one_path(tmp_path: Path) -> None:
     (tmp_path / "warnloop.py").write_text(WARNING_LOOP)
     proc = run_app("layout=1t1r", "loop=custom", "loop._target_=warnloop.Warns",
@@ -198,6 +203,7 @@ def piped_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
     return run_dir, proc
 
 
+@pytest.mark.e2e
 def test_off_a_terminal_progress_is_plain_lines_against_the_budget(
     piped_run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
@@ -234,6 +240,7 @@ def _scalars(run_dir: Path) -> dict[str, list[Any]]:
     return {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.e2e
 def test_tensorboard_scalars_are_written_under_the_run_dir(
     piped_run: tuple[Path, subprocess.CompletedProcess[str]],
 ) -> None:
@@ -252,6 +259,7 @@ def test_tensorboard_scalars_are_written_under_the_run_dir(
     assert summary["files"]["tensorboard"] == str(run_dir / "tensorboard")
 
 
+@pytest.mark.e2e
 def test_tensorboard_without_the_package_fails_before_launch_with_a_hint(tmp_path: Path) -> None:
     # The app exactly as `python -m app`, in an interpreter where tensorboard cannot be imported.
     blocked = ("import sys, runpy; sys.modules['tensorboard'] = None; "

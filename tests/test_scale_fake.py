@@ -6,6 +6,8 @@ import pytest
 
 from rlcomm import CommContext, LayoutSpec, ParallelMode, plan_layout
 
+pytestmark = pytest.mark.unit
+
 WORLD = 4096
 
 

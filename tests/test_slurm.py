@@ -24,8 +24,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.apprun import MARKER, REPO, assert_no_survivors, describe, run_app
-from tests.test_app import assert_commcheck_passed, read_result
+from tests.helpers.apprun import (
+    MARKER,
+    REPO,
+    assert_commcheck_passed,
+    assert_no_survivors,
+    describe,
+    read_result,
+    run_app,
+)
 
 SCRIPTS = REPO / "tests" / "slurm"
 STATE = Path(os.environ.get("RLCOMM_SLURM_STATE", "/var/lib/rlcomm-slurm"))
@@ -144,6 +151,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
+@pytest.mark.unit
 def test_an_srun_task_is_a_rank_even_under_salloc(clean_env: pytest.MonkeyPatch) -> None:
     from app.launch.environment import resolve_rank_env, run_id
 
@@ -160,6 +168,7 @@ def test_an_srun_task_is_a_rank_even_under_salloc(clean_env: pytest.MonkeyPatch)
     assert run_id() == "slurm-25_1.0"
 
 
+@pytest.mark.unit
 def test_the_batch_script_and_one_task_steps_launch_ranks_themselves(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
@@ -178,6 +187,7 @@ def test_the_batch_script_and_one_task_steps_launch_ranks_themselves(
     assert (env.launcher, env.note, env.torch_variables()) == ("local", None, {})
 
 
+@pytest.mark.unit
 def test_a_submitit_local_task_is_a_rank(clean_env: pytest.MonkeyPatch) -> None:
     from app.launch.environment import master_port, resolve_rank_env
 
@@ -192,6 +202,7 @@ def test_a_submitit_local_task_is_a_rank(clean_env: pytest.MonkeyPatch) -> None:
     assert variables["MASTER_PORT"] == str(master_port(7144))
 
 
+@pytest.mark.unit
 def test_master_ports_differ_between_nearby_jobs_and_steps() -> None:
     from app.launch.environment import master_port
 
@@ -200,6 +211,7 @@ def test_master_ports_differ_between_nearby_jobs_and_steps() -> None:
     assert all(15000 <= p < 32768 for p in ports)  # below the ephemeral range
 
 
+@pytest.mark.unit
 def test_node_lists_and_task_counts_parse() -> None:
     from app.launch.environment import first_host, tasks_on_node
 
@@ -207,6 +219,7 @@ def test_node_lists_and_task_counts_parse() -> None:
     assert [tasks_on_node("2(x3),1", n) for n in range(5)] == [2, 2, 2, 1, None]
 
 
+@pytest.mark.unit
 def test_launcher_shape_follows_the_layout() -> None:
     from hydra import compose, initialize_config_dir
 
@@ -237,6 +250,7 @@ def test_launcher_shape_follows_the_layout() -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("preset", ["rlcomm_slurm", "rlcomm_local"])
 def test_multirun_over_two_layouts_leaves_one_result_per_job(
     cluster: Cluster, preset: str, tmp_path: Path
@@ -279,6 +293,7 @@ class CrashOn:
 '''
 
 
+@pytest.mark.cluster
 def test_a_crashing_rank_fails_the_multirun_promptly_and_is_named(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -306,6 +321,7 @@ def test_a_crashing_rank_fails_the_multirun_promptly_and_is_named(
     assert "rank 1: ValueError: boom on rank 1" in summary["jobs"][0]["error"]
 
 
+@pytest.mark.cluster
 def test_a_layout_of_another_world_size_fails_every_task_before_any_group(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -365,6 +381,7 @@ def wait_for_job(job: str, timeout: float) -> str:
     raise AssertionError(f"job {job} still {state} after {timeout} s")
 
 
+@pytest.mark.cluster
 def test_srun_in_sbatch_makes_each_task_a_rank_with_one_run_dir(
     cluster: Cluster, tmp_path: Path
 ) -> None:
@@ -377,6 +394,7 @@ def test_srun_in_sbatch_makes_each_task_a_rank_with_one_run_dir(
     assert rank_logs(run_dir) == [f"rank{r}.log" for r in range(4)]
 
 
+@pytest.mark.cluster
 def test_srun_with_a_layout_of_another_world_size_fails_clearly(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -4,24 +4,28 @@ between real gloo processes."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlcomm import ParallelMode
-from rlcomm.weight_transfer import (
+from rlcomm.testing import run_ranks
+from rlcomm.weights import (
     WeightReceiver,
     WeightSender,
     WeightTransferError,
-    _FlatBuffers,
     describe_state_dict,
     tensor_checksum,
 )
-from tests.multiproc import run_ranks
-from tests.test_weight_transfer import (
+from rlcomm.weights.buffers import FlatBuffers as _FlatBuffers
+from rlcomm.weights.checksums import THREAD_NAME, ChecksumHelper
+from tests.helpers.weights import (
     TIMEOUT_S,
     make_trainable,
     mismatches,
@@ -33,6 +37,7 @@ from tests.test_weight_transfer import (
 TDP = ParallelMode.TRAIN_DATA_PARALLEL
 
 
+@pytest.mark.unit
 def test_checksum_sees_any_single_byte() -> None:
     tensor = torch.randn(37, dtype=torch.float32)
     base = tensor_checksum(tensor)
@@ -46,6 +51,7 @@ def test_checksum_sees_any_single_byte() -> None:
     assert tensor_checksum(storage[1:38]) == tensor_checksum(storage[1:38].clone())
 
 
+@pytest.mark.unit
 def test_batched_checksums_equal_each_tensors_own() -> None:
     # Odd sizes and mixed dtypes: tails after the 8-byte words and views not 8-byte aligned.
     state = {
@@ -66,14 +72,145 @@ def test_batched_checksums_equal_each_tensors_own() -> None:
     assert [x != y for x, y in zip(batched, after)] == [False, True, False, False, False, False, False]
 
 
+@contextlib.contextmanager
+def declared_threads(count: int) -> Iterator[None]:
+    """This process declares ``count`` threads to torch (as a rank does), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def helper_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
+
+
+def large_state() -> dict[str, torch.Tensor]:
+    """Over 1 MiB of mixed dtypes: big enough for the two-thread checksum path."""
+    return {f"t{i}": torch.randn(40_000 + 3 * i).to(torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(9)}
+
+
+@pytest.mark.unit
 def test_checksums_of_a_large_buffer_summed_by_two_threads_equal_each_tensors_own() -> None:
     # Over 1 MiB: the tensors are summed in two halves, one by a helper thread.
-    state = {f"t{i}": torch.randn(40_000 + 3 * i).to(torch.bfloat16 if i % 2 else torch.float32)
-             for i in range(9)}
+    state = large_state()
     buffers = _FlatBuffers(describe_state_dict(state), torch.device("cpu"))
     assert buffers.wire.nbytes > 1 << 20
     buffers.pack(state)
-    assert buffers.view_checksums().tolist() == [tensor_checksum(t) for t in state.values()]
+    with declared_threads(2):  # the process allows two threads
+        assert buffers.view_checksums().tolist() == [tensor_checksum(t) for t in state.values()]
+    assert helper_threads() == []  # without a caller's helper, one lived for that call only
+
+
+@pytest.mark.unit
+def test_a_process_that_declared_one_thread_starts_no_checksum_helper() -> None:
+    # PPO's ranks (torch.set_num_threads(1)) stay on their one core, even for a large buffer.
+    state = large_state()
+    buffers = _FlatBuffers(describe_state_dict(state), torch.device("cpu"))
+    buffers.pack(state)
+    want = [tensor_checksum(t) for t in state.values()]
+    with declared_threads(1), ChecksumHelper() as helper:
+        assert buffers.view_checksums(helper).tolist() == want
+        assert buffers.view_checksums().tolist() == want
+        assert helper_threads() == []
+
+
+@pytest.mark.unit
+def test_two_declared_threads_sum_with_the_owned_helper_until_it_is_closed() -> None:
+    state = large_state()
+    buffers = _FlatBuffers(describe_state_dict(state), torch.device("cpu"))
+    buffers.pack(state)
+    want = [tensor_checksum(t) for t in state.values()]
+    with declared_threads(2):
+        helper = ChecksumHelper()
+        try:
+            assert helper_threads() == []  # started on first use, not before
+            assert buffers.view_checksums(helper).tolist() == want
+            assert helper_threads() == [f"{THREAD_NAME}_0"]  # the two-thread path was taken
+            assert buffers.view_checksums(helper).tolist() == want  # the same thread again
+            assert helper_threads() == [f"{THREAD_NAME}_0"]
+        finally:
+            helper.close()
+        assert helper_threads() == []
+        small = {"a": torch.randn(37)}  # under 1 MiB: one thread, no helper
+        flat = _FlatBuffers(describe_state_dict(small), torch.device("cpu"))
+        flat.pack(small)
+        assert flat.view_checksums(helper).tolist() == [tensor_checksum(small["a"])]
+        assert helper_threads() == []
+
+
+_INHERITED = ChecksumHelper()  # started in the parent, used in a forked child
+
+
+def small_tensors() -> dict[str, torch.Tensor]:
+    """Over 1 MiB in tensors of under 32768 words each, which torch sums without its OpenMP
+    threads: a forked child must not run an OpenMP region with two threads once its parent did
+    (libgomp's team is the parent's and hangs in the child), whatever rlcomm does."""
+    return {f"t{i}": torch.randn(8_000 + 3 * i).to(torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(48)}
+
+
+def _child_of_a_helper(rank: int, world_size: int) -> Any:
+    state = small_tensors()
+    buffers = _FlatBuffers(describe_state_dict(state), torch.device("cpu"))
+    buffers.pack(state)
+    torch.set_num_threads(2)  # run_ranks declared one
+    inherited = helper_threads()  # the parent's thread is not in this process
+    equal = buffers.view_checksums(_INHERITED).tolist() == [tensor_checksum(t) for t in state.values()]
+    started = helper_threads()
+    _INHERITED.close()
+    return {"inherited": inherited, "equal": equal, "started": started, "closed": helper_threads()}
+
+
+@pytest.mark.integration
+def test_a_helper_inherited_through_fork_starts_a_thread_of_its_own() -> None:
+    state = small_tensors()
+    buffers = _FlatBuffers(describe_state_dict(state), torch.device("cpu"))
+    assert buffers.wire.nbytes > 1 << 20
+    buffers.pack(state)
+    with declared_threads(2):
+        try:
+            assert buffers.view_checksums(_INHERITED).tolist() == [tensor_checksum(t) for t in state.values()]
+            assert helper_threads() == [f"{THREAD_NAME}_0"]
+            child = run_ranks(_child_of_a_helper, 1, timeout=TIMEOUT_S)[0]
+        finally:
+            _INHERITED.close()
+    assert child == {"inherited": [], "equal": True, "started": [f"{THREAD_NAME}_0"], "closed": []}
+
+
+def _verified_on(rank: int, world_size: int, threads: int) -> Any:
+    """A verified transfer of a large bound module; the checksum helper threads seen on this
+    rank after it and after close()."""
+    torch.set_num_threads(threads)
+    with weight_groups([[0, 1]]) as ctx:
+        torch.manual_seed(rank)
+        module = nn.Sequential(nn.Linear(600, 600), nn.Linear(600, 3))  # 1.4 MiB of float32
+        end: WeightSender | WeightReceiver
+        if rank == 0:
+            end = WeightSender(ctx, verify_every=1)
+            end.bind(module)
+            end.send(module)
+        else:
+            end = WeightReceiver(ctx)
+            end.bind(module)
+            assert end.receive_into(module) == 1  # verified: raises on a difference
+        during = helper_threads()
+        end.close()
+        return {"during": during, "after": helper_threads(), "state": snapshot(module.state_dict())}
+
+
+@pytest.mark.integration
+def test_ranks_verify_with_a_helper_thread_only_where_they_declared_two() -> None:
+    # Two threads: spawned ranks (see small_tensors: forked ones must not sum 1.4 MiB with two).
+    for threads, during, start in ((1, [], "fork"), (2, [f"{THREAD_NAME}_0"], "spawn")):
+        results = run_ranks(_verified_on, 2, threads, timeout=TIMEOUT_S, start_method=start)
+        for rank in (0, 1):
+            assert results[rank]["during"] == during, (threads, rank)
+            assert results[rank]["after"] == [], (threads, rank)
+        assert mismatches(restore(results[1]["state"]), restore(results[0]["state"])) == []
 
 
 class CorruptingReceiver(WeightReceiver):
@@ -107,6 +244,7 @@ def _corrupted(rank: int, world_size: int, bound: bool) -> Any:
         return "no error"
 
 
+@pytest.mark.integration
 def test_a_byte_corrupted_in_flight_is_caught_naming_tensor_and_version() -> None:
     for bound in (True, False):
         error = run_ranks(_corrupted, 2, bound, timeout=TIMEOUT_S)[1]
@@ -132,6 +270,7 @@ def _unverified(rank: int, world_size: int) -> Any:
         return outcomes
 
 
+@pytest.mark.integration
 def test_only_every_nth_version_is_verified() -> None:
     # Version 2 is corrupted but not checksummed (verify_every=3): it loads unchecked; 3 is
     # checksummed and intact.
@@ -181,6 +320,7 @@ def _double_buffered(rank: int, world_size: int) -> Any:
                 "first": acting, "final": snapshot(module.state_dict())}
 
 
+@pytest.mark.integration
 def test_posted_receives_land_beside_the_acting_weights_and_swap_at_load() -> None:
     results = run_ranks(_double_buffered, 2, timeout=TIMEOUT_S)
     sent, got = results[0], results[1]
@@ -203,6 +343,7 @@ def _in_place(rank: int, world_size: int) -> Any:
         return {"got": got, "pointers": pointers}
 
 
+@pytest.mark.integration
 def test_a_bound_module_receives_in_place_and_verified() -> None:
     # Lockstep PPO's path: after the first version the module keeps its memory (no second
     # buffer, no swap), every version is the sender's, and each was checksummed and verified.
@@ -246,6 +387,7 @@ def _ddp_bound(rank: int, world_size: int) -> Any:
         return {"sent": sent, "copied": copied}
 
 
+@pytest.mark.integration
 def test_the_bound_sender_under_ddp_delivers_the_stepped_weights() -> None:
     results = run_ranks(_ddp_bound, 4, timeout=TIMEOUT_S)
     for trainer, receiver in ((0, 2), (1, 3)):
@@ -278,6 +420,7 @@ def _dtype_change(rank: int, world_size: int) -> str:
         return "no error"
 
 
+@pytest.mark.integration
 def test_a_bound_receiver_rejects_a_dtype_change_naming_the_tensor() -> None:
     error = run_ranks(_dtype_change, 2, timeout=TIMEOUT_S)[1]
     assert "'weight' is [2, 4] float64 but expected [2, 4] float32" in error, error

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from rlcomm import CommContext, ParallelMode
-from rlcomm.weight_transfer import (
+from rlcomm.testing import run_ranks
+from rlcomm.weights import (
     TensorMeta,
     WeightReceiver,
     WeightSender,
@@ -23,21 +23,16 @@ from rlcomm.weight_transfer import (
     encode_metadata,
     metadata_mismatches,
 )
-from tests.multiproc import run_ranks
+from tests.helpers.weights import (
+    TIMEOUT_S,
+    make_trainable,
+    mismatches,
+    restore,
+    snapshot,
+    weight_groups,
+)
 
 WT = ParallelMode.WEIGHT_TRANSFER
-TIMEOUT_S = 60.0  # a hang fails the test after this, instead of blocking the suite
-
-
-@contextmanager
-def weight_groups(groups: list[list[int]]) -> Iterator[CommContext]:
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=30)
-    try:
-        ctx.init_group(groups, WT, backend="gloo")
-        yield ctx
-    finally:
-        ctx.destroy()
 
 
 def random_bits(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -70,24 +65,6 @@ def make_weights(step: int, seed: int = 0, extra: bool = False) -> dict[str, Ten
     return weights
 
 
-def bits(tensor: Tensor) -> Tensor:
-    flat = tensor.reshape(-1)
-    return flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(torch.uint8)
-
-
-def mismatches(got: Mapping[str, Tensor], want: Mapping[str, Tensor]) -> list[str]:
-    """Names that differ in key set, dtype, shape or any bit (empty when identical)."""
-    if set(got) != set(want):
-        return [f"keys {sorted(got)} != {sorted(want)}"]
-    return [
-        name
-        for name in want
-        if got[name].dtype != want[name].dtype
-        or got[name].shape != want[name].shape
-        or not torch.equal(bits(got[name]), bits(want[name]))
-    ]
-
-
 def send_or_check(ctx: CommContext, steps: int, seed: int | None = None) -> list[Any]:
     """Sender sends ``steps`` versions; receivers compare each against the rebuilt original."""
     sender = ctx.get_declared_ranks(WT)[0]
@@ -110,12 +87,14 @@ def _round_trip(rank: int, world_size: int, groups: list[list[int]]) -> list[Any
         return send_or_check(ctx, steps=3)
 
 
+@pytest.mark.integration
 def test_every_dtype_round_trips_bit_exact_over_three_versions() -> None:
     results = run_ranks(_round_trip, 2, [[0, 1]], timeout=TIMEOUT_S)
     assert results[0] == [1, 2, 3]
     assert results[1] == [(1, []), (2, []), (3, [])]
 
 
+@pytest.mark.integration
 def test_one_sender_three_receivers() -> None:
     results = run_ranks(_round_trip, 4, [[0, 1, 2, 3]], timeout=TIMEOUT_S)
     assert results[0] == [1, 2, 3]
@@ -129,6 +108,7 @@ def _two_groups(rank: int, world_size: int) -> list[Any]:
         return send_or_check(ctx, steps=2)
 
 
+@pytest.mark.integration
 def test_two_groups_transfer_at_once() -> None:
     results = run_ranks(_two_groups, 4, timeout=TIMEOUT_S)
     assert results[0] == results[1] == [1, 2]
@@ -136,6 +116,7 @@ def test_two_groups_transfer_at_once() -> None:
     assert mismatches(make_weights(0, seed=0), make_weights(0, seed=1))  # really different
 
 
+@pytest.mark.integration
 def test_sender_with_a_higher_global_rank_than_its_receivers() -> None:
     results = run_ranks(_round_trip, 4, [[3, 0, 1]], timeout=TIMEOUT_S)
     assert results[3] == [1, 2, 3]
@@ -161,6 +142,7 @@ def _receive_into(rank: int, world_size: int) -> list[str]:
         return mismatches(module.state_dict(), make_module(seed=1).state_dict())
 
 
+@pytest.mark.integration
 def test_receive_into_loads_identical_parameters() -> None:
     assert mismatches(make_module(1).state_dict(), make_module(2).state_dict())
     assert run_ranks(_receive_into, 2, timeout=TIMEOUT_S)[1] == []
@@ -184,6 +166,7 @@ def _buffers_reused(rank: int, world_size: int) -> list[Any]:
         return ptrs
 
 
+@pytest.mark.integration
 def test_persistent_buffers_are_reused_across_transfers() -> None:
     results = run_ranks(_buffers_reused, 2, timeout=TIMEOUT_S)
     for ptrs in results.values():
@@ -204,6 +187,7 @@ def _metadata_change(rank: int, world_size: int) -> list[Any]:
         return results
 
 
+@pytest.mark.integration
 def test_metadata_change_is_picked_up_on_the_next_send() -> None:
     results = run_ranks(_metadata_change, 2, timeout=TIMEOUT_S)
     assert results[0] == [1, 2, 3]
@@ -226,6 +210,7 @@ def _rejected(rank: int, world_size: int) -> dict[str, Any]:
         return {"error": None}
 
 
+@pytest.mark.integration
 def test_expected_mismatch_fails_the_receiver_and_the_sender() -> None:
     results = run_ranks(_rejected, 3, timeout=TIMEOUT_S)
     receiver = results[2]["error"]
@@ -256,6 +241,7 @@ def _aborted(rank: int, world_size: int) -> list[str]:
         return errors
 
 
+@pytest.mark.integration
 def test_a_sender_that_cannot_pack_fails_its_receivers_without_a_hang() -> None:
     results = run_ranks(_aborted, 2, timeout=TIMEOUT_S)
     assert "'step' is of type int" in results[0][0] and results[0][1] == "1"
@@ -272,6 +258,7 @@ def _async_send(rank: int, world_size: int) -> list[Any]:
         return send_or_check(ctx, steps=3, seed=0)
 
 
+@pytest.mark.integration
 def test_send_without_waiting_then_wait() -> None:
     results = run_ranks(_async_send, 2, timeout=TIMEOUT_S)
     assert results[0] == [1, 2, 3, 3]
@@ -288,6 +275,7 @@ def _wrong_roles(rank: int, world_size: int) -> str:
         return "no error"
 
 
+@pytest.mark.integration
 def test_sender_must_be_the_first_declared_rank() -> None:
     results = run_ranks(_wrong_roles, 2, timeout=TIMEOUT_S)
     assert "rank 1 cannot be a WeightReceiver in WEIGHT_TRANSFER[1,0]" in results[1]
@@ -295,6 +283,7 @@ def test_sender_must_be_the_first_declared_rank() -> None:
     assert "rank 1 (its first declared rank) sends" in results[0]
 
 
+@pytest.mark.unit
 def test_metadata_round_trips_as_json() -> None:
     metadata = (
         TensorMeta("a", torch.bfloat16, (2, 3)),
@@ -305,6 +294,7 @@ def test_metadata_round_trips_as_json() -> None:
     assert raw.startswith(b"{") and decode_metadata(raw) == metadata
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
@@ -327,6 +317,7 @@ def test_malformed_metadata_is_rejected(raw: bytes, message: str) -> None:
         decode_metadata(raw)
 
 
+@pytest.mark.unit
 def test_mismatches_name_the_tensor_and_both_sides() -> None:
     metadata = (TensorMeta("w", torch.float32, (2, 3)), TensorMeta("extra", torch.int8, (1,)))
     problems = metadata_mismatches(
@@ -354,27 +345,6 @@ def counting_copies() -> Iterator[list[int]]:
         yield counts
     finally:
         torch._foreach_copy_ = original
-
-
-def make_trainable(seed: int) -> nn.Module:
-    """A float32 MLP that trains (BatchNorm buffers update in place), plus a bf16 buffer."""
-    torch.manual_seed(seed)
-    module = nn.Sequential(nn.Linear(7, 13), nn.BatchNorm1d(13), nn.Linear(13, 3))
-    module.register_buffer("scale", torch.randn(5, dtype=torch.bfloat16))
-    return module
-
-
-def snapshot(state: Mapping[str, Tensor]) -> bytes:
-    """A copy of ``state`` that crosses the result queue (tensors there would need shared memory
-    that dies with the rank)."""
-    buffer = io.BytesIO()
-    torch.save({k: v.clone() for k, v in state.items()}, buffer)
-    return buffer.getvalue()
-
-
-def restore(raw: bytes) -> dict[str, Tensor]:
-    state: dict[str, Tensor] = torch.load(io.BytesIO(raw))
-    return state
 
 
 def bound_tensors(module: nn.Module, sender: WeightSender) -> list[str]:
@@ -432,6 +402,7 @@ def _bound(rank: int, world_size: int) -> dict[str, Any]:
         return {"sent": sent, "copies": copies, "bound": bound, "names": names}
 
 
+@pytest.mark.integration
 def test_a_bound_module_is_sent_without_copies_and_bit_exact() -> None:
     results = run_ranks(_bound, 3, timeout=TIMEOUT_S)
     sender = results[0]
@@ -466,6 +437,7 @@ def _unbound_copies(rank: int, world_size: int) -> list[Any]:
         return copied
 
 
+@pytest.mark.integration
 def test_an_unbound_sender_copies_every_tensor_every_time() -> None:
     results = run_ranks(_unbound_copies, 2, timeout=TIMEOUT_S)
     nonempty = sum(t.numel() > 0 for t in make_weights(0).values())  # empty: nothing to copy
@@ -485,6 +457,7 @@ def _bind_wrong_device(rank: int, world_size: int) -> str:
         return "no error"
 
 
+@pytest.mark.integration
 def test_bind_refuses_a_module_on_another_device() -> None:
     assert "cannot bind" in run_ranks(_bind_wrong_device, 2, timeout=TIMEOUT_S)[0]
 
@@ -518,6 +491,7 @@ def _failures_after_a_layout(rank: int, world_size: int) -> list[Any]:
         return results
 
 
+@pytest.mark.integration
 def test_abort_and_rejection_after_the_first_version_keep_the_group_in_step() -> None:
     results = run_ranks(_failures_after_a_layout, 3, timeout=TIMEOUT_S)
     # Neither failure uses up a version number.

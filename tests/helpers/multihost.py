@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from app.launch.environment import without_launcher_variables
-from tests.apprun import MARKER, REPO, assert_no_survivors
+from tests.helpers.apprun import MARKER, REPO, assert_no_survivors
 
 SCRIPTS = REPO / "tests" / "hosts"
 NS_PREFIX = "rlcomm-"
