@@ -88,6 +88,25 @@ def _submitit_launcher() -> None:
     assert "self.config = config" in source and "self.hydra_context = hydra_context" in source
 
 
+# RlcommLauncher.launch re-implements the plugin's launch() (one executor per job shape, jobs
+# returned unwaited): it mirrors exactly this body. A new plugin release that changes it fails
+# here; then compare the two and carry the change over (sweep dir and mode, the job tuple).
+_PLUGIN_LAUNCH_SHA256 = "546875669010f80d"
+
+
+def _submitit_launch_body() -> None:
+    import hashlib
+
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
+
+    source = inspect.getsource(BaseSubmititLauncher.launch)
+    assert hashlib.sha256(source.encode()).hexdigest()[:16] == _PLUGIN_LAUNCH_SHA256, source
+    for step in ('sweep_dir.mkdir(parents=True, exist_ok=True)', 'if "mode" in self.config.hydra.sweep:',
+                 '"hydra.sweep.dir",', 'f"job_id_for_{idx}",', "Singleton.get_state(),",
+                 "executor.map_array(self, *zip(*job_params))"):
+        assert step in source, step
+
+
 def _submitit_job_internals() -> None:
     from submitit.core.core import Job
     from submitit.core.utils import pickle_load
@@ -115,6 +134,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("hydra.core.utils.JobReturn._return_value", "app/sweep/callbacks.py, app/launch/slurm.py: a failed job's error without return_value's stderr print", _job_return_value),
     ("submitit.slurm.slurm._parse_node_list", "app/launch/environment.py: first host of a SLURM node list", _parse_node_list),
     ("BaseSubmititLauncher.__call__/params/config/hydra_context", "app/launch/slurm.py: RlcommLauncher", _submitit_launcher),
+    ("BaseSubmititLauncher.launch (its body)", "app/launch/slurm.py: RlcommLauncher.launch mirrors it", _submitit_launch_body),
     ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/launch/slurm.py: waiting for and reading task results", _submitit_job_internals),
     ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/config/help.py", _hydra_config_loader),
 ]
