@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from rlcomm import CommContext, ParallelMode
 from rlcomm.testing import run_ranks
-from rlcomm.weight_transfer import WeightReceiver, WeightSender
+from rlcomm.weights import WeightReceiver, WeightSender
 
 from .core import Goal, Row, Settings, compare, interleave, timed
 from .procs import backend_for, rank_device, sync_fn

@@ -36,8 +36,8 @@ _LAZY = {
     "GroupInitializer": "group_initializer",
     "register_initializer": "group_initializer",
     "collectives": "collectives",
-    "WeightSender": "weight_transfer",
-    "WeightReceiver": "weight_transfer",
+    "WeightSender": "weights",
+    "WeightReceiver": "weights",
 }
 
 __all__ = [
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from . import collectives
     from .context import CommContext, GroupInfo
     from .group_initializer import GroupInitializer, register_initializer
-    from .weight_transfer import WeightReceiver, WeightSender
+    from .weights import WeightReceiver, WeightSender
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,332 @@
+"""The receiving end of a weight transfer: :class:`WeightReceiver` and its receive buffers."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+from torch import distributed as dist
+
+from rlcomm.context import CommContext
+from rlcomm.modes import Mode, ParallelMode
+
+from .buffers import FlatBuffers
+from .checksums import tensor_checksum
+from .endpoint import Endpoint, finish
+from .protocol import (
+    HEADER_LEN,
+    NEW_METADATA,
+    SAME_METADATA,
+    SENDER_ABORTED,
+    Metadata,
+    WeightTransferError,
+    decode_metadata,
+    metadata_mismatches,
+)
+
+if TYPE_CHECKING:
+    from rlcomm.diagnostics.recorder import Call
+
+
+@dataclass(eq=False)
+class ReceiveBuffer:
+    """One receive buffer of the receiver's layout and what belongs to it."""
+
+    flat: FlatBuffers  # its wire bytes, metadata and views
+    version: int = 0  # the version it last completed (0: none yet)
+    checksummed: bool = False  # whether that version came with checksums
+    # The bound module's tensors with their views here (looked up once, so pointing the module
+    # at this buffer is one pointer assignment per tensor); None until it first is.
+    pairs: list[tuple[Tensor, Tensor]] | None = None
+    in_module: bool = False  # the bound module's tensors are these views
+    posted: tuple[list[dist.Work], Call] | None = None  # a posted receive in flight into it
+
+    @property
+    def metadata(self) -> Metadata:
+        return self.flat.metadata
+
+
+class WeightReceiver(Endpoint):
+    """Receives the state dicts the first rank of this rank's ``mode`` group sends.
+
+    With ``expected``, metadata that differs from it (names, shapes, dtypes) is rejected before
+    any data moves, and the sender fails too.
+
+    Zero-copy receives: :meth:`bind` lets loads point a module's tensors at the receive buffer of
+    the version being loaded, so nothing is copied. :meth:`post` receives the next version into a
+    spare buffer in the background (double buffering): the module keeps acting with the version
+    it holds until :meth:`load` swaps the new one in.
+    """
+
+    _role = "receiver"
+
+    def __init__(
+        self,
+        ctx: CommContext,
+        mode: Mode = ParallelMode.WEIGHT_TRANSFER,
+        expected: Mapping[str, Tensor] | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(ctx, mode, device)
+        self._expected = expected
+        self._bound: nn.Module | None = None
+        # Every receive buffer of the current layout, in the order they were allocated; a spare
+        # is one that is neither the newest, nor the bound module's, nor a posted receive's.
+        self._layout: list[ReceiveBuffer] = []
+        self._newest: ReceiveBuffer | None = None  # its header slot carries the next header
+        self._posted: deque[ReceiveBuffer] = deque()  # in the order they were posted
+
+    def receive(self) -> tuple[int, dict[str, Tensor]]:
+        """Wait for the next transfer; returns its version and the state dict.
+
+        The tensors are views into persistent receive buffers: a later ``receive`` may overwrite
+        them in place. Clone them (or use :meth:`receive_into`) to keep a version. A receive
+        started with :meth:`post` is completed first (transfers arrive in order).
+        """
+        return self._receive(in_place=False)
+
+    def _receive(self, in_place: bool) -> tuple[int, dict[str, Tensor]]:
+        """:meth:`receive`; ``in_place``: into the buffer the bound module points at (it must
+        be idle until the receive is done), else beside it."""
+        if self._posted:
+            return self._complete_posted()
+        carrier = self._newest  # the layout this receiver holds carries the header
+        in_module = self._in_module()
+        if carrier is not None and in_module is not None:
+            if in_place:
+                carrier = in_module
+            elif carrier is in_module:
+                carrier = self._spare()  # the bound module acts with these: receive beside them
+        if carrier is None:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
+            self._broadcast(header)
+        else:
+            self._receive_wire(carrier.flat.wire)
+            header = carrier.flat.header
+        version, flag, length, checksummed = self._check_header(header)
+        if flag == NEW_METADATA:
+            self._accept_metadata(version, length)
+            newest = self._newest
+            assert newest is not None
+            self._receive_wire(newest.flat.wire)
+            checksummed = int(newest.flat.header[3])
+        elif carrier is None:  # flag 0 for a receiver without a layout: the data came with it
+            raise WeightTransferError(
+                f"{self._name}: version {version} came without metadata; create the "
+                f"WeightReceiver before the sender's first send and keep using it"
+            )
+        else:
+            newest = self._newest = carrier
+        self._version = newest.version = version
+        newest.checksummed = bool(checksummed)
+        return version, dict(newest.flat.views)
+
+    def post(self) -> None:
+        """Start receiving the next version into a spare buffer, in the background.
+
+        The transfer completes while the caller goes on (acting with the weights it holds);
+        :meth:`load` or :meth:`receive` completes it. Posted receives are issued on the group
+        like any collective, so the sender's sends and every other operation on the group must
+        be issued in the same order on all members. Needs a layout (a completed receive) and a
+        sender whose metadata does not change while receives are posted.
+        """
+        if self._newest is None:
+            raise WeightTransferError(
+                f"{self._name}: post() needs the layout of a completed receive first"
+            )
+        spare = self._spare()
+        spare.posted = self._launch(spare.flat.wire)
+        self._posted.append(spare)
+
+    @property
+    def posted(self) -> int:
+        """How many posted receives have not been completed yet."""
+        return len(self._posted)
+
+    def ready(self) -> bool:
+        """Whether the oldest posted receive has arrived (completing it will not block)."""
+        if not self._posted:
+            return False
+        posted = self._posted[0].posted
+        return posted is not None and all(w.is_completed() for w in posted[0])
+
+    def load(self, module: nn.Module, strict: bool = True) -> int:
+        """Load the newest completed version into ``module`` and verify it if it carries
+        checksums; returns its version. Completes every posted receive that has already arrived
+        first, without waiting for the others. A module bound with :meth:`bind` is pointed at the
+        version's buffer (no copy); any other module is copied into (``load_state_dict``)."""
+        while self.ready():
+            self._complete_posted()
+        newest = self._newest
+        if newest is None:
+            raise WeightTransferError(f"{self._name}: nothing received yet to load")
+        if module is self._bound:
+            self._point(module, newest)
+        else:
+            module.load_state_dict(newest.flat.views, strict=strict)
+        if newest.checksummed:
+            self._verify(module, newest)
+        return self._version
+
+    def receive_into(self, module: nn.Module, strict: bool = True) -> int:
+        """Receive the next version and load it into ``module`` (see :meth:`load`).
+
+        The module bound with :meth:`bind` receives in place: the bytes land in the buffer it
+        already points at, so there is no second buffer to fill and nothing to swap, but the
+        module must not be used until this returns (use :meth:`post` to act meanwhile).
+        """
+        self._receive(in_place=module is self._bound)
+        return self.load(module, strict=strict)
+
+    def bind(self, module: nn.Module) -> None:
+        """Let :meth:`load` point ``module``'s parameters and buffers at the received bytes
+        instead of copying them (zero-copy receives). Without an ``expected`` layout, the
+        module's state dict becomes it, so a sender's name, shape or dtype change is rejected
+        before data moves. The module's tensors change only inside :meth:`load` (and
+        :meth:`receive_into`, which receives in place)."""
+        if self._expected is None:
+            self._expected = {k: v.detach() for k, v in module.state_dict().items()}
+        self._bound = module
+        for buffer in self._layout:
+            buffer.pairs = None  # of the module bound before
+
+    def _receive_wire(self, wire: Tensor) -> None:
+        works, call = self._launch(wire)
+        finish(works, call)
+
+    def _complete_posted(self) -> tuple[int, dict[str, Tensor]]:
+        buffer = self._posted.popleft()
+        assert buffer.posted is not None
+        (works, call), buffer.posted = buffer.posted, None
+        finish(works, call)
+        version, flag, _, checksummed = self._check_header(buffer.flat.header)
+        if flag != SAME_METADATA:
+            raise WeightTransferError(
+                f"{self._name}: weights version {version} changes the layout while receives "
+                f"are posted; post() needs a sender whose names, dtypes and shapes stay fixed"
+            )
+        self._newest = buffer
+        self._version = buffer.version = version
+        buffer.checksummed = bool(checksummed)
+        return version, dict(buffer.flat.views)
+
+    def _check_header(self, header: Tensor) -> tuple[int, int, int, int]:
+        version, flag, length, checksummed = header.tolist()
+        if flag == SENDER_ABORTED:
+            raise WeightTransferError(
+                f"{self._name}: sender rank {self._src} aborted weights version {version} "
+                f"(its state dict could not be packed; see its error)"
+            )
+        if flag not in (SAME_METADATA, NEW_METADATA) or length < 0 or version <= self._version:
+            raise WeightTransferError(
+                f"{self._name}: malformed header {header.tolist()} after version {self._version}"
+            )
+        return version, flag, length, checksummed
+
+    def _in_module(self) -> ReceiveBuffer | None:
+        """The buffer of the current layout the bound module points at, if any."""
+        return next((buffer for buffer in self._layout if buffer.in_module), None)
+
+    def _spare(self) -> ReceiveBuffer:
+        """A buffer of the current layout that holds nothing in use (allocated when none is
+        free): neither the newest version, nor the bound module's, nor a posted receive's."""
+        assert self._newest is not None
+        for buffer in self._layout:
+            if buffer is not self._newest and not buffer.in_module and buffer.posted is None:
+                return buffer
+        spare = ReceiveBuffer(FlatBuffers(self._newest.metadata, self._device))
+        self._layout.append(spare)
+        return spare
+
+    @torch.no_grad()
+    def _point(self, module: nn.Module, buffer: ReceiveBuffer) -> None:
+        """Point the bound module's tensors at ``buffer``'s views (a swap of pointers). The
+        module's tensors are looked up once per buffer: replacing a parameter object (not its
+        ``.data``) after the first load needs :meth:`bind` again."""
+        if buffer.pairs is None:
+            buffer.pairs = self._pair_up(module, buffer.flat)
+        for tensor, view in buffer.pairs:
+            if tensor.data_ptr() != view.data_ptr():
+                tensor.data = view
+        for each in self._layout:
+            each.in_module = each is buffer
+
+    def _pair_up(self, module: nn.Module, flat: FlatBuffers) -> list[tuple[Tensor, Tensor]]:
+        """The bound module's tensor for each tensor of the metadata, in its order, with its
+        view in ``flat``; checks the layout."""
+        named = {
+            **dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False)),
+        }
+        pairs: list[tuple[Tensor, Tensor]] = []
+        for meta in flat.metadata:
+            tensor, view = named.get(meta.name), flat.views[meta.name]
+            if tensor is None:
+                raise WeightTransferError(
+                    f"{self._name}: the bound module has no parameter or buffer {meta.name!r}"
+                )
+            if tensor.shape != view.shape or tensor.dtype != view.dtype:
+                raise WeightTransferError(
+                    f"{self._name}: cannot load {meta.name!r}: the module holds "
+                    f"{list(tensor.shape)} {tensor.dtype}, weights version {self._version} has "
+                    f"{list(view.shape)} {view.dtype}"
+                )
+            pairs.append((tensor, view))
+        return pairs
+
+    def _verify(self, module: nn.Module, buffer: ReceiveBuffer) -> None:
+        """Each loaded tensor's checksum against the sender's; names the first that differs."""
+        flat = buffer.flat
+        pairs = buffer.pairs if module is self._bound else None
+        if pairs is not None:
+            # The module's tensors are these buffers' views (``_point`` just made sure), so
+            # their checksums are the views', summed in one batch; names only on a mismatch.
+            if bool(torch.equal(flat.view_checksums(self._checksum_helper), flat.checksums)):
+                return
+            state = {m.name: t for m, (t, _) in zip(flat.metadata, pairs)}
+        else:
+            state = module.state_dict()
+        theirs = flat.checksums.tolist()
+        for meta, want in zip(flat.metadata, theirs):
+            if meta.name not in state:  # not loaded (strict=False): nothing to compare
+                continue
+            got = tensor_checksum(state[meta.name])
+            if got != want:
+                raise WeightTransferError(
+                    f"{self._name}: weights version {buffer.version} loaded on rank {self._rank} "
+                    f"differ from the sender's: first differing tensor {meta.name!r} "
+                    f"(checksum {got:#x}, sender's {want:#x})"
+                )
+
+    def _accept_metadata(self, version: int, length: int) -> None:
+        raw = torch.empty(length, dtype=torch.uint8, device=self._device)
+        self._broadcast(raw)
+        metadata: Metadata | None = None
+        problem = ""
+        try:
+            metadata = decode_metadata(raw.cpu().numpy().tobytes())
+            if self._expected is not None:
+                problem = "; ".join(metadata_mismatches(metadata, self._expected))
+        except WeightTransferError as err:
+            problem = str(err)
+        rejected = self._agree(ok=not problem)  # every member joins, rejecting or not
+        if problem or metadata is None:
+            raise WeightTransferError(
+                f"{self._name}: rank {self._rank} rejected weights version {version} "
+                f"from rank {self._src}: {problem}"
+            )
+        if rejected:
+            raise WeightTransferError(
+                f"{self._name}: weights version {version} was not sent because receiver "
+                f"rank(s) {', '.join(map(str, rejected))} rejected it"
+            )
+        if metadata != self._metadata:
+            # The old layout's buffers go (the bound module keeps the ones it points at until
+            # its next load); the data that follows lands in the new layout's first buffer.
+            self._metadata = metadata
+            self._newest = ReceiveBuffer(FlatBuffers(metadata, self._device))
+            self._layout = [self._newest]

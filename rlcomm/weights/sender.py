@@ -1,0 +1,230 @@
+"""The sending end of a weight transfer: :class:`WeightSender`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+from torch import distributed as dist
+
+from rlcomm.context import CommContext
+from rlcomm.modes import Mode, ParallelMode
+
+from .buffers import FlatBuffers
+from .endpoint import Endpoint
+from .protocol import (
+    HEADER_LEN,
+    NEW_METADATA,
+    SENDER_ABORTED,
+    Metadata,
+    WeightTransferError,
+    describe_state_dict,
+    encode_metadata,
+)
+
+if TYPE_CHECKING:
+    from rlcomm.diagnostics.recorder import Call
+
+
+class WeightSender(Endpoint):
+    """Broadcasts a state dict to the rest of this rank's ``mode`` group (its first rank only).
+
+    Zero-copy sends: :meth:`bind` points a module's parameters and buffers at their views in the
+    send buffers, so ``send(module)`` skips their copy (any tensor not found in place is still
+    copied, so binding only ever affects speed). The wire protocol is unchanged.
+    """
+
+    _role = "sender"
+
+    def __init__(
+        self,
+        ctx: CommContext,
+        mode: Mode = ParallelMode.WEIGHT_TRANSFER,
+        device: torch.device | str | None = None,
+        verify_every: int = 0,
+    ) -> None:
+        """``verify_every=N``: every N-th version carries each tensor's checksum, which receivers
+        check after loading it into their module (0: never)."""
+        super().__init__(ctx, mode, device)
+        if verify_every < 0:
+            raise ValueError(f"verify_every: must be >= 0, got {verify_every}")
+        self._verify_every = verify_every
+        self._header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self._device)
+        # The send buffers of the newest layout (bind, a change): maybe not the receivers' yet.
+        self._buffers: FlatBuffers | None = None
+        # The buffers of the layout the receivers hold (metadata ``self._metadata``): the header
+        # travels in them.
+        self._sent: FlatBuffers | None = None
+        self._pending: list[dist.Work] = []
+        self._pending_calls: list[Call] = []
+        self._copied = 0  # tensors the last send copied (those not bound in place)
+        # The module bind() bound, with each of its tensors and the view it must still be, when
+        # every entry of its state dict was bound (then send(module) needs no state dict).
+        self._bound: tuple[nn.Module, list[tuple[Tensor, Tensor]]] | None = None
+
+    def send(self, state_dict: Mapping[str, Tensor] | nn.Module, wait: bool = True) -> int:
+        """Send ``state_dict`` (or a module's) as the next version and return that version.
+
+        Passing the module bound with :meth:`bind` is the fastest path: while all its tensors
+        are still bound (a pointer check per tensor), no state dict is built or compared at all.
+
+        The tensors are copied into the send buffers before this returns, so the caller may
+        update them right away, except tensors of a module bound with :meth:`bind`: those are
+        already in the buffers, so they are not copied, and after ``wait=False`` they must not
+        be updated before :meth:`wait` returns. With ``wait=False`` the broadcasts are only
+        launched: call :meth:`wait` (or the next ``send``, which waits first) before relying on
+        delivery.
+        """
+        self.wait()  # the buffers and header are about to be rewritten
+        version = self._version + 1
+        try:
+            if isinstance(state_dict, nn.Module) and self._still_bound(state_dict):
+                assert self._buffers is not None
+                changed, buffers, self._copied = False, self._buffers, 0
+            else:
+                if isinstance(state_dict, nn.Module):
+                    state_dict = state_dict.state_dict()
+                metadata = describe_state_dict(state_dict)
+                changed = metadata != self._metadata
+                buffers = self._layout(metadata, changed)
+                self._copied = buffers.pack(state_dict)
+            checksummed = bool(self._verify_every) and version % self._verify_every == 0
+            if checksummed:
+                buffers.write_checksums(self._checksum_helper)  # of the bytes about to go out
+        except Exception:
+            # Receivers are waiting for a header; tell them instead of leaving them hanging.
+            self._send_header(version, SENDER_ABORTED, 0)
+            raise
+        raw = encode_metadata(buffers.metadata) if changed else b""
+        self._pending, self._pending_calls = [], []
+        if changed:
+            self._send_header(version, NEW_METADATA, len(raw), async_op=True)
+            self._broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device))
+            rejected = self._agree(ok=True)
+            if rejected:
+                raise WeightTransferError(
+                    f"{self._name}: receiver rank(s) {', '.join(map(str, rejected))} rejected "
+                    f"weights version {version} (see their errors); nothing was sent"
+                )
+            self._metadata = buffers.metadata  # the same object, so the next check is cheap
+        self._sent = buffers  # unchanged: the receivers' layout; changed: now it is
+        self._write_header(buffers.header, version, int(changed), len(raw), int(checksummed))
+        works, call = self._launch(buffers.wire)
+        self._pending += works
+        self._pending_calls.append(call)
+        self._version = version
+        if wait:
+            self.wait()
+        return version
+
+    @torch.no_grad()
+    def bind(self, module: nn.Module) -> None:
+        """Make ``module``'s parameters and buffers live in the send buffers (zero-copy sends).
+
+        Allocates the send buffers for ``module.state_dict()`` (or reuses the current ones when
+        its names, dtypes and shapes are unchanged), copies every parameter's and buffer's
+        current value into its view there once, and points its ``.data`` at that view. A later
+        ``send(module.state_dict())`` then finds those tensors already in place and skips their
+        copy: only the broadcasts remain. Nothing is sent here, and receivers are unaffected.
+
+        In-place updates (optimizer steps, ``p.add_(...)`` under ``no_grad``,
+        ``load_state_dict`` without ``assign=True``) keep the binding. Code that replaces
+        ``.data``, re-creates parameters or moves the module (``.to(...)``, ``.half()``) breaks
+        it silently: the affected tensors are then copied again on every send, which costs time
+        but never correctness (every tensor not found in place is copied; call ``bind`` again
+        to restore it). After ``send(..., wait=False)``, bound tensors are the bytes being
+        broadcast: call :meth:`wait` before updating them. Entries of the state dict that are
+        not a parameter or buffer's own memory (state-dict hooks, a second name of a tied
+        weight) stay unbound and are copied as before. The module must be on this sender's
+        device (the CPU for gloo, the current GPU for NCCL).
+        """
+        self.wait()  # in-flight broadcasts still read the buffers about to be rewritten
+        state_dict = module.state_dict()
+        metadata = describe_state_dict(state_dict)
+        buffers = self._layout(metadata, metadata != self._metadata)
+        targets: list[tuple[Tensor, Tensor]] = []
+        seen: set[int] = set()
+        named = [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+        for name, tensor in named:
+            view = buffers.views.get(name)
+            entry = state_dict.get(name)
+            if view is None or entry is None or id(tensor) in seen:
+                continue
+            if entry.data_ptr() != tensor.data_ptr() or entry.shape != tensor.shape:
+                continue  # the state dict holds something derived from it: leave it to pack
+            if tensor.device != view.device:
+                raise WeightTransferError(
+                    f"{self._name}: cannot bind {name!r} on {tensor.device}: the send buffers "
+                    f"are on {view.device}"
+                )
+            seen.add(id(tensor))
+            targets.append((tensor, view))
+        for tensor, view in targets:
+            view.copy_(tensor)
+            tensor.data = view
+        complete = len(targets) == len(state_dict)
+        self._bound = (module, [(t, t.data) for t, _ in targets]) if complete else None
+
+    def _still_bound(self, module: nn.Module) -> bool:
+        """Whether ``module`` is the bound one, its every tensor still its view in the buffers
+        the receivers hold: then sending it needs no state dict, metadata check or copy."""
+        if self._bound is None or self._bound[0] is not module or self._buffers is None:
+            return False
+        if self._buffers.metadata is not self._metadata:
+            return False  # the receivers do not hold this layout yet: the full path sends it
+        return all(
+            t.data_ptr() == v.data_ptr() and t.shape == v.shape for t, v in self._bound[1]
+        )
+
+    def _layout(self, metadata: Metadata, changed: bool) -> FlatBuffers:
+        """The send buffers for ``metadata``: the current ones when it matches, else new ones.
+
+        New buffers replace the current ones even if the receivers then reject the metadata;
+        a later send of the old metadata just allocates again (the receivers' layout follows
+        ``self._metadata``, which only changes once they all accept).
+        """
+        current = self._buffers
+        if current is not None and (
+            (not changed and current.metadata is self._metadata) or current.metadata == metadata
+        ):
+            return current
+        self._buffers = FlatBuffers(metadata, self._device)
+        return self._buffers
+
+    def wait(self) -> None:
+        """Block until the last ``send(..., wait=False)`` has been delivered."""
+        pending, self._pending = self._pending, []
+        calls, self._pending_calls = self._pending_calls, []
+        if not calls:
+            return
+        with calls[-1]:  # a timeout in wait() is diagnosed like one in a blocking call
+            for work in pending:
+                work.wait()
+        for call in calls:
+            call.finish()
+
+    def _send_header(self, version: int, flag: int, length: int, async_op: bool = False) -> None:
+        """A header whose data does not follow in the same broadcast (flag ``1`` or ``-1``):
+        alone before the receivers hold a layout, else in a buffer of the layout they hold.
+        ``async_op`` leaves it in flight until :meth:`wait`."""
+        carrier = self._sent
+        header = self._header if carrier is None else carrier.header
+        self._write_header(header, version, flag, length)
+        wire = self._header if carrier is None else carrier.wire
+        if not async_op:
+            self._broadcast(wire)
+            return
+        works, call = self._launch(wire)
+        self._pending += works
+        self._pending_calls.append(call)
+
+    @staticmethod
+    def _write_header(
+        header: Tensor, version: int, flag: int, length: int, checksummed: int = 0
+    ) -> None:
+        header.copy_(torch.tensor([version, flag, length, checksummed], dtype=torch.int64))
