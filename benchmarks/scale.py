@@ -146,7 +146,7 @@ def _measure(method: str, world: int, rank: int) -> Measurement:
     """In the forked process: the method's times and how far its RSS grew.
 
     Every method starts with the objects inherited at fork frozen, as a rank of the app does
-    (``app.job.run_rank`` calls ``gc.freeze()`` after its imports)."""
+    (``app.launch.rank.run_rank`` calls ``gc.freeze()`` after its imports)."""
     gc.freeze()
     before = _rss_mib()
     result = METHODS[method](world, rank)

@@ -1,6 +1,6 @@
 """Collectives addressed by mode: ``all_reduce(ctx, ParallelMode.TRAIN_DATA_PARALLEL, t)``.
 
-Every call is recorded in ``ctx.recorder`` (:mod:`rlcomm.flight`): the hang watchdog's
+Every call is recorded in ``ctx.recorder`` (:mod:`rlcomm.diagnostics.recorder`): the hang watchdog's
 evidence. The context is passed explicitly (no global), so one process could hold two contexts.
 Rank arguments (``src``, ``dst``) are GLOBAL ranks, as in ``torch.distributed``; to address a
 position inside the group use ``ctx.to_global_rank(mode, group_rank)`` (and

@@ -416,7 +416,7 @@ def test_a_store_host_whose_name_resolves_to_127_0_1_1_still_reaches_the_others(
         assert groups_of(result, "INTRA_NODE") == {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
 
 
-CHOOSE = ("import json, os, sys; from rlcomm.interfaces import choose_socket_interfaces; "
+CHOOSE = ("import json, os, sys; from rlcomm.net.interfaces import choose_socket_interfaces; "
           "chosen = choose_socket_interfaces(sys.argv[1]); "
           "print(json.dumps([chosen, os.environ.get('GLOO_SOCKET_IFNAME'), "
           "os.environ.get('NCCL_SOCKET_IFNAME')]))")

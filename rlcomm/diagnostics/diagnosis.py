@@ -1,6 +1,6 @@
 """From every rank's progress report to one line naming a hang (pure functions, no torch).
 
-A report (built by :mod:`rlcomm.watchdog`) is plain data: ``{"rank", "groups": {mode: declared
+A report (built by :mod:`rlcomm.diagnostics.watchdog`) is plain data: ``{"rank", "groups": {mode: declared
 ranks}, "modes": {mode: {"entered", "completed", "calls": [call records]}}, "where": "file:line
 in function" of the main thread}``; a rank that did not answer has ``None``.
 """

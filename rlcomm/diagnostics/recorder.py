@@ -1,7 +1,7 @@
 """Flight recorder: every collective rlcomm runs, per mode, in a small bounded ring.
 
 Always on and cheap (a slotted object, a frame walk and a deque append per call, about a
-microsecond): when a collective hangs, the watchdog (:mod:`rlcomm.watchdog`) compares every
+microsecond): when a collective hangs, the watchdog (:mod:`rlcomm.diagnostics.watchdog`) compares every
 rank's record to say which rank never entered it, or entered something else. Sequence numbers
 count this rank's recorded collectives per mode, so ranks that ran the same code agree on them.
 """

@@ -1,6 +1,6 @@
 """Watchdog: a thread per rank that notices a collective that does not complete, asks every rank
 for its progress over the rendezvous store (a side channel that does not depend on the stuck
-group), and turns the answers into one line (:func:`rlcomm.hangs.diagnose`).
+group), and turns the answers into one line (:func:`rlcomm.diagnostics.diagnosis.diagnose`).
 
 Gloo and NCCL block in C++ with the GIL released, so this thread runs while the main thread
 waits. It fires ``hang_timeout`` seconds after a collective started, before the group's own

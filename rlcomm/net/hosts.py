@@ -1,7 +1,7 @@
 """Where the ranks run: every rank's host, agreed over the rendezvous store before any group.
 
 The layout's notion of a node is only a plan; the hosts the launcher actually put the ranks on
-decide (see :func:`rlcomm.layout.place_on_hosts`). Exchanged over the store, as plain strings,
+decide (see :func:`rlcomm.plan.layout.place_on_hosts`). Exchanged over the store, as plain strings,
 so it costs no collective and works before any group exists. Knowing each rank's host and
 address also lets a rank that loses a peer say which host went away.
 """
