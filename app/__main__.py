@@ -16,10 +16,11 @@ from app.api import RankEnv
 from app.config import register_configs
 from app.config.help import help_text
 from app.launch.environment import mark_job_start, output_subdir, resolve_rank_env, run_id
-from app.launch.failures import recording_failures
+from app.launch.failures import recording_failures, write_errors_named
 from app.launch.planning import check_restarts, check_world_size, validate
 from app.launch.slurm import register_launcher_configs
 from app.output.layout_picture import write_layout_files
+from app.output.logs import quiet_file_errors
 from app.output.summary import format_summary
 from rlcomm import RlcommError, format_plan
 
@@ -36,10 +37,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
     """The whole job, testable without Hydra's decorator. A rank of a joined job that fails,
     even in validation, leaves its failure record for the launcher (app/launch/failures.py)."""
     env = resolve_rank_env()
-    if not env.joins or cfg.plan_only:
-        return _run(cfg, run_dir, env)
-    with recording_failures(run_dir / "logs", env.rank, env.restart_count, env.node):
-        return _run(cfg, run_dir, env)
+    # A full disk, a read-only run dir: one line, not a traceback.
+    with write_errors_named(f"rank {env.rank}: " if env.joins else ""):
+        if not env.joins or cfg.plan_only:
+            return _run(cfg, run_dir, env)
+        with recording_failures(run_dir / "logs", env.rank, env.restart_count, env.node):
+            return _run(cfg, run_dir, env)
 
 
 def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
@@ -76,6 +79,7 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
     mark_job_start()
+    quiet_file_errors()  # Hydra's __main__.log on a full disk: one line, not a traceback each
     hydra_cfg = HydraConfig.get()
     try:
         return run(cfg, Path(hydra_cfg.runtime.output_dir))

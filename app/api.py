@@ -57,7 +57,7 @@ class RankEnv:
     node: str = ""  # this host's name
     master_addr: str = ""
     master_port: int | None = None
-    restart_count: int = 0  # how often torch's elastic agent restarted the ranks
+    restart_count: int = 0  # how often the ranks were restarted (elastic agent, SLURM requeue)
     max_restarts: int | None = None  # the elastic agent's limit (torchrun --max-restarts)
     run_name: str | None = None  # the run directory every rank of a joined run agrees on
     note: str | None = None  # something the user should know about how the app was started

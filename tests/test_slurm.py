@@ -403,3 +403,106 @@ def test_srun_with_a_layout_of_another_world_size_fails_clearly(
     for rank in range(2):
         assert f"error: layout.world_size: 4 but this job has 2 ranks (rank {rank})" in out, out
     assert "groups:" not in out
+
+
+# --------------------------------------------------------------------------------------------
+# A requeued job continues its own run dir (issue 21; the lock: app/launch/rundir.py)
+# --------------------------------------------------------------------------------------------
+
+REQUEUE_SCRIPT = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+#SBATCH --cpus-per-task=1
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+srun --kill-on-bad-exit=1 "$PYTHON" -m app "$@"
+"""
+
+
+@pytest.mark.cluster
+def test_a_requeued_job_resumes_its_own_run_dir_from_its_newest_checkpoint(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """``scontrol requeue`` mid-run: the job runs again under its id, rank 0 finds the stale lock
+    of its own run in ``slurm-<job>.0`` and continues there, and every rank resumes from the
+    newest checkpoint (SLURM_RESTART_COUNT counts as a restart)."""
+    updates = 60
+    script = tmp_path / "requeue.sbatch"
+    script.write_text(REQUEUE_SCRIPT)
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    out = tmp_path / "slurm.out"
+    overrides = ("layout=1t1r", "loop.hparams={num_envs:4,num_steps:64}", "loop.progress=false",
+                 "loop.target_return=1e9", "loop.checkpoint_every=2",
+                 f"loop.total_env_steps={updates * 256}", "comm.timeout=60")
+    job = ""
+    try:
+        proc = subprocess.run(
+            ["sbatch", "--parsable", "-p", cluster.partition, "-o", str(out), "--chdir",
+             str(tmp_path), str(script), *overrides],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )
+        assert proc.returncode == 0, describe(proc)
+        job = proc.stdout.strip().split(";")[0]
+        run_dir = tmp_path / "outputs" / "runs" / f"slurm-{job}.0"
+        deadline = time.monotonic() + 180
+        while not list((run_dir / "checkpoints").glob("ckpt_*.pt")):
+            assert time.monotonic() < deadline, f"no checkpoint after 180 s\n{_read(out)}"
+            time.sleep(0.2)
+        assert not (run_dir / "result.json").exists(), "the run ended before the requeue"
+        requeue = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                                 timeout=30, check=False)
+        assert requeue.returncode == 0, describe(requeue)
+        _start_requeued_now(job)
+        # sacct may still show the first attempt's end (FAILED) for a while: the queue says
+        # when the second one ended, then sacct (polled) how.
+        deadline = time.monotonic() + 400
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True,
+                             timeout=30).stdout.strip():
+            assert time.monotonic() < deadline, f"job {job} still queued\n{_read(out)}"
+            time.sleep(0.5)
+        state = sacct_states([job], "COMPLETED").get(job, "UNKNOWN")
+    finally:
+        if job:
+            subprocess.run(["scancel", job], check=False, timeout=30)
+        assert_no_survivors(marker)
+    output = _read(out)
+    assert state == "COMPLETED", output
+    assert [p.name for p in (tmp_path / "outputs" / "runs").iterdir()] == [f"slurm-{job}.0"]
+    assert re.search(rf"hydra\.run\.dir: continuing {run_dir} of run slurm-{job}\.0 \(stale lock "
+                     r"of pid \d+ on \S+ since .* \(run slurm-", output), output
+    result = read_result(run_dir)
+    assert {r["rank"]: r["result"]["updates"] for r in result["ranks"]} == {0: updates,
+                                                                           1: updates}
+    assert result["summary"]["restarts"] == 1, result["summary"]
+    resumed = {r: re.findall(r"resumed from \S+ckpt_(\d+)\.pt at update (\d+)",
+                             (run_dir / "logs" / f"rank{r}.log").read_text()) for r in range(2)}
+    (name, at), = resumed[0]
+    assert resumed[1] == [(name, at)] and 2 <= int(at) < updates and int(name) == int(at), resumed
+
+
+def _start_requeued_now(job: str, timeout: float = 120) -> None:
+    """Until the requeued job runs again. It waits about two minutes (reason BeginTime) before
+    it may start: it is made eligible sooner. Not at once: slurmd refuses to launch a job whose
+    credential dates from the second its earlier one was revoked in ("Job credential revoked")."""
+    time.sleep(3)
+    deadline = time.monotonic() + timeout
+    pending = False
+    while time.monotonic() < deadline:
+        proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T|%r"], capture_output=True,
+                              text=True, timeout=30)
+        state, _, reason = proc.stdout.strip().partition("|")
+        if state == "PENDING":
+            if reason == "BeginTime" and not pending:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                               capture_output=True, timeout=30, check=False)
+            pending = True
+        elif pending and state != "PENDING":
+            return  # running (or already done) again
+        time.sleep(0.2)
+    raise AssertionError(f"job {job} did not start again within {timeout:.0f} s of its requeue")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""

@@ -102,7 +102,9 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
             node=node,
             master_addr=first_host(nodelist) if nodelist else node,
             master_port=int(env.get(MASTER_PORT) or master_port(*step)),
-            restart_count=restarts,
+            # A requeued job (scontrol requeue, a node failure) is this run restarted: it
+            # continues in its own run dir (app/launch/rundir.py) from its newest checkpoint.
+            restart_count=restarts + int(env.get("SLURM_RESTART_COUNT") or 0),
             run_name=env.get(RUN_ID_VARIABLE) or f"slurm-{job}.{step[1]}",
         )
     if env.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in env:

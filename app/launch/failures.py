@@ -8,15 +8,16 @@ failed run, instead of matching text in stderr or in torch elastic's own error f
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError
+from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError, RlcommError
 
 # What a failure says about the run:
 # - "diagnosis": a hang or collective-mismatch diagnosis, the same on every rank: the run's cause
@@ -29,6 +30,17 @@ Kind = Literal["diagnosis", "peer_lost", "error"]
 # gloo's words for a peer whose connection went away (pinned in tests/test_private_apis.py).
 GLOO_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker")
 
+# The write errors a run names in one line (a full disk, a quota, a read-only or foreign dir).
+WRITE_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+}
+# Room kept on disk for each rank's record from the start, so that a full disk cannot keep the
+# record from being written: a longer message is cut to fit.
+RESERVED_BYTES = 8192
+
 
 @dataclass(frozen=True)
 class FailureRecord:
@@ -40,15 +52,83 @@ class FailureRecord:
     host: str
     pid: int
     time: float
+    # For a write error (WRITE_ERRORS): ``no space left on device writing PATH[; note...]``.
+    write_error: str | None = None
 
     @property
     def line(self) -> str:
         """``Type: message``, as a traceback's last line would read."""
         return f"{self.error}: {self.message}"
 
+    @property
+    def summary(self) -> str:
+        """What a launcher's error line says of this failure: a write error in its words, else
+        :attr:`line`."""
+        return self.write_error or self.line
+
+
+def write_error_line(err: BaseException) -> str | None:
+    """``no space left on device writing PATH`` (plus the error's notes, ``; ``-joined) for an
+    OSError with one of WRITE_ERRORS, found in ``err`` or the errors it was raised from; None
+    for any other error. The outermost such error that names its file wins."""
+    found: list[OSError] = []
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in WRITE_ERRORS:
+            found.append(current)
+        current = current.__cause__ or current.__context__
+    if not found:
+        return None
+    named = next((e for e in found if e.filename is not None), found[0])
+    line = WRITE_ERRORS[named.errno or 0]
+    if named.filename is not None:
+        line += f" writing {os.fsdecode(named.filename)}"
+    notes = [n for e in found for n in getattr(e, "__notes__", ()) if isinstance(n, str)]
+    return "; ".join([line, *dict.fromkeys(n.strip() for n in notes if n.strip())])
+
+
+class WriteError(RlcommError):
+    """A file of the run could not be written (WRITE_ERRORS); the message is the whole line."""
+
+    exit_code = 2
+
+
+@contextlib.contextmanager
+def write_errors_named(who: str = "") -> Iterator[None]:
+    """An OSError with one of WRITE_ERRORS raised inside becomes a :class:`WriteError`: one
+    ``error:`` line (``who`` first, e.g. ``rank 3: ``) and exit code 2, as any other error of a
+    run, instead of a traceback."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as err:
+        line = write_error_line(err)
+        if line is None:
+            raise
+        raise WriteError(who + line) from err
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError raised inside names ``path`` when it names no file: a write through an open
+    file (``handle.write``) does not say which file it was."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(path)
+        raise
+
 
 def record_path(log_dir: Path, rank: int) -> Path:
     return log_dir / f"rank{rank}.error.json"
+
+
+def _reserve_path(log_dir: Path, rank: int) -> Path:
+    return log_dir / f".rank{rank}.error.{os.getpid()}.reserved"
 
 
 def classify(err: BaseException) -> Kind:
@@ -62,25 +142,72 @@ def classify(err: BaseException) -> Kind:
 @contextlib.contextmanager
 def recording_failures(log_dir: Path, rank: int, attempt: int, host: str) -> Iterator[None]:
     """Writes this rank's record if the block raises (once per exception), then re-raises. A
-    record left by an earlier attempt of this rank is removed first."""
+    record left by an earlier attempt of this rank is removed first.
+
+    The record's room on disk is taken when the block starts (a hidden ``.reserved`` file of
+    RESERVED_BYTES, removed when the block ends): a block that fails because the disk is full
+    still leaves its record, written into that room and renamed."""
     path = record_path(log_dir, rank)
     path.unlink(missing_ok=True)
+    reserve = _reserve(log_dir, rank)
     try:
         yield
     except Exception as err:  # not KeyboardInterrupt/SystemExit: a stop is not a failure
         if not getattr(err, "_rlcomm_recorded", False):
             record = FailureRecord(
                 rank, classify(err), type(err).__name__, str(err).strip() or repr(err), attempt,
-                host, os.getpid(), time.time(),
+                host, os.getpid(), time.time(), write_error_line(err),
             )
-            with contextlib.suppress(OSError):  # a full disk must not hide the error itself
-                log_dir.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(asdict(record)))
-                tmp.replace(path)
+            _write_record(path, record, reserve)
             with contextlib.suppress(AttributeError, TypeError):
                 err._rlcomm_recorded = True  # type: ignore[attr-defined]
         raise
+    finally:
+        if reserve is not None:
+            with contextlib.suppress(OSError):
+                reserve.unlink(missing_ok=True)
+
+
+def _reserve(log_dir: Path, rank: int) -> Path | None:
+    """The room for this rank's record, or None where even that could not be written."""
+    reserve = _reserve_path(log_dir, rank)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with reserve.open("wb") as handle:
+            handle.write(b" " * RESERVED_BYTES)
+    except OSError:
+        with contextlib.suppress(OSError):
+            reserve.unlink(missing_ok=True)
+        return None
+    return reserve
+
+
+def _write_record(path: Path, record: FailureRecord, reserve: Path | None) -> None:
+    """Written aside and renamed, so a launcher never reads half a record; into the reserved
+    room when the disk has none left (a full disk must not hide the error itself)."""
+    text = json.dumps(asdict(record)).encode()
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(text)
+            tmp.replace(path)
+            return
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    if reserve is None:
+        return
+    message = record.message
+    while len(text) > RESERVED_BYTES and message:  # cut the message, not the other fields
+        message = message[: max(0, len(message) - (len(text) - RESERVED_BYTES) - 16)]
+        text = json.dumps(asdict(replace(record, message=message + " ..."))).encode()
+    with contextlib.suppress(OSError):
+        # Overwriting bytes the file already holds needs no new room; JSON allows the trailing
+        # blanks, but they are cut off anyway.
+        with reserve.open("r+b") as handle:
+            handle.write(text)
+            handle.truncate(len(text))
+        reserve.replace(path)
 
 
 def read_records(log_dir: Path) -> dict[int, FailureRecord]:

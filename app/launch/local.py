@@ -7,11 +7,13 @@ on one machine never collide and nothing is exposed beyond loopback.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -31,7 +33,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from app.errors import LaunchInterruptedError, RankFailedError
-from app.launch.failures import Kind, read_records
+from app.launch.failures import WRITE_ERRORS, Kind, read_records, write_error_line
 from app.launch.rank import run_rank
 from app.output.logs import console_handler
 from rlcomm import LayoutPlan
@@ -77,6 +79,15 @@ class _RestartNotice(logging.Filter):
         return record.levelno >= logging.WARNING or "will restart worker group" in str(record.msg)
 
 
+class _NoWorkerTraceback(logging.Filter):
+    """The agent's "failed (exitcode: 1) local_rank: ..." record, with the rank's traceback, is
+    kept off the console: the rank's log file holds that traceback, and the launcher's one
+    ``error:`` line names the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
 def _create_handler(params: RendezvousParameters) -> LoopbackRendezvous:
     return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, int(params.get("timeout", 600)))
 
@@ -86,6 +97,9 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
     cfg = OmegaConf.create(config)
     rendezvous_handler_registry.register(_BACKEND, _create_handler)  # the same creator: a no-op
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    worker_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _NoWorkerTraceback) for f in worker_log.filters):
+        worker_log.addFilter(_NoWorkerTraceback())
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     agent_log.setLevel(logging.INFO)
     if not any(isinstance(f, _RestartNotice) for f in agent_log.filters):
@@ -127,12 +141,55 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
         deaths.stop()
         signal.signal(signal.SIGUSR1, previous)
     # Rank 0 reports through result.json (JSON), not through the agent's pickled return values.
-    summary: dict[str, Any] = json.loads((run_dir / "result.json").read_text())
+    return read_result(run_dir)
+
+
+def read_result(run_dir: Path) -> dict[str, Any]:
+    """Rank 0's ``result.json``; a missing or unreadable one (a write that failed) is one line."""
+    path = run_dir / "result.json"
+    try:
+        summary: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        why = write_error_line(err) if isinstance(err, OSError) else None
+        if why is None:
+            why = "it is missing" if isinstance(err, FileNotFoundError) else (
+                f"it is not JSON ({type(err).__name__}: {_last_line(str(err))})"
+            )
+        raise RankFailedError(
+            f"the ranks ended, but rank 0's summary {path} cannot be read: {why}"
+            f"{_disk_state(run_dir)}"
+        ) from None
     return summary
 
 
 def _local_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> None:
-    run_rank(config, plan, run_dir, launched_here=True)
+    try:
+        run_rank(config, plan, run_dir, launched_here=True)
+    except Exception:
+        if _drop_unreadable_error_file():
+            # Re-raised, the exception would make torch write the error file again, on the
+            # same full disk: the agent would then fail reading it (JSONDecodeError). The
+            # rank's own failure record, written into room kept for it, says what failed.
+            sys.exit(1)
+        raise
+
+
+def _drop_unreadable_error_file() -> bool:
+    """Removes torch's error file for this rank when it could not be written whole (a full
+    disk leaves it empty or cut); True if it did."""
+    name = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not name:
+        return False
+    path = Path(name)
+    try:
+        json.loads(path.read_text())
+        return False
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return True
 
 
 def rank_pids(parent: int) -> list[int]:
@@ -240,6 +297,7 @@ def _describe_failures(
     records = read_records(run_dir / "logs")
     why: dict[int, str] = {}
     kinds: dict[int, Kind] = {}
+    writes: dict[int, str] = {}  # ranks that failed writing a file: the whole of their line
     for rank, failure in err.failures.items():
         if failure.exitcode < 0:
             why[rank], kinds[rank] = f"killed by {failure.signal_name()}", "error"
@@ -247,13 +305,17 @@ def _describe_failures(
         if rank not in why:
             code = err.failures[rank].exitcode if rank in err.failures else 1
             why[rank], kinds[rank] = f"exit code {code}: {_last_line(record.line)}", record.kind
+            if record.write_error and record.kind != "peer_lost":
+                writes[rank] = record.write_error
     for rank, failure in err.failures.items():  # failed before it could write a record
         if rank not in why:
-            why[rank] = f"exit code {failure.exitcode}: {_error_line(failure.message)}"
+            why[rank] = (f"exit code {failure.exitcode}: {_error_line(failure.message)}"
+                         f"{_disk_state(run_dir, 'it left no failure record')}")
             kinds[rank] = "error"
     for rank, name in (killed or {}).items():
         if rank not in why or kinds[rank] == "peer_lost":
             why[rank], kinds[rank] = f"killed by {name}", "error"
+            writes.pop(rank, None)
     causes = {r: w for r, w in why.items() if kinds[r] != "peer_lost"} or why
     if any(w.startswith("killed by") for w in causes.values()):
         # A crash wins: the hang its peers may report is its consequence.
@@ -263,9 +325,26 @@ def _describe_failures(
         if diagnoses:  # the same on every rank that raises it: reported once
             return f"{diagnoses[0]} (logs: {run_dir / 'logs'})"
     return "; ".join(
-        f"rank {rank} {text} (log: {run_dir / 'logs' / f'rank{rank}.log'})"
+        f"rank {rank}: {writes[rank]}" if rank in writes
+        else f"rank {rank} {text} (log: {run_dir / 'logs' / f'rank{rank}.log'})"
         for rank, text in sorted(causes.items())
     )
+
+
+def _disk_state(run_dir: Path, what: str = "") -> str:
+    """``; <what>: <run dir> has no space left on device`` (or is on a read-only file system),
+    or "" when neither: why a rank may have left nothing to read."""
+    try:
+        stat = os.statvfs(run_dir if run_dir.exists() else run_dir.parent)
+    except OSError:
+        return ""
+    if stat.f_flag & os.ST_RDONLY:
+        state = f"is on a {WRITE_ERRORS[errno.EROFS]}"
+    elif stat.f_bavail == 0:
+        state = f"has {WRITE_ERRORS[errno.ENOSPC]}"
+    else:
+        return ""
+    return f"; {what + ': ' if what else ''}{run_dir} {state}"
 
 
 def _last_line(text: str) -> str:

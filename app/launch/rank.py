@@ -20,7 +20,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.api import JobInfo, Loop, RankEnv
 from app.launch.environment import job_start_time, resolve_rank_env
-from app.launch.failures import recording_failures
+from app.launch.failures import naming, recording_failures
+from app.launch.lifeline import tie_to_launcher
 from app.launch.planning import build_loop, check_world_size
 from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
@@ -45,6 +46,8 @@ def run_rank(
     """
     from app.output.logs import setup_rank_logging
 
+    # First: a launcher SIGKILLed from here on takes this rank with it (app/launch/lifeline.py).
+    tie_to_launcher(launched_here)
     # Until the watchdog listens (after init), `kill -USR1` must not end the rank.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     env = resolve_rank_env()
@@ -135,11 +138,24 @@ def _run(
         ),
         "ranks": reports,
     }
-    (run_dir / "result.json").write_text(json.dumps(summary, indent=2))
-    # The launcher prints the closing summary (app.summary.format_summary) once the ranks end.
+    _write_result(run_dir / "result.json", json.dumps(summary, indent=2))
+    # The launcher prints the closing summary (app.output.summary.format_summary) once the ranks end.
     log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",
              extra=FILE_ONLY)
     return summary
+
+
+def _write_result(path: Path, text: str) -> None:
+    """``result.json``, written aside and renamed: a failed write (a full disk) leaves no empty
+    or cut file for the launcher to read, and its error names the file."""
+    partial = path.with_name(f"{path.name}.tmp")
+    try:
+        with naming(path):
+            partial.write_text(text)
+            os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def _gist(err: BaseException) -> str:

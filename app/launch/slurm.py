@@ -283,7 +283,7 @@ class RlcommLauncher(BaseSubmititLauncher):
         by_message: dict[str, list[int]] = {}  # in order of failure; equal errors together
         for _, rank, trace in errors:
             record = records.get(rank)
-            message = record.line if record else _last_line(str(trace))
+            message = record.summary if record else _last_line(str(trace))
             message = message.replace(f" (rank {rank})", "").replace("\n", "\n    ")
             by_message.setdefault(message, []).append(rank)
         lines = [head]

@@ -173,10 +173,14 @@ def draw_layout(picture: LayoutPicture, png: Path) -> None:
 
 def write_layout_files(plan: LayoutPlan, run_dir: Path) -> Path:
     """``layout.png`` and ``layout.txt`` (the printed table) in ``run_dir``; returns the png."""
+    from app.launch.failures import naming
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "layout.txt").write_text(format_plan(plan) + "\n")
+    with naming(run_dir / "layout.txt"):  # a full disk: the error names the file
+        (run_dir / "layout.txt").write_text(format_plan(plan) + "\n")
     png = run_dir / "layout.png"
-    draw_layout(describe_layout(plan), png)
+    with naming(png):
+        draw_layout(describe_layout(plan), png)
     return png
 
 

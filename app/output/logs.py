@@ -10,17 +10,21 @@ from __future__ import annotations
 import faulthandler
 import logging
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from tqdm import tqdm
+
+from app.launch.failures import WRITE_ERRORS
 
 FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
 # ``log.info(..., extra=FILE_ONLY)``: a record for the rank's log file, not the console.
 FILE_ONLY = {"console": False}
 
 
-_bar_on_screen = False  # set by this process's progress bar (app.progress) while it is shown
+_bar_on_screen = False  # set by this process's progress bar (app.output.progress) while it is shown
 
 
 def bar_on_screen(shown: bool) -> None:
@@ -80,6 +84,66 @@ def console_handler(label: str, level: int = logging.INFO) -> logging.Handler:
     return handler
 
 
+class RankFileHandler(logging.FileHandler):
+    """A rank's log file. A write the disk refuses (WRITE_ERRORS: a full disk, a quota) is
+    raised, naming the file, from the next log call on the main thread, once: the rank then
+    fails with that error, named in the launcher's line. The file is written no more after it:
+    the error paths that log must not fail again, and logging's own handling would print a
+    traceback per record."""
+
+    failed: OSError | None = None
+    _raised = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failed is None:
+            super().emit(record)
+        else:
+            self._raise_once()
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError) or err.errno not in WRITE_ERRORS:
+            super().handleError(record)
+            return
+        if self.failed is None:
+            err.filename = err.filename or self.baseFilename
+            self.failed = err
+        self._raise_once()
+
+    def _raise_once(self) -> None:
+        if self.failed is not None and not self._raised \
+                and threading.current_thread() is threading.main_thread():
+            self._raised = True
+            raise self.failed.with_traceback(None)
+
+
+def quiet_file_errors(logger: logging.Logger | None = None) -> None:
+    """The launcher's own log files (Hydra's ``<run dir>/__main__.log``): a write the disk
+    refuses turns the file off with one console line instead of a traceback per record; the
+    ranks, which write the run's data, name the failure that ends the run."""
+    logger = logger or logging.getLogger()
+    for handler in logger.handlers:
+        if isinstance(handler, logging.FileHandler) and not isinstance(handler, RankFileHandler):
+            handler.handleError = _file_off(logger, handler)  # type: ignore[method-assign,assignment]
+
+
+def _file_off(
+    logger: logging.Logger, handler: logging.FileHandler
+) -> Callable[[logging.LogRecord], None]:
+    original = handler.handleError
+
+    def handle_error(record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError) or err.errno not in WRITE_ERRORS:
+            original(record)
+            return
+        logger.removeHandler(handler)
+        write_console(f"[launcher] {WRITE_ERRORS[err.errno or 0]} writing "
+                      f"{handler.baseFilename}: it is written no more")
+
+    return handle_error
+
+
 def setup_rank_logging(run_dir: Path, rank: int) -> Path:
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +152,7 @@ def setup_rank_logging(run_dir: Path, rank: int) -> Path:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     formatter = logging.Formatter(FORMAT.format(rank=rank), datefmt="%H:%M:%S")
-    file_handler = logging.FileHandler(path)
+    file_handler = RankFileHandler(path)
     file_handler.setFormatter(formatter)
     # A rank the backend aborts (gloo on a size mismatch) leaves its Python stack here.
     if file_handler.stream is not None:

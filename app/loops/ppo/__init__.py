@@ -28,10 +28,18 @@ from typing import Any, ClassVar
 import numpy as np
 
 from app.api import ConfigError, JobInfo, LoopMetrics, setting
-from app.loops.ppo.checkpoints import CHECKPOINT_DIR, find_checkpoint, load_checkpoint
+from app.loops.ppo.checkpoints import (
+    CHECKPOINT_DIR,
+    env_spaces,
+    newest_valid_checkpoint,
+    policy_shapes,
+    resume_mismatch,
+    run_settings,
+)
 from app.loops.ppo.core import MAX_RETURN, PPOHyperParams
 from app.loops.ppo.exchange import StaleDataError, check_staleness, policy_receiver
 from app.loops.ppo.run import PPORun
+from app.output.logs import write_console
 from app.output.progress import StopRule
 from app.output.tensorboard import SUBDIR, check_tensorboard
 from rlcomm import CommContext, LayoutPlan
@@ -45,7 +53,7 @@ class PPOLoop:
     target_return: float = setting(475.0, "stop once the mean return of the last `window` episodes reaches it")
     window: int = setting(20, "episodes in the stop rule's mean return")
     checkpoint_every: int = setting(10, "updates between checkpoints; 0 disables them")
-    resume: str | None = setting(None, "a checkpoint file, or a run dir holding checkpoints/")
+    resume: str | None = setting(None, "a checkpoint file, or a run dir holding checkpoints/ (its newest valid one)")
     progress: bool = setting(True, "rank 0's progress line: a bar on a terminal, plain lines otherwise")
     tensorboard: bool = setting(False, "TensorBoard scalars under <run dir>/tensorboard (the tensorboard extra)")
     hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
@@ -103,10 +111,29 @@ class PPOLoop:
             )
         if errors:
             raise ConfigError(f"loop.{errors[0]}")
-        if self.resume is not None:
-            load_checkpoint(find_checkpoint(self.resume))
+        self.check_resume()
         if self.tensorboard:
             check_tensorboard()
+
+    def check_resume(self) -> None:
+        """``loop.resume``, resolved and checked in the launcher before any rank starts: the
+        checkpoint the ranks will pick (a folder's newest valid one; skipped files and an
+        unverifiable old checkpoint are named in a warning line) must verify and agree with
+        this run's algorithm, environment, hyperparameters and policy shapes
+        (docs/data-safety.md, "Resume is checked before launch")."""
+        if self.resume is None:
+            return
+        picked = newest_valid_checkpoint(self.resume)
+        for note in picked.notes():
+            write_console(f"warning: {note}")
+        observation_space, action_space = env_spaces()
+        problem = resume_mismatch(
+            picked.state,
+            run_settings(self, observation_space, action_space),
+            policy_shapes(self.hp.hidden_size, observation_space, action_space),
+        )
+        if problem:
+            raise ConfigError(problem)
 
     def stop_rule(self) -> StopRule:
         """What ends a run: the target when an episode can reach it, else the budget alone."""

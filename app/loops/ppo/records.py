@@ -7,7 +7,10 @@ Rates are this attempt's: after a resume, the env steps taken since it over the 
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -109,14 +112,72 @@ def job_metrics(
     }
 
 
-def write_metrics(rows: list[dict[str, float]], run_dir: Path, target: float) -> None:
-    """``metrics.csv`` (one row per update) and ``learning_curve.png`` from it."""
-    path = run_dir / "metrics.csv"
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
+class MetricsFile:
+    """``metrics.csv``, one row appended and written through per update, so a run that fails
+    keeps every row it recorded before. A write that fails (a full disk) is cut back to the last
+    whole row and re-raised naming the file.
+
+    ``rows``: the rows recorded before this attempt (a resume in the same run dir): the file is
+    rewritten with them aside and renamed, so the old file stays whole until the new one is."""
+
+    def __init__(self, path: Path, rows: list[dict[str, float]]) -> None:
+        self.path = path
+        self._handle: io.FileIO | None = None
+        self._fields: list[str] = []
+        self._size = 0  # bytes of whole rows written
+        if rows:
+            self._start(rows)
+
+    def append(self, row: dict[str, float]) -> None:
+        if self._handle is None:
+            self._start([row])
+        else:
+            self._write(self._handle, self._encode([row], header=False))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def _start(self, rows: list[dict[str, float]]) -> None:
+        self._fields = list(rows[0])
+        partial = self.path.with_name(f"{self.path.name}.tmp")
+        try:
+            handle = io.FileIO(partial, "w")
+        except OSError as err:
+            err.filename = str(self.path)
+            raise
+        try:
+            self._size = 0
+            self._write(handle, self._encode(rows, header=True))
+            os.replace(partial, self.path)
+        except BaseException:
+            handle.close()
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            raise
+        self._handle = handle
+
+    def _encode(self, rows: list[dict[str, float]], header: bool) -> bytes:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=self._fields)
+        if header:
+            writer.writeheader()
         writer.writerows(rows)
-    plot_learning_curve(path, run_dir / "learning_curve.png", target)
+        return text.getvalue().encode()
+
+    def _write(self, handle: io.FileIO, data: bytes) -> None:
+        """All of ``data``, unbuffered (a short write goes on where it stopped), or nothing."""
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[handle.write(view) or 0 :]
+        except OSError as err:
+            with contextlib.suppress(OSError):  # shrinking a file needs no room
+                os.ftruncate(handle.fileno(), self._size)
+            err.filename = str(self.path)
+            raise
+        self._size += len(data)
 
 
 def plot_learning_curve(metrics_csv: Path, png: Path, target: float) -> None:
@@ -140,5 +201,10 @@ def plot_learning_curve(metrics_csv: Path, png: Path, target: float) -> None:
     axes[0].legend(loc="lower right")
     fig.suptitle("PPO CartPole-v1")
     fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    try:
+        fig.savefig(png)
+    except OSError as err:
+        err.filename = err.filename or str(png)  # matplotlib writes through an open file
+        raise
+    finally:
+        plt.close(fig)

@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from app.api import JobInfo
-from app.loops.ppo.checkpoints import load_checkpoint, resume_source, save_checkpoint
+from app.loops.ppo.checkpoints import resume_source, run_settings, save_checkpoint
 from app.loops.ppo.core import (
     ActorCritic,
     Episode,
@@ -28,7 +28,7 @@ from app.loops.ppo.core import (
     set_lr,
 )
 from app.loops.ppo.exchange import Exchange
-from app.loops.ppo.records import job_metrics, update_row, write_metrics
+from app.loops.ppo.records import MetricsFile, job_metrics, plot_learning_curve, update_row
 from app.output.progress import RunProgress, Snapshot
 from app.output.tensorboard import ScalarLog
 from rlcomm import CommContext, ParallelMode
@@ -59,6 +59,9 @@ class PPORun:
         obs_dim = self.worker.obs_dim
         num_actions = int(self.worker.envs.single_action_space.n)  # type: ignore[attr-defined]
         self.policy = ActorCritic(obs_dim, num_actions, self.hp.hidden_size)
+        # What a checkpoint records for a resume to be compared with (checkpoints.py).
+        self.settings = run_settings(loop, self.worker.envs.single_observation_space,
+                                     self.worker.envs.single_action_space)
         self.generator = torch.Generator()
         # Before DDP wraps the policy: the exchange binds it to the weights' send or receive buffer.
         self.exchange = Exchange(
@@ -81,9 +84,12 @@ class PPORun:
         self.episodes: list[Episode] = []
         self.lag = 0  # the version lag of the data being trained on
         self.metrics: list[dict[str, float]] = []  # one row per update (metrics.csv)
+        self.metrics_file: MetricsFile | None = None  # rank 0's, written through per update
 
     def run(self) -> dict[str, Any]:
         self._maybe_resume()
+        if self.rank == 0 and self.is_trainer:
+            self.metrics_file = MetricsFile(self.job.run_dir / "metrics.csv", self.metrics)
         first_update, first_steps = self.update, self.env_steps  # this attempt's start
         start = time.perf_counter()
         reached_at: tuple[float, int] | None = None
@@ -118,8 +124,11 @@ class PPORun:
         if scalars is not None:
             scalars.close()
         elapsed = time.perf_counter() - start
-        if self.rank == 0 and self.is_trainer and self.metrics:
-            write_metrics(self.metrics, self.job.run_dir, self.loop.target_return)
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+            if self.metrics:
+                plot_learning_curve(self.metrics_file.path, self.job.run_dir / "learning_curve.png",
+                                    self.loop.target_return)
         self.worker.close()
         steps = self.env_steps - first_steps
         exchange = self.exchange
@@ -193,6 +202,8 @@ class PPORun:
             transfer_s=self.exchange.transfer_s, shared=shared, losses=losses,
         )
         self.metrics.append(row)
+        if self.metrics_file is not None:
+            self.metrics_file.append(row)
         return row
 
     def _writes_outputs(self, enabled: bool) -> bool:
@@ -215,13 +226,13 @@ class PPORun:
         if self.rank != 0 or not self.is_trainer or self.optimizer is None:
             return
         save_checkpoint(self.job.run_dir, self.policy, self.optimizer, self.update,
-                        self.env_steps, self.episodes, self.metrics)
+                        self.env_steps, self.episodes, self.metrics, self.settings)
 
     def _maybe_resume(self) -> None:
-        source = resume_source(self.ctx, self.job, self.loop.resume)
-        if source is None:
+        picked = resume_source(self.ctx, self.job, self.loop.resume)  # verified on load
+        if picked is None:
             return
-        state = load_checkpoint(source)
+        source, state = picked.path, picked.state
         self.policy.load_state_dict(state["policy"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])

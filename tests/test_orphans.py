@@ -1,0 +1,212 @@
+"""A killed launcher leaves nothing running (issue 21, item 5), with real processes and signals.
+
+``kill -9`` of the launcher is what the OOM killer or a batch system's hard limit does: no handler
+runs. Every rank (tied to its launcher by app/launch/lifeline.py) and multiprocessing's resource
+tracker must end within a few seconds anyway, also while the ranks are blocked in a collective,
+and the run dir must stay resumable from its newest checkpoint. torchrun's agent killed the same
+way takes its ranks with it too, and a rank whose launcher died before the rank could tie itself
+to it stops at once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import psutil
+import pytest
+
+from app.launch.lifeline import tie_to_launcher
+from tests.helpers.apprun import AppProcess, read_result
+
+GONE_S = 20.0  # every process the launcher started is gone this soon after it was SIGKILLed
+# Small PPO steps so an update takes a fraction of a second even on 2 loaded cores; a long comm
+# timeout so that only the launcher's death can end the ranks in time (no group timeout, no hang
+# diagnosis).
+PPO_SMALL = ("loop.hparams={num_envs:4,num_steps:64}", "loop.progress=false",
+             "loop.target_return=1e9", "loop.checkpoint_every=1")
+PPO_FOREVER = (*PPO_SMALL, f"loop.total_env_steps={10**10}", "comm.timeout=600",
+               "comm.hang_timeout=500")
+STEPS_PER_UPDATE = 2 * 4 * 64  # layout 2t2r: 2 rollout ranks x num_envs x num_steps
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--no-python")  # the app's command line follows: torchrun's ranks run it as it is
+
+
+@pytest.fixture
+def start_app(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
+    """``start_app(name, *overrides, prefix=...)``; whatever a test leaves running is killed
+    (and reported as a survivor) at teardown."""
+    apps: list[AppProcess] = []
+
+    def start(name: str, *overrides: str, prefix: tuple[str, ...] = ()) -> AppProcess:
+        app = AppProcess(name, tmp_path, overrides, tmp_path / name, {}, prefix)
+        apps.append(app)
+        return app
+
+    yield start
+    for app in apps:
+        app.close()
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` still running (a zombie has ended: only its exit status is left)."""
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return alive
+
+
+def _has_checkpoint(folder: Path) -> bool:
+    return any(folder.glob("ckpt_*.pt"))
+
+
+def _describe(procs: list[psutil.Process]) -> list[str]:
+    described = []
+    for proc in procs:
+        try:
+            described.append(f"{proc.pid} {proc.status()} {' '.join(proc.cmdline())[:160]}")
+        except psutil.Error:
+            described.append(f"{proc.pid} (gone)")
+    return described
+
+
+def _sigkill_launcher(app: AppProcess) -> float:
+    """SIGKILL the launcher and wait until every process under it has ended; returns how long
+    that took (reported, not asserted beyond GONE_S)."""
+    started = app.processes()[1:]
+    assert started, app.describe()
+    os.kill(app.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert app.wait(30) == -signal.SIGKILL, app.describe()
+    while (left := _running(started)) and time.monotonic() - killed_at < GONE_S:
+        time.sleep(0.05)
+    took = time.monotonic() - killed_at
+    assert not left, f"still running {took:.1f}s after the launcher was SIGKILLed: " \
+                     f"{_describe(left)}\n{app.describe()}"
+    return took
+
+
+@pytest.mark.e2e
+def test_a_sigkilled_launcher_takes_every_rank_and_the_resource_tracker_with_it(
+    start_app: Callable[..., AppProcess],
+) -> None:
+    # Three kills (the bug showed in one of three): at whatever point training is, and once with
+    # a rank frozen (SIGSTOP), so that its peers are blocked in a collective waiting for it when
+    # the launcher dies, as in the bug, and the frozen rank itself could act on no handler.
+    took = []
+    for attempt, freeze in enumerate((False, True, False)):
+        app = start_app(f"killed{attempt}", *PPO_FOREVER)
+        checkpoints = app.run_dir / "checkpoints"
+        app.wait_until_training()
+        app.wait_until("a first checkpoint", partial(_has_checkpoint, checkpoints))
+        ranks = app.ranks()
+        assert sorted(ranks) == [0, 1, 2, 3], (ranks, app.describe())
+        # The elastic agent runs inside the launcher: every rank is the launcher's own child.
+        assert {rank: proc.ppid() for rank, proc in ranks.items()} == dict.fromkeys(ranks, app.pid)
+        trackers = [p for p in app.processes()[1:] if "resource_tracker" in " ".join(p.cmdline())]
+        assert len(trackers) == 1 and trackers[0].ppid() == app.pid, _describe(app.processes())
+        if freeze:
+            ranks[3].suspend()
+            time.sleep(1.0)  # the others run into a collective that rank 3 never joins
+        took.append(_sigkill_launcher(app))
+        assert not _running([*ranks.values(), *trackers])
+        app.assert_all_ended()
+    print(f"\nevery process gone {', '.join(f'{s:.2f}' for s in took)} s after the SIGKILL")
+
+    # The last killed run resumes from its newest checkpoint, into a new run dir.
+    newest = max(checkpoints.glob("ckpt_*.pt"), key=lambda p: p.name)
+    at = int(newest.stem.removeprefix("ckpt_"))
+    updates = at + 2
+    resumed = start_app("resumed", *PPO_SMALL, f"loop.total_env_steps={updates * STEPS_PER_UPDATE}",
+                        f"loop.resume={app.run_dir}")
+    assert resumed.wait() == 0, resumed.describe()
+    for rank in range(4):
+        found = re.findall(r"resumed from (\S+) at update (\d+)", resumed.log(rank))
+        assert [(Path(source).name, int(update)) for source, update in found] == \
+               [(newest.name, at)], (rank, found, resumed.describe())
+    result = read_result(resumed.run_dir)
+    assert {(r["rank"], r["result"]["updates"], r["result"]["env_steps"]) for r in result["ranks"]} \
+        == {(rank, updates, updates * STEPS_PER_UPDATE) for rank in range(4)}, result["ranks"]
+    resumed.assert_all_ended()
+
+
+@pytest.mark.e2e
+def test_a_sigkilled_torchrun_agent_takes_its_ranks_with_it(
+    start_app: Callable[..., AppProcess],
+) -> None:
+    # torchrun starts each rank with a command line in a session of its own: torch gives such a
+    # rank no parent-death signal, so before the lifeline it trained on without its agent.
+    app = start_app("torchrun", "layout=1t1r", *PPO_FOREVER, prefix=TORCHRUN)
+    app.wait_until_training(world_size=2)
+    ranks = app.ranks()
+    assert sorted(ranks) == [0, 1], (ranks, app.describe())
+    assert {rank: proc.ppid() for rank, proc in ranks.items()} == dict.fromkeys(ranks, app.pid)
+    took = _sigkill_launcher(app)
+    print(f"\nevery torchrun rank gone {took:.2f} s after the SIGKILL")
+    app.assert_all_ended()
+
+
+def _late_rank(report: str, launcher_kind: str) -> None:
+    """A rank whose launcher died before the rank tied itself to it (spawned as the agent
+    spawns its ranks; as torchrun's, it is told so by torchrun's variables)."""
+    launcher = multiprocessing.parent_process()
+    assert launcher is not None
+    while os.getppid() == launcher.pid:  # until the launcher is gone and this rank was adopted
+        time.sleep(0.01)
+    Path(report).write_text(f"{os.getpid()} adopted by {os.getppid()}\n")
+    if launcher_kind == "torchrun":
+        os.environ.update({"TORCHELASTIC_RUN_ID": "orphan", "RANK": "0", "WORLD_SIZE": "1"})
+    tie_to_launcher(launched_here=launcher_kind == "local")
+    with Path(report).open("a") as handle:  # the lifeline failed
+        handle.write("survived\n")
+    time.sleep(120)
+
+
+def _dying_launcher(report: str, launcher_kind: str) -> None:
+    multiprocessing.get_context("spawn").Process(target=_late_rank,
+                                                 args=(report, launcher_kind)).start()
+    os._exit(0)  # no handler and no join, as under SIGKILL
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("launcher_kind", ["local", "torchrun"])
+def test_a_rank_whose_launcher_died_before_it_was_tied_ends_at_once(
+    tmp_path: Path, launcher_kind: str
+) -> None:
+    report = tmp_path / "report"
+    launcher = multiprocessing.get_context("fork").Process(target=_dying_launcher,
+                                                           args=(str(report), launcher_kind))
+    launcher.start()
+    launcher.join(30)
+    assert launcher.exitcode == 0
+    deadline = time.monotonic() + 120  # the spawned rank imports this module first
+    while not (report.exists() and report.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert report.exists() and report.read_text(), "the rank never ran"
+    first = report.read_text().splitlines()[0].split()  # "<pid> adopted by <pid>"
+    pid, adopter = first[0], first[-1]
+    try:
+        rank = [psutil.Process(int(pid))]
+    except psutil.NoSuchProcess:
+        rank = []
+    deadline = time.monotonic() + GONE_S
+    while _running(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _running(rank)
+    for proc in left:
+        proc.kill()
+    if launcher_kind == "torchrun" and adopter != "1":
+        pytest.skip(f"adopted by a subreaper (pid {adopter}), which a torchrun rank cannot tell "
+                    "from its agent")
+    assert not left and report.read_text() == f"{pid} adopted by {adopter}\n", report.read_text()
