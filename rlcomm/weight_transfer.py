@@ -5,30 +5,5 @@ only re-exports the public names of :mod:`rlcomm.weights`, where the code and th
 now live. New code imports from :mod:`rlcomm.weights`.
 """
 
-from rlcomm.weights import (
-    METADATA_FORMAT,
-    Metadata,
-    TensorMeta,
-    WeightReceiver,
-    WeightSender,
-    WeightTransferError,
-    decode_metadata,
-    describe_state_dict,
-    encode_metadata,
-    metadata_mismatches,
-    tensor_checksum,
-)
-
-__all__ = [
-    "METADATA_FORMAT",
-    "Metadata",
-    "TensorMeta",
-    "WeightReceiver",
-    "WeightSender",
-    "WeightTransferError",
-    "decode_metadata",
-    "describe_state_dict",
-    "encode_metadata",
-    "metadata_mismatches",
-    "tensor_checksum",
-]
+from rlcomm.weights import *  # noqa: F403
+from rlcomm.weights import __all__ as __all__
