@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+from collections.abc import Iterator
+from pathlib import Path
+
 from app.api import ConfigError
 from rlcomm import RlcommError
 
-__all__ = ["ConfigError", "JobFailedError", "LaunchInterruptedError", "RankFailedError"]
+__all__ = [
+    "WRITE_ERRORS",
+    "ConfigError",
+    "JobFailedError",
+    "LaunchInterruptedError",
+    "RankFailedError",
+    "WriteError",
+    "naming",
+]
+
+# The write errors a run names in one line (a full disk, a quota, a read-only or foreign dir).
+WRITE_ERRORS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+}
 
 
 class RankFailedError(RlcommError, RuntimeError):
@@ -22,3 +43,21 @@ class LaunchInterruptedError(RlcommError, RuntimeError):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum  # what a shell reports for a process killed by it
+
+
+class WriteError(RlcommError):
+    """A file of the run could not be written (WRITE_ERRORS); the message is the whole line."""
+
+    exit_code = 2
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError raised inside names ``path`` when it names no file: a write through an open
+    file (``handle.write``) does not say which file it was."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None:
+            err.filename = str(path)
+        raise

@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from app.errors import RankFailedError
+from app.errors import RankFailedError, naming
 from app.launch.failures import (
     FailureRecord,
-    naming,
     read_records,
     record_path,
     recording_failures,

@@ -8,7 +8,6 @@ failed run, instead of matching text in stderr or in torch elastic's own error f
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import time
@@ -17,7 +16,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError, RlcommError
+from app.errors import WRITE_ERRORS, WriteError
+from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError
 
 # What a failure says about the run:
 # - "diagnosis": a hang or collective-mismatch diagnosis, the same on every rank: the run's cause
@@ -30,13 +30,6 @@ Kind = Literal["diagnosis", "peer_lost", "error"]
 # gloo's words for a peer whose connection went away (pinned in tests/test_private_apis.py).
 GLOO_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker")
 
-# The write errors a run names in one line (a full disk, a quota, a read-only or foreign dir).
-WRITE_ERRORS = {
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EROFS: "read-only file system",
-    errno.EACCES: "permission denied",
-}
 # Room kept on disk for each rank's record from the start, so that a full disk cannot keep the
 # record from being written: a longer message is cut to fit.
 RESERVED_BYTES = 8192
@@ -89,12 +82,6 @@ def write_error_line(err: BaseException) -> str | None:
     return "; ".join([line, *dict.fromkeys(n.strip() for n in notes if n.strip())])
 
 
-class WriteError(RlcommError):
-    """A file of the run could not be written (WRITE_ERRORS); the message is the whole line."""
-
-    exit_code = 2
-
-
 @contextlib.contextmanager
 def write_errors_named(who: str = "") -> Iterator[None]:
     """An OSError with one of WRITE_ERRORS raised inside becomes a :class:`WriteError`: one
@@ -109,18 +96,6 @@ def write_errors_named(who: str = "") -> Iterator[None]:
         if line is None:
             raise
         raise WriteError(who + line) from err
-
-
-@contextlib.contextmanager
-def naming(path: Path) -> Iterator[None]:
-    """An OSError raised inside names ``path`` when it names no file: a write through an open
-    file (``handle.write``) does not say which file it was."""
-    try:
-        yield
-    except OSError as err:
-        if err.filename is None:
-            err.filename = str(path)
-        raise
 
 
 def record_path(log_dir: Path, rank: int) -> Path:

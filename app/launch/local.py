@@ -32,8 +32,8 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from app.errors import LaunchInterruptedError, RankFailedError
-from app.launch.failures import WRITE_ERRORS, Kind, read_records, write_error_line
+from app.errors import WRITE_ERRORS, LaunchInterruptedError, RankFailedError
+from app.launch.failures import Kind, read_records, write_error_line
 from app.launch.rank import run_rank
 from app.output.logs import console_handler
 from rlcomm import LayoutPlan

@@ -19,8 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.api import JobInfo, Loop, RankEnv
+from app.errors import naming
 from app.launch.environment import job_start_time, resolve_rank_env
-from app.launch.failures import naming, recording_failures
+from app.launch.failures import recording_failures
 from app.launch.lifeline import tie_to_launcher
 from app.launch.planning import build_loop, check_world_size
 from app.output.logs import FILE_ONLY

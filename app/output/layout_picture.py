@@ -173,7 +173,7 @@ def draw_layout(picture: LayoutPicture, png: Path) -> None:
 
 def write_layout_files(plan: LayoutPlan, run_dir: Path) -> Path:
     """``layout.png`` and ``layout.txt`` (the printed table) in ``run_dir``; returns the png."""
-    from app.launch.failures import naming
+    from app.errors import naming
 
     run_dir.mkdir(parents=True, exist_ok=True)
     with naming(run_dir / "layout.txt"):  # a full disk: the error names the file

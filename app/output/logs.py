@@ -17,7 +17,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from app.launch.failures import WRITE_ERRORS
+from app.errors import WRITE_ERRORS
 
 FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
 # ``log.info(..., extra=FILE_ONLY)``: a record for the rank's log file, not the console.
