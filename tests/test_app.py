@@ -256,12 +256,13 @@ def test_help_lists_groups_and_every_setting_with_its_doc() -> None:
     from app.config import AppConfig, CommConfig, LauncherConfig, LayoutConfig
     from app.loops.ppo import PPOLoop
     from app.loops.ppo.core import PPOHyperParams
+    from app.runtime.envs import EnvConfig
 
     for prefix, schema in [("comm", CommConfig), ("layout", LayoutConfig),
                            ("launcher", LauncherConfig), ("loop", PPOLoop),
-                           ("loop.hparams", PPOHyperParams)]:
+                           ("loop.hparams", PPOHyperParams), ("loop.env", EnvConfig)]:
         for f in fields(schema):
-            if f.name != "hparams":
+            if f.name not in ("hparams", "env"):  # nested: listed by their own fields
                 assert f.metadata["doc"], f"{prefix}.{f.name} has no doc"
                 assert f"  {prefix}.{f.name}: " in out
     assert all(f.metadata["doc"] for f in fields(AppConfig))
@@ -311,6 +312,20 @@ BAD_OVERRIDES = [
     (["loop=ppo", "loop._target_=app.loops.commcheck.CommCheck"],
      "loop.total_env_steps: not a setting of app.loops.commcheck.CommCheck; to run your own loop start from loop=custom"),
     (["loop=custom"], "loop._target_: missing"),
+    # The environment, built once in the launcher (docs/environments.md).
+    (["loop=ppo", "loop.env.id=CartPol-v1"],
+     "loop.env.id: 'CartPol-v1' is not a registered Gymnasium environment; did you mean 'CartPole-v1'"),
+    (["loop=ppo", "+loop.env.kwargs.foo=1"],
+     "loop.env.kwargs: CartPole-v1 rejects {'foo': 1}: "),
+    (["loop=ppo", "loop.env.id=Blackjack-v1"],
+     "loop.env.id: Blackjack-v1: observation space Tuple("),
+    (["loop=ppo", "loop.env.id=LunarLander-v3"],
+     "loop.env.id: LunarLander-v3 needs a package that is not installed: "),
+    (["loop=ppo", "loop.env.vector=bogus"],
+     "loop.env.vector: must be one of sync, async, envpool, got 'bogus'"),
+    (["loop=ppo", "loop.env._target_=nosuch.make"], "loop.env._target_: "),
+    (["loop=ppo", "+experiment=image", "loop.env.normalize_obs=true"],
+     "loop.env.normalize_obs: RlcommImage-v0 has image observations, which the CNN scales to [0, 1] itself; got true"),
 ]
 
 

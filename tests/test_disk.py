@@ -31,8 +31,8 @@ from app.launch.failures import (
     write_errors_named,
 )
 from app.launch.local import _describe_failures, read_result
-from app.loops.ppo.records import MetricsFile
 from app.output.logs import RankFileHandler, quiet_file_errors
+from app.runtime.records import MetricsFile
 from tests.helpers.apprun import AppProcess, describe, run_app
 
 _MS_RDONLY, _MS_REMOUNT, _MNT_DETACH = 1, 32, 2

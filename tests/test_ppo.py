@@ -101,14 +101,15 @@ def test_same_seed_same_layout_is_reproducible(tmp_path: Path) -> None:
 
 def _send_a_changed_policy(rank: int, world_size: int) -> str:
     from app.loops.ppo import policy_receiver
-    from app.loops.ppo.core import ActorCritic
+    from app.runtime.envs import EnvConfig, probe_spaces
+    from app.runtime.models import ActorCritic
     from rlcomm import CommContext, ParallelMode
     from rlcomm.weights import WeightSender, WeightTransferError
 
     ctx = CommContext()
     ctx.init_distributed_env(backend="gloo", timeout=60)
     ctx.init_group([[0, 1]], ParallelMode.WEIGHT_TRANSFER, backend="gloo")
-    policy = ActorCritic(4, 2, 64)
+    policy = ActorCritic.from_spaces(probe_spaces(EnvConfig()), 64)
     try:
         if rank == 0:
             state = dict(policy.state_dict())

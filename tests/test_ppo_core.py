@@ -1,22 +1,16 @@
-"""Self-checks for the single-process PPO building blocks."""
+"""Self-checks for PPO on the runtime's single-process pieces: a worker collecting segments, the
+packed segment's round trip, GAE, and a short training run."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
-from app.loops.ppo.core import (
-    ActorCritic,
-    PPOHyperParams,
-    Rollout,
-    RolloutWorker,
-    compute_gae,
-    make_optimizer,
-    ppo_update,
-    set_lr,
-)
+from app.loops.ppo.core import PPO, PPOHyperParams, compute_gae
+from app.runtime import Segment, UpdateInfo
+from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.segments import Field, Layout
+from app.runtime.worker import Agent, RolloutWorker, as_segment
 
 pytestmark = pytest.mark.unit
 
@@ -27,44 +21,57 @@ def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _train(
-    seed: int, updates: int, hp: PPOHyperParams
-) -> tuple[ActorCritic, list[tuple[float, int]]]:
-    """Single-worker PPO run; returns the policy and all finished episodes in order."""
+def _parts(seed: int, hp: PPOHyperParams, env: EnvConfig | None = None
+           ) -> tuple[PPO, Agent, RolloutWorker]:
+    env = env or EnvConfig()
     torch.manual_seed(seed)
-    worker = RolloutWorker.from_hparams(hp, seed)
-    policy = ActorCritic(worker.obs_dim, 2, hp.hidden_size)
-    optimizer = make_optimizer(policy, hp)
+    spaces = probe_spaces(env)
+    algorithm = PPO(hp, spaces)
+    agent = Agent(algorithm.build(), spaces, env)
+    return algorithm, agent, RolloutWorker(algorithm, spaces, env, agent, seed)
+
+
+def _train(seed: int, updates: int, hp: PPOHyperParams) -> tuple[Agent, list[tuple[float, int]]]:
+    """Single-worker PPO run; returns the agent and all finished episodes in order."""
+    algorithm, agent, worker = _parts(seed, hp)
+    optimizer = algorithm.optimizer(agent.net)
     generator = torch.Generator().manual_seed(seed)
     episodes: list[tuple[float, int]] = []
     for update in range(updates):
-        set_lr(optimizer, hp, update * hp.num_envs * hp.num_steps)
-        rollout, finished = worker.collect(policy, hp.num_steps)
+        packed, finished = worker.collect(agent, update)
         episodes += finished
-        ppo_update(policy, policy, optimizer, [rollout], hp, generator)
+        info = UpdateInfo(optimizer, generator, update * hp.num_envs * hp.num_steps, update, 0)
+        algorithm.update(agent.net, agent.net, [as_segment(worker.layout, packed)], info)
     worker.close()
-    return policy, episodes
+    return agent, episodes
 
 
-def test_flat_tensor_round_trip_is_exact() -> None:
+def test_a_packed_segment_round_trips_exactly_with_every_dtype() -> None:
+    layout = Layout({"a": Field((3, 2), torch.float32), "b": Field((5,), torch.uint8),
+                     "c": Field((2, 2), torch.int64), "d": Field((1,), torch.float64)})
+    values = {"a": torch.randn(3, 2), "b": torch.arange(5, dtype=torch.uint8),
+              "c": torch.tensor([[1, -2], [3, 2**40]]), "d": torch.tensor([1 / 3], dtype=torch.float64)}
+    packed = layout.pack(values)
+    assert packed.dtype == torch.uint8 and packed.numel() == layout.nbytes
+    back = layout.unpack(packed.clone())
+    for name, value in values.items():
+        assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
+    with pytest.raises(ValueError, match="uint8 bytes"):
+        layout.unpack(torch.zeros(layout.nbytes + 1, dtype=torch.uint8))
+
+
+def test_a_collected_segment_holds_every_step_and_its_version() -> None:
     hp = PPOHyperParams(num_envs=3, num_steps=20)
-    worker = RolloutWorker.from_hparams(hp, seed=0)
-    rollout, _ = worker.collect(ActorCritic(worker.obs_dim, 2), hp.num_steps)
-    flat = rollout.to_flat_tensor()
-
-    assert flat.dtype == torch.float32 and flat.dim() == 1 and flat.is_contiguous()
-    assert flat.numel() == Rollout.flat_size(hp.num_steps, hp.num_envs, worker.obs_dim)
-    back = Rollout.from_flat_tensor(flat.clone(), hp.num_steps, hp.num_envs, worker.obs_dim)
-    for field in dataclasses.fields(Rollout):
-        original, restored = getattr(rollout, field.name), getattr(back, field.name)
-        assert restored.dtype == original.dtype, field.name
-        assert torch.equal(restored, original), field.name
-    assert torch.equal(back.to_flat_tensor(), flat)
-
-
-def test_from_flat_tensor_rejects_wrong_size() -> None:
-    with pytest.raises(ValueError):
-        Rollout.from_flat_tensor(torch.zeros(10), num_steps=2, num_envs=2, obs_dim=4)
+    _, agent, worker = _parts(0, hp)
+    packed, _ = worker.collect(agent, version=7)
+    segment = as_segment(worker.layout, packed)
+    worker.close()
+    assert segment.version == 7 and segment.lag == 0
+    assert segment["obs"].shape == (20, 3, 4) and segment["actions"].dtype == torch.int64
+    assert set(segment["actions"].unique().tolist()) <= {0, 1}
+    assert segment["logprobs"].shape == segment["values"].shape == (20, 3)
+    assert segment["next_obs"].shape == (3, 4) and segment["next_done"].shape == (3,)
+    assert float(segment["rewards"].sum()) >= 60  # CartPole pays 1 per step (plus bootstraps)
 
 
 def test_gae_matches_hand_computation() -> None:
@@ -73,14 +80,10 @@ def test_gae_matches_hand_computation() -> None:
     r = [1.0, 2.0, 3.0]
     v = [0.5, 1.0, 1.5]
     next_value = 2.0
-    rollout = Rollout(
-        obs=torch.zeros(3, 1, 4),
-        actions=torch.zeros(3, 1, dtype=torch.long),
-        logprobs=torch.zeros(3, 1),
+    segment = Segment(
         rewards=torch.tensor(r).view(3, 1),
         dones=torch.tensor([0.0, 0.0, 1.0]).view(3, 1),
         values=torch.tensor(v).view(3, 1),
-        next_obs=torch.zeros(1, 4),
         next_done=torch.zeros(1),
     )
     # By hand: deltas, then backwards accumulation cut at the episode boundary.
@@ -90,7 +93,7 @@ def test_gae_matches_hand_computation() -> None:
     a2 = d2
     a1 = d1  # no bootstrap through the boundary
     a0 = d0 + gamma * lam * a1  # 1.4 + 0.45 = 1.85
-    advantages, returns = compute_gae(rollout, torch.tensor([next_value]), gamma, lam)
+    advantages, returns = compute_gae(segment, torch.tensor([next_value]), gamma, lam)
 
     torch.testing.assert_close(advantages.view(-1), torch.tensor([a0, a1, a2]))
     torch.testing.assert_close(returns.view(-1), torch.tensor([a0 + v[0], a1 + v[1], a2 + v[2]]))

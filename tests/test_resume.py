@@ -17,8 +17,8 @@ import torch
 
 from app.api import ConfigError
 from app.loops.ppo import PPOLoop
-from app.loops.ppo.checkpoints import (
-    env_spaces,
+from app.loops.ppo.core import PPOHyperParams, make_optimizer
+from app.runtime.checkpoints import (
     load_checkpoint,
     newest_valid_checkpoint,
     policy_shapes,
@@ -26,7 +26,6 @@ from app.loops.ppo.checkpoints import (
     run_settings,
     save_checkpoint,
 )
-from app.loops.ppo.core import PPOHyperParams, make_optimizer
 from tests.helpers.apprun import describe, metrics, read_result, run_app, run_ppo
 
 SMALL = ("loop.hparams.num_envs=4", "loop.hparams.num_steps=64", "loop.target_return=1e9",
@@ -39,19 +38,15 @@ def _loop(**hparams: Any) -> PPOLoop:
 
 def _save(run_dir: Path, update: int, loop: PPOLoop | None = None) -> Path:
     """A real checkpoint of a fresh policy, as rank 0 writes it."""
-    from app.loops.ppo.core import ActorCritic
-
     loop = loop or _loop()
-    obs, act = env_spaces()
-    policy = ActorCritic(4, 2, loop.hp.hidden_size)
+    policy = loop.build_algorithm(loop.spaces).build()
     return save_checkpoint(run_dir, policy, make_optimizer(policy, loop.hp), update, update * 256,
-                           [(10.0, 10)], [{"update": float(update)}], run_settings(loop, obs, act))
+                           [(10.0, 10)], [{"update": float(update)}], run_settings(loop, loop.spaces))
 
 
 def _mismatch(state: dict[str, Any], loop: PPOLoop) -> str | None:
-    obs, act = env_spaces()
-    return resume_mismatch(state, run_settings(loop, obs, act),
-                           policy_shapes(loop.hp.hidden_size, obs, act))
+    policy = loop.build_algorithm(loop.spaces).build()
+    return resume_mismatch(state, run_settings(loop, loop.spaces), policy_shapes(policy))
 
 
 # ---- unit: checksums, the choice of checkpoint, what must agree ------------------------------

@@ -57,10 +57,11 @@ def validate(cfg: DictConfig) -> LayoutPlan:
 
 
 def build_loop(loop: DictConfig) -> Any:
-    """The loop object: ``instantiate(loop)``, nested schemas as their dataclasses."""
+    """The loop object: ``instantiate(loop)``, its nested settings passed as they are (not
+    instantiated: ``loop.env._target_`` names an env factory, which the loop calls itself)."""
     from hydra.utils import instantiate
 
-    return instantiate(loop, _convert_="object")
+    return instantiate(loop, _convert_="object", _recursive_=False)
 
 
 def _check_loop(loop: DictConfig, plan: LayoutPlan) -> None:

@@ -43,8 +43,10 @@ class StopRule:
         if self.target_return is not None:
             if mean_return >= self.target_return:
                 return 1.0
-            if self.target_return <= 0 or not math.isfinite(mean_return):
+            if not math.isfinite(mean_return):
                 return 0.0
+            if self.target_return <= 0:  # a share of a negative target means nothing: budget
+                return min(env_steps / self.total_env_steps, 0.999)
             return min(max(mean_return / self.target_return, 0.0), 1.0)
         return min(env_steps / self.total_env_steps, 1.0)
 

@@ -63,6 +63,9 @@ def _training_lines(summary: dict[str, Any]) -> list[str]:
     final = summary["final_mean_return"]
     mean = f"{final:.1f}" if final is not None else "-- (fewer episodes)"
     of = f"mean return of the last {window} episodes"
+    if target is None:
+        return [f"no target: {of} is {mean} after the budget of {summary['env_steps']:,} "
+                "env steps"]
     if summary["solved"]:
         return [
             f"solved: {of} reached {target:g} after {summary['time_to_target_s']:.1f} s of "

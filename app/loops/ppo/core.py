@@ -1,35 +1,24 @@
-"""Single-process building blocks of a CleanRL-style PPO for ``CartPole-v1``.
-
-Nothing in here knows about ``torch.distributed``: rollout processes use
-:class:`RolloutWorker`, ship :class:`Rollout` objects as one flat float32
-tensor, and trainer processes call :func:`ppo_update` with a (possibly DDP
-wrapped) :class:`ActorCritic`.
+"""PPO on the runtime (CleanRL's ``ppo.py`` / ``ppo_continuous_action.py``): the settings, the
+acting module (the runtime's actor-critic for the env's spaces), what a step records (the
+behaviour log-probability and value) and the clipped-PPO update. Nothing in here knows about
+``torch.distributed``: the update gets the DDP-wrapped model from the runtime.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
-import gymnasium as gym
-import numpy as np
 import torch
-from gymnasium.wrappers.vector import RecordEpisodeStatistics
-from torch import nn
-from torch.distributions import Categorical
+from torch import Tensor, nn
 
 from app.api import setting
-
-ENV_ID = "CartPole-v1"
-# The best return of one episode: +1 per step until the time limit. A higher target never fires.
-MAX_RETURN = float(gym.spec(ENV_ID).max_episode_steps or float("inf"))
-
-# (episodic return, episode length) of one finished episode.
-Episode = tuple[float, int]
+from app.runtime import Algorithm, AlgorithmSettings, Record, Segment, Spaces, UpdateInfo
+from app.runtime.models import ActorCritic, space_problem
 
 
 @dataclass
-class PPOHyperParams:
+class PPOHyperParams(AlgorithmSettings):
     """PPO settings; defaults are tuned to solve CartPole-v1 quickly.
 
     Tuned by simulating two rollout workers + two DDP trainers in one process
@@ -39,9 +28,6 @@ class PPOHyperParams:
     dominates rollout cost, so more envs is cheaper per env step than longer rollouts.
     """
 
-    num_envs: int = setting(16, "environments per collecting rank (one vector env)")
-    num_steps: int = setting(64, "steps per environment per update (rollout length)")
-    gamma: float = setting(0.99, "discount factor, in (0, 1]")
     gae_lambda: float = setting(0.95, "GAE lambda, in [0, 1]")
     lr: float = setting(2.5e-3, "Adam learning rate (> 0)")
     anneal_lr: bool = setting(True, "anneal the learning rate linearly to 0")
@@ -65,9 +51,6 @@ class PPOHyperParams:
     def range_errors(self, batch_per_trainer: int) -> list[str]:
         """Out-of-range settings as ``field: must be ..., got value`` (empty when all fit)."""
         checks = [
-            ("num_envs", self.num_envs >= 1, "a positive integer"),
-            ("num_steps", self.num_steps >= 1, "a positive integer"),
-            ("gamma", 0 < self.gamma <= 1, "in (0, 1]"),
             ("gae_lambda", 0 <= self.gae_lambda <= 1, "in [0, 1]"),
             ("lr", self.lr > 0, "> 0"),
             ("anneal_env_steps", self.anneal_env_steps >= 1, "a positive integer"),
@@ -79,7 +62,9 @@ class PPOHyperParams:
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
             ("hidden_size", self.hidden_size >= 1, "a positive integer"),
         ]
-        errors = [f"{name}: must be {want}, got {getattr(self, name)}" for name, ok, want in checks if not ok]
+        errors = super().range_errors(batch_per_trainer)
+        errors += [f"{name}: must be {want}, got {getattr(self, name)}"
+                   for name, ok, want in checks if not ok]
         if not errors and self.num_minibatches > batch_per_trainer:
             errors.append(
                 f"num_minibatches: must be at most the {batch_per_trainer} samples each trainer "
@@ -88,246 +73,57 @@ class PPOHyperParams:
         return errors
 
 
-def make_envs(num_envs: int, seed: int) -> gym.vector.VectorEnv:
-    """Create seeded CartPole vector envs that record episode statistics.
+class PPO(Algorithm[PPOHyperParams]):
+    """Clipped PPO with GAE; decoupled (Hilton et al. 2021) when the data lags the weights."""
 
-    ``SAME_STEP`` autoreset keeps CleanRL semantics: the observation returned
-    with ``done=True`` is already the first one of the next episode, so every
-    step in a rollout is a real transition.
-    """
-    envs: gym.vector.VectorEnv = gym.vector.SyncVectorEnv(
-        [lambda: gym.make(ENV_ID) for _ in range(num_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-    )
-    envs = RecordEpisodeStatistics(envs)
-    envs.reset(seed=seed)  # sub-env i is seeded with seed + i
-    return envs
-
-
-def _layer_init(layer: nn.Linear, std: float = float(np.sqrt(2)), bias: float = 0.0) -> nn.Linear:
-    """Orthogonal weights / constant bias, as in CleanRL."""
-    nn.init.orthogonal_(layer.weight, std)
-    nn.init.constant_(layer.bias, bias)
-    return layer
-
-
-class ActorCritic(nn.Module):
-    """Separate tanh MLPs for the policy logits and the state value."""
-
-    def __init__(self, obs_dim: int, num_actions: int, hidden_size: int = 64) -> None:
-        super().__init__()
-        self.critic = nn.Sequential(
-            _layer_init(nn.Linear(obs_dim, hidden_size)),
-            nn.Tanh(),
-            _layer_init(nn.Linear(hidden_size, hidden_size)),
-            nn.Tanh(),
-            _layer_init(nn.Linear(hidden_size, 1), std=1.0),
-        )
-        self.actor = nn.Sequential(
-            _layer_init(nn.Linear(obs_dim, hidden_size)),
-            nn.Tanh(),
-            _layer_init(nn.Linear(hidden_size, hidden_size)),
-            nn.Tanh(),
-            # Small std -> near-uniform initial policy.
-            _layer_init(nn.Linear(hidden_size, num_actions), std=0.01),
-        )
-
-    def get_value(self, obs: torch.Tensor) -> torch.Tensor:
-        """State values, shape [B]."""
-        return self.critic(obs).squeeze(-1)
-
-    def get_action_and_value(
-        self,
-        obs: torch.Tensor,
-        action: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return (action, logprob, entropy, value); samples an action if none is given."""
-        # Skipping argument validation noticeably speeds up the per-step rollout path.
-        dist = Categorical(logits=self.actor(obs), validate_args=False)
-        if action is None:
-            # Categorical.sample() takes no generator; multinomial does, which
-            # makes sampling reproducible independently of the global RNG.
-            action = torch.multinomial(dist.probs, 1, generator=generator).squeeze(-1)
-        return action, dist.log_prob(action), dist.entropy(), self.get_value(obs)
-
-    def forward(
-        self, obs: torch.Tensor, action: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logprob, entropy, value) of given actions; the training path, so DDP hooks fire."""
-        _, logprob, entropy, value = self.get_action_and_value(obs, action)
-        return logprob, entropy, value
-
-
-@dataclass
-class Rollout:
-    """One worker's trajectory segment; time-major, T steps x N envs.
-
-    ``dones[t]`` flags that ``obs[t]`` starts a new episode (CleanRL layout);
-    ``next_obs``/``next_done`` are the state after the last step, for bootstrapping.
-    """
-
-    obs: torch.Tensor  # [T, N, obs_dim] float32
-    actions: torch.Tensor  # [T, N] int64
-    logprobs: torch.Tensor  # [T, N] float32
-    rewards: torch.Tensor  # [T, N] float32
-    dones: torch.Tensor  # [T, N] float32
-    values: torch.Tensor  # [T, N] float32
-    next_obs: torch.Tensor  # [N, obs_dim] float32
-    next_done: torch.Tensor  # [N] float32
-
-    @staticmethod
-    def flat_size(num_steps: int, num_envs: int, obs_dim: int) -> int:
-        """Number of float32 elements in :meth:`to_flat_tensor`'s output."""
-        per_step = obs_dim + 5  # obs + actions, logprobs, rewards, dones, values
-        return num_steps * num_envs * per_step + num_envs * (obs_dim + 1)
-
-    def to_flat_tensor(self) -> torch.Tensor:
-        """Pack all fields into one contiguous float32 tensor (field order as declared).
-
-        Actions are small non-negative ints, so the float32 round trip is exact.
-        """
-        return torch.cat([getattr(self, f.name).reshape(-1).float() for f in fields(self)])
+    records: ClassVar = {"logprobs": Record(), "values": Record()}
+    losses: ClassVar = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac")
 
     @classmethod
-    def from_flat_tensor(
-        cls, t: torch.Tensor, num_steps: int, num_envs: int, obs_dim: int
-    ) -> Rollout:
-        """Inverse of :meth:`to_flat_tensor`; returned fields are views into ``t``."""
-        if t.numel() != cls.flat_size(num_steps, num_envs, obs_dim):
-            raise ValueError(
-                f"flat rollout has {t.numel()} elements, expected "
-                f"{cls.flat_size(num_steps, num_envs, obs_dim)}"
-            )
-        T, N, D = num_steps, num_envs, obs_dim
-        shapes: list[tuple[int, ...]] = [
-            (T, N, D),
-            (T, N),
-            (T, N),
-            (T, N),
-            (T, N),
-            (T, N),
-            (N, D),
-            (N,),
-        ]
-        parts: list[torch.Tensor] = []
-        offset = 0
-        for shape in shapes:
-            n = int(np.prod(shape))
-            parts.append(t[offset : offset + n].view(shape))
-            offset += n
-        obs, actions, logprobs, rewards, dones, values, next_obs, next_done = parts
-        return cls(obs, actions.long(), logprobs, rewards, dones, values, next_obs, next_done)
+    def space_problem(cls, spaces: Spaces) -> str | None:
+        return space_problem(spaces)
 
+    def build(self) -> nn.Module:
+        return ActorCritic.from_spaces(self.spaces, self.settings.hidden_size)
 
-class RolloutWorker:
-    """Owns seeded envs and the running env state between successive rollouts."""
+    def act(self, module: nn.Module, obs: Tensor,
+            generator: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:
+        action, logprob, value = module.act(obs, generator)  # type: ignore[operator]
+        return action, {"logprobs": logprob, "values": value}
 
-    def __init__(
-        self, num_envs: int, seed: int, gamma: float = 0.99, bootstrap_truncated: bool = True
-    ) -> None:
-        self.envs = make_envs(num_envs, seed)
-        self.num_envs = num_envs
-        self.gamma = gamma
-        self.bootstrap_truncated = bootstrap_truncated
-        obs_space = self.envs.single_observation_space
-        assert obs_space.shape is not None
-        self.obs_dim = int(np.prod(obs_space.shape))
-        # Seeded separately from the envs so action sampling is reproducible.
-        self.generator = torch.Generator().manual_seed(seed)
-        # make_envs already reset with the seed; reset again with the same
-        # seed to get the initial observations (same result, deterministic).
-        obs, _ = self.envs.reset(seed=seed)
-        self.next_obs = torch.as_tensor(obs, dtype=torch.float32)
-        self.next_done = torch.zeros(num_envs)
-        self.env_steps = 0
+    def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
+        return module.value(obs) if self.settings.bootstrap_truncated else None  # type: ignore[operator]
 
-    @classmethod
-    def from_hparams(cls, hp: PPOHyperParams, seed: int) -> RolloutWorker:
-        """Worker configured from ``hp``."""
-        return cls(hp.num_envs, seed, hp.gamma, hp.bootstrap_truncated)
+    def optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
+        return make_optimizer(module, self.settings)
 
-    @torch.no_grad()
-    def collect(self, policy: ActorCritic, num_steps: int) -> tuple[Rollout, list[Episode]]:
-        """Run ``num_steps`` vector steps with ``policy``; return the rollout and finished episodes."""
-        T, N, D = num_steps, self.num_envs, self.obs_dim
-        obs = torch.zeros(T, N, D)
-        actions = torch.zeros(T, N, dtype=torch.long)
-        logprobs, rewards, dones, values = (torch.zeros(T, N) for _ in range(4))
-        episodes: list[Episode] = []
-
-        for t in range(T):
-            obs[t] = self.next_obs
-            dones[t] = self.next_done
-            action, logprob, _, value = policy.get_action_and_value(
-                self.next_obs, generator=self.generator
-            )
-            actions[t], logprobs[t], values[t] = action, logprob, value
-
-            next_obs, reward, term, trunc, info = self.envs.step(action.numpy())
-            reward_t = torch.as_tensor(reward, dtype=torch.float32)
-            if self.bootstrap_truncated:
-                reward_t += self._truncation_bootstrap(policy, term, trunc, info)
-            rewards[t] = reward_t
-            self.next_obs = torch.as_tensor(next_obs, dtype=torch.float32)
-            self.next_done = torch.as_tensor(np.logical_or(term, trunc), dtype=torch.float32)
-
-            if "_episode" in info:
-                for i in np.flatnonzero(info["_episode"]):
-                    episodes.append((float(info["episode"]["r"][i]), int(info["episode"]["l"][i])))
-
-        self.env_steps += T * N
-        rollout = Rollout(
-            obs,
-            actions,
-            logprobs,
-            rewards,
-            dones,
-            values,
-            self.next_obs.clone(),
-            self.next_done.clone(),
-        )
-        return rollout, episodes
-
-    def _truncation_bootstrap(
-        self, policy: ActorCritic, term: np.ndarray, trunc: np.ndarray, info: dict[str, Any]
-    ) -> torch.Tensor:
-        """gamma * V(final_obs) for envs cut by the time limit, else 0.
-
-        With SAME_STEP autoreset the returned obs is already the reset one, so
-        the true last observation only lives in ``info["final_obs"]``.
-        """
-        extra = torch.zeros(self.num_envs)
-        idx = np.flatnonzero(trunc & ~term)
-        if idx.size:
-            final_obs = torch.as_tensor(np.stack(list(info["final_obs"][idx])), dtype=torch.float32)
-            extra[idx] = self.gamma * policy.get_value(final_obs)
-        return extra
-
-    def close(self) -> None:
-        """Close the underlying envs."""
-        self.envs.close()
+    def update(self, model: nn.Module, module: nn.Module, segments: list[Segment],
+               info: UpdateInfo) -> dict[str, float]:
+        set_lr(info.optimizer, self.settings, info.env_steps)
+        return ppo_update(model, module, info.optimizer, segments, self.settings, info.generator,
+                          decoupled=info.lag > 0)
 
 
 def compute_gae(
-    rollout: Rollout, next_value: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    segment: Segment, next_value: Tensor, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimates and value targets, both [T, N]."""
-    T = rollout.rewards.shape[0]
-    advantages = torch.zeros_like(rollout.rewards)
+    rewards, values, dones = segment["rewards"], segment["values"], segment["dones"]
+    T = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(next_value)
     for t in reversed(range(T)):
         if t == T - 1:
-            next_nonterminal = 1.0 - rollout.next_done
+            next_nonterminal = 1.0 - segment["next_done"]
             next_values = next_value
         else:
             # dones[t+1] says obs[t+1] is a fresh episode, i.e. step t ended one.
-            next_nonterminal = 1.0 - rollout.dones[t + 1]
-            next_values = rollout.values[t + 1]
-        delta = rollout.rewards[t] + gamma * next_values * next_nonterminal - rollout.values[t]
+            next_nonterminal = 1.0 - dones[t + 1]
+            next_values = values[t + 1]
+        delta = rewards[t] + gamma * next_values * next_nonterminal - values[t]
         last_gae = delta + gamma * lam * next_nonterminal * last_gae
         advantages[t] = last_gae
-    return advantages, advantages + rollout.values
+    return advantages, advantages + values
 
 
 def make_optimizer(policy: nn.Module, hp: PPOHyperParams) -> torch.optim.Adam:
@@ -353,14 +149,14 @@ def set_lr(optimizer: torch.optim.Optimizer, hp: PPOHyperParams, env_steps: int)
 
 def ppo_update(
     model: nn.Module,
-    policy: ActorCritic,
+    policy: nn.Module,
     optimizer: torch.optim.Optimizer,
-    rollouts: list[Rollout],
+    segments: list[Segment],
     hp: PPOHyperParams,
     generator: torch.Generator,
     decoupled: bool = False,
 ) -> dict[str, float]:
-    """Run ``hp.update_epochs`` x ``hp.num_minibatches`` clipped-PPO steps on ``rollouts``.
+    """Run ``hp.update_epochs`` x ``hp.num_minibatches`` clipped-PPO steps on ``segments``.
 
     The behaviour policy is the one that collected the data: its log-probs were recorded then.
     With ``decoupled`` (data collected with older weights than ``policy``'s), the clip is
@@ -374,16 +170,17 @@ def ppo_update(
     bootstrap uses ``policy`` directly. The step count depends only on ``hp``,
     so all DDP ranks stay in lockstep (hence no KL early stopping).
     """
-    if not rollouts:
-        raise ValueError("ppo_update needs at least one rollout")
+    if not segments:
+        raise ValueError("ppo_update needs at least one segment")
     obs_l, act_l, logp_l, adv_l, ret_l, val_l = [], [], [], [], [], []
     with torch.no_grad():
-        for r in rollouts:
-            adv, ret = compute_gae(r, policy.get_value(r.next_obs), hp.gamma, hp.gae_lambda)
-            obs_l.append(r.obs.reshape(-1, r.obs.shape[-1]))
-            act_l.append(r.actions.reshape(-1))
-            logp_l.append(r.logprobs.reshape(-1))
-            val_l.append(r.values.reshape(-1))
+        for s in segments:
+            next_value = policy.value(s["next_obs"])  # type: ignore[operator]
+            adv, ret = compute_gae(s, next_value, hp.gamma, hp.gae_lambda)
+            obs_l.append(_steps(s["obs"]))
+            act_l.append(_steps(s["actions"]))
+            logp_l.append(s["logprobs"].reshape(-1))
+            val_l.append(s["values"].reshape(-1))
             adv_l.append(adv.reshape(-1))
             ret_l.append(ret.reshape(-1))
     b_obs, b_actions, b_logprobs = torch.cat(obs_l), torch.cat(act_l), torch.cat(logp_l)
@@ -391,7 +188,7 @@ def ppo_update(
     b_anchor, b_weight = b_logprobs, None
     if decoupled:
         with torch.no_grad():
-            _, b_anchor, _, _ = policy.get_action_and_value(b_obs, b_actions)
+            b_anchor, _, _ = policy.evaluate(b_obs, b_actions)  # type: ignore[operator]
         b_weight = (b_anchor - b_logprobs).exp()
 
     batch_size = b_obs.shape[0]
@@ -441,3 +238,8 @@ def ppo_update(
 
     n = hp.update_epochs * hp.num_minibatches
     return {k: v / n for k, v in stats.items()}
+
+
+def _steps(x: Tensor) -> Tensor:
+    """[T, N, *shape] -> [T * N, *shape]."""
+    return x.reshape(-1, *x.shape[2:])

@@ -1,4 +1,4 @@
-"""What a PPO run records: one metrics row per update (``metrics.csv``, TensorBoard, the
+"""What a run records: one metrics row per update (``metrics.csv``, TensorBoard, the
 progress line), the figures that compare jobs (``result["metrics"]``, declared on
 ``PPOLoop.metrics``) and ``learning_curve.png``.
 
@@ -15,16 +15,15 @@ from pathlib import Path
 
 import numpy as np
 
-from app.loops.ppo.core import Episode
+from app.runtime.worker import Episode
 from rlcomm import CommContext, ParallelMode, collectives
-
-LOSSES = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac")
 
 
 def update_row(
     ctx: CommContext,
     trainers: int | None,
     previous: dict[str, float] | None,
+    loss_names: tuple[str, ...],
     *,
     update: int,
     env_steps: int,
@@ -40,16 +39,17 @@ def update_row(
     """One update's metrics row. ``trainers``: how many, on a trainer; None on a rollout rank.
     Only trainers reduce (over TRAIN_DATA_PARALLEL): a collective with the rollouts here would
     make them wait for every update. Rollouts' rows (never written) carry NaN losses.
+    ``loss_names``: the figures the algorithm's update returns (``Algorithm.losses``).
     ``attempt_steps`` and ``elapsed``: env steps and seconds since this attempt started."""
     transfer_total = previous["transfer_s_total"] if previous else 0.0
     if trainers is not None:
         reduced = collectives.all_reduce_dict(
             ctx, ParallelMode.TRAIN_DATA_PARALLEL, {"transfer_s": transfer_s, **losses}
         )
-        losses = {k: reduced[k] / trainers for k in LOSSES}
+        losses = {k: reduced[k] / trainers for k in loss_names}
         transfer_now = reduced["transfer_s"]
     else:
-        losses = dict.fromkeys(LOSSES, float("nan"))
+        losses = dict.fromkeys(loss_names, float("nan"))
         transfer_now = transfer_total
     return {
         "update": float(update),
@@ -180,7 +180,7 @@ class MetricsFile:
         self._size += len(data)
 
 
-def plot_learning_curve(metrics_csv: Path, png: Path, target: float) -> None:
+def plot_learning_curve(metrics_csv: Path, png: Path, target: float | None, title: str) -> None:
     """The stop rule's quantity (mean return of the last ``window`` episodes) against env steps
     and against wall time, with each update's mean return faint behind it."""
     import matplotlib
@@ -195,11 +195,12 @@ def plot_learning_curve(metrics_csv: Path, png: Path, target: float) -> None:
         x = [float(r[x_key]) for r in rows]
         ax.plot(x, [float(r["mean_return"]) for r in rows], alpha=0.3, label="update mean")
         ax.plot(x, [float(r["return_window"]) for r in rows], label="mean of last window")
-        ax.axhline(target, linestyle="--", color="grey")
+        if target is not None:
+            ax.axhline(target, linestyle="--", color="grey")
         ax.set_xlabel(label)
     axes[0].set_ylabel("episodic return")
     axes[0].legend(loc="lower right")
-    fig.suptitle("PPO CartPole-v1")
+    fig.suptitle(title)
     fig.tight_layout()
     try:
         fig.savefig(png)

@@ -1,5 +1,7 @@
-"""PPO checkpoints: ``<run dir>/checkpoints/ckpt_<update>.pt``, written by rank 0 (a trainer),
-read by every rank on resume (``loop.resume``, or the agent restarting a failed run).
+"""Checkpoints: ``<run dir>/checkpoints/ckpt_<update>.pt``, written by rank 0 (a trainer), read
+by every rank on resume (``loop.resume``, or the agent restarting a failed run). A checkpoint
+holds everything the runtime owns: the policy, the normalisers' statistics, the optimizer, the
+counters, the episodes and the metrics rows.
 
 A checkpoint proves itself: it carries a SHA-256 of its content (every tensor's bytes and every
 value, walked in a fixed order, so the digest does not depend on torch's file format) and the
@@ -27,7 +29,6 @@ import numpy as np
 import torch
 
 from app.api import ConfigError, JobInfo
-from app.loops.ppo.core import ENV_ID, ActorCritic
 from app.output.logs import FILE_ONLY
 from rlcomm import CommContext, ParallelMode, collectives
 
@@ -83,36 +84,28 @@ def describe_space(space: Any) -> str:
     return f"{kind}(shape={tuple(space.shape) if space.shape is not None else None}, dtype={space.dtype})"
 
 
-def env_spaces() -> tuple[Any, Any]:
-    """The observation and action space of this loop's environment, as one env reports them."""
-    import gymnasium as gym
-
-    env = gym.make(ENV_ID)
-    try:
-        return env.observation_space, env.action_space
-    finally:
-        env.close()
-
-
-def run_settings(loop: Any, observation_space: Any, action_space: Any) -> dict[str, Any]:
+def run_settings(loop: Any, spaces: Any) -> dict[str, Any]:
     """Everything a resumed run must share with the checkpoint, by the name a user knows it:
-    the algorithm (the loop's class, i.e. ``loop._target_``), the environment id and its spaces,
-    and every PPO hyperparameter (the model's shape and what an update does). Everything else
-    (layout, budget, target, window, checkpoint_every, staleness, logging, seed) may change."""
+    the algorithm (the loop's class, i.e. ``loop._target_``), the environment (its id, factory,
+    spaces and which normalisers it has) and every algorithm setting (the model's shape and
+    what an update does). Everything else (layout, budget, target, window, checkpoint_every,
+    staleness, logging, seed, the vector env kind) may change."""
     target = type(loop)
+    env = loop.env
     return {
         "loop._target_": f"{target.__module__}.{target.__qualname__}",
-        "env.id": ENV_ID,
-        "env.observation_space": describe_space(observation_space),
-        "env.action_space": describe_space(action_space),
+        "env.id": env.id,
+        **({"env._target_": env._target_} if env._target_ else {}),
+        "env.observation_space": describe_space(spaces.observation),
+        "env.action_space": describe_space(spaces.action),
+        "env.normalize_obs": env.normalize_obs,
+        "env.normalize_reward": env.normalize_reward,
         **{f"loop.hparams.{name}": value for name, value in asdict(loop.hp).items()},
     }
 
 
-def policy_shapes(hidden_size: int, observation_space: Any, action_space: Any) -> dict[str, list[int]]:
-    """The shape of every tensor of the policy this run builds."""
-    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
-        policy = ActorCritic(int(np.prod(observation_space.shape)), int(action_space.n), hidden_size)
+def policy_shapes(policy: torch.nn.Module) -> dict[str, list[int]]:
+    """The shape of every tensor of ``policy``."""
     return {name: list(t.shape) for name, t in policy.state_dict().items()}
 
 
@@ -192,7 +185,7 @@ def _read(path: Path) -> dict[str, Any]:
         ) from None
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise CheckpointProblem(f"not a PPO checkpoint (missing {missing})")
+        raise CheckpointProblem(f"not a checkpoint of this runtime (missing {missing})")
     if "checksum" in state and state["checksum"] != content_checksum(state):
         raise CheckpointProblem("corrupt (its content does not match its checksum)")
     return state
@@ -284,6 +277,7 @@ def save_checkpoint(
     episodes: list[tuple[float, int]],
     metrics: list[dict[str, float]],
     settings: Mapping[str, Any] | None = None,
+    normalizers: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Writes ``ckpt_<update>.pt`` with its checksum and ``settings`` (:func:`run_settings`).
     Never half-written: written aside (``.tmp``), synced, then renamed; a failed write removes
@@ -292,6 +286,8 @@ def save_checkpoint(
     state: dict[str, Any] = {
         # Clones: the parameters are views of the (larger) send buffer.
         "policy": {k: v.clone() for k, v in policy.state_dict().items()},
+        # The observation and reward statistics (bound to the send buffer too: cloned).
+        "normalizers": {k: v.clone() for k, v in (normalizers or {}).items()},
         "optimizer": optimizer.state_dict(),
         "update": update,
         "env_steps": env_steps,

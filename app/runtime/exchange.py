@@ -1,8 +1,9 @@
-"""What moves between ranks in one PPO update, and the time each rank spends blocked on it.
+"""What moves between ranks in one update, and the time each rank spends blocked on it.
 
-Over WEIGHT_TRANSFER a trainer gathers one segment per rollout rank, as one float32 tensor
-``[weights version, rollout...]`` (data, not code), and sends the weights back (zero-copy, from
-the bound policy); over GLOBAL every rank learns every finished episode, so all stop at the same
+Over WEIGHT_TRANSFER a trainer gathers one packed segment per rollout rank (bytes of a fixed
+layout, tagged with the weights version it was collected with: app/runtime/segments.py) and
+sends the weights back (zero-copy, from the bound agent: the acting module and the normalisers'
+statistics); over GLOBAL every rank learns every finished episode, so all stop at the same
 update. With a colocated layout (no rollout ranks) only the episodes move.
 """
 
@@ -13,7 +14,9 @@ import time
 import numpy as np
 import torch
 
-from app.loops.ppo.core import Episode, Rollout
+from app.runtime.algorithm import Segment
+from app.runtime.segments import Layout
+from app.runtime.worker import Episode, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 from rlcomm.weights import WeightReceiver, WeightSender
 
@@ -60,7 +63,7 @@ class Exchange:
         ctx: CommContext,
         plan: LayoutPlan,
         policy: torch.nn.Module,
-        segment: tuple[int, int, int],  # (num_steps, num_envs, obs_dim) of one rollout
+        layout: Layout,  # of one packed segment
         episode_cap: int,  # finished episodes one rank shares per update, at most
         max_staleness: int,
         verify_every: int,
@@ -69,9 +72,7 @@ class Exchange:
         self.rank = ctx.get_global_rank()
         self.is_trainer = self.rank in plan.trainers
         self.split = not plan.colocated
-        self.segment, self.episode_cap, self.max_staleness = segment, episode_cap, max_staleness
-        # A segment travels as [weights version, rollout...]: the version it was collected with.
-        self.flat_size = 1 + Rollout.flat_size(*segment)
+        self.layout, self.episode_cap, self.max_staleness = layout, episode_cap, max_staleness
         self.sender: WeightSender | None = None
         self.receiver: WeightReceiver | None = None
         if self.split and self.is_trainer:
@@ -138,28 +139,28 @@ class Exchange:
             self.sender.wait()
             self.transfer_s += time.perf_counter() - tick
 
-    def gather_segments(self, own: Rollout | None, updates: int) -> tuple[list[Rollout], int]:
-        """Split layouts: the segments the trainer trains on next (a rollout rank gets none),
-        with the oldest one's version lag. ``updates``: the number done so far."""
-        flat = torch.zeros(self.flat_size)
-        if own is not None:
-            flat = torch.cat([torch.tensor([float(self.version(updates))]), own.to_flat_tensor()])
+    def gather_segments(self, own: torch.Tensor | None, updates: int) -> list[Segment]:
+        """Split layouts: the segments the trainer trains on next, each with its version lag (a
+        rollout rank gets none). ``own``: this rollout rank's packed segment; ``updates``: the
+        number done so far."""
+        packed = own if own is not None else self.layout.empty()
         trainer = self.ctx.get_declared_ranks(WT)[0]
         tick = time.perf_counter()
-        gathered = collectives.gather(self.ctx, WT, flat, dst=trainer)
+        gathered = collectives.gather(self.ctx, WT, packed, dst=trainer)
         if self.rank != trainer:
-            self.trajectory_bytes_sent += flat.nbytes
+            self.trajectory_bytes_sent += packed.nbytes
         self.wait_s += time.perf_counter() - tick
         if gathered is None:
-            return [], 0
+            return []
         members = self.ctx.get_ranks_in_group(WT)
-        segments = [(r, t) for r, t in zip(members, gathered) if r != trainer]
-        versions = [(r, int(t[0].item())) for r, t in segments]
+        segments = [(r, as_segment(self.layout, t)) for r, t in zip(members, gathered)
+                    if r != trainer]
+        versions = [(r, s.version) for r, s in segments]
         lags = check_staleness(versions, self.version(updates), self.max_staleness, updates + 1)
-        for one in lags:
-            self.staleness[one] = self.staleness.get(one, 0) + 1
-        rollouts = [Rollout.from_flat_tensor(t[1:], *self.segment) for _, t in segments]
-        return rollouts, max(lags, default=0)
+        for (_, segment), lag in zip(segments, lags):
+            segment.lag = lag
+            self.staleness[lag] = self.staleness.get(lag, 0) + 1
+        return [segment for _, segment in segments]
 
     def share_episodes(
         self, mine: list[Episode], lag: int

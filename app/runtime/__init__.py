@@ -1,0 +1,25 @@
+"""The RL runtime: everything of an RL job that is not the algorithm.
+
+Roles from the plan, environments (``loop.env``), collection into segments tagged with their
+weights version, moving segments to the trainers, weight sync with ``max_staleness`` and
+verification, observation and reward normalisation, the stop rule, checkpoints, and every record
+of the run. An algorithm plugs in four things (:mod:`app.runtime.algorithm`) and becomes a loop
+by subclassing :class:`RLLoop` (docs/custom-algorithm.md).
+
+Modules, in the order a run uses them: ``loop.py`` (the settings, checked before any rank
+starts), ``envs.py``, ``models.py``, ``normalize.py``, ``worker.py`` (collecting),
+``segments.py`` (a segment's bytes), ``exchange.py`` (what moves between ranks), ``run.py`` (one
+rank's loop), ``records.py`` and ``checkpoints.py``.
+"""
+
+from app.runtime.algorithm import (
+    Algorithm,
+    AlgorithmSettings,
+    Record,
+    Segment,
+    Spaces,
+    UpdateInfo,
+)
+from app.runtime.loop import RLLoop
+
+__all__ = ["Algorithm", "AlgorithmSettings", "RLLoop", "Record", "Segment", "Spaces", "UpdateInfo"]

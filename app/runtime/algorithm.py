@@ -1,0 +1,139 @@
+"""What an algorithm plugs into the runtime, and nothing else: four things.
+
+1. its **settings**: a dataclass deriving from :class:`AlgorithmSettings` (the rollout shape
+   and discount every algorithm has), with ``range_errors`` for its own range checks;
+2. the **acting module**, built from the spaces (:meth:`Algorithm.build`);
+3. **what a step records** besides observation, action, reward and done
+   (:attr:`Algorithm.records`, filled by :meth:`Algorithm.act`);
+4. the **update** (:meth:`Algorithm.update`), run on each trainer with the DDP-wrapped model
+   and the segments the runtime gathered for it.
+
+The runtime (``app/runtime/``) owns the rest: roles, environments, collection, moving segments,
+weight sync, normalisation, the stop rule, checkpoints and every record of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from app.api import setting
+
+
+@dataclass(frozen=True)
+class Spaces:
+    """One environment's observation and action space (gymnasium spaces)."""
+
+    observation: Any
+    action: Any
+
+
+@dataclass(frozen=True)
+class Record:
+    """One per-step field an algorithm records: its shape per env and its dtype."""
+
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.float32
+
+
+class Segment(dict[str, Tensor]):
+    """One collector's ``T`` steps of ``N`` envs, time-major, as the trainer receives it.
+
+    Keys: ``obs`` [T, N, *obs] (what the policy saw: normalised when ``loop.env.normalize_obs``),
+    ``actions`` [T, N, *action] (as sampled, before any clipping to the action space),
+    ``rewards`` [T, N] (scaled when ``loop.env.normalize_reward``), ``dones`` [T, N]
+    (``dones[t]``: ``obs[t]`` starts a new episode), one entry per :attr:`Algorithm.records`
+    name [T, N, *shape], and ``next_obs`` [N, *obs] / ``next_done`` [N], the state after the
+    last step. ``version``: the weights version it was collected with; ``lag``: how many
+    versions that is behind the weights being trained.
+    """
+
+    version: int = 0
+    lag: int = 0
+    moments: dict[str, Tensor] = {}
+
+
+@dataclass
+class UpdateInfo:
+    """What the runtime hands an update besides the model and the segments."""
+
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator  # seeded per (seed, rank, update): a resume shuffles alike
+    env_steps: int  # env steps collected so far, all collectors together (for annealing)
+    update: int  # updates done before this one
+    lag: int  # the oldest segment's version lag (0 in lockstep)
+
+
+@dataclass
+class AlgorithmSettings:
+    """The settings every algorithm has: the rollout's shape and the discount."""
+
+    num_envs: int = setting(16, "environments per collecting rank (one vector env)")
+    num_steps: int = setting(64, "steps per environment per update (rollout length)")
+    gamma: float = setting(0.99, "discount factor, in (0, 1]")
+
+    def range_errors(self, batch_per_trainer: int) -> list[str]:
+        """Out-of-range settings as ``field: must be ..., got value`` (empty when all fit);
+        subclasses extend the list. ``batch_per_trainer``: env steps each trainer gets."""
+        checks = [
+            ("num_envs", self.num_envs >= 1, "a positive integer"),
+            ("num_steps", self.num_steps >= 1, "a positive integer"),
+            ("gamma", 0 < self.gamma <= 1, "in (0, 1]"),
+        ]
+        return [f"{name}: must be {want}, got {getattr(self, name)}"
+                for name, ok, want in checks if not ok]
+
+
+S = TypeVar("S", bound=AlgorithmSettings)
+
+
+class Algorithm(Generic[S]):
+    """An RL algorithm on the runtime. Subclass it, set :attr:`records` and :attr:`losses`,
+    and implement :meth:`build`, :meth:`act` and :meth:`update`."""
+
+    #: Per-step fields :meth:`act` returns besides the action, by name.
+    records: ClassVar[Mapping[str, Record]] = {}
+    #: The figures :meth:`update` returns (the columns of ``metrics.csv`` after the runtime's).
+    losses: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, settings: S, spaces: Spaces) -> None:
+        self.settings = settings
+        self.spaces = spaces
+
+    @classmethod
+    def space_problem(cls, spaces: Spaces) -> str | None:
+        """Why this algorithm cannot handle ``spaces`` (checked before launch), or None."""
+        return None
+
+    def build(self) -> nn.Module:
+        """The acting module for :attr:`spaces`; every rank builds it after seeding torch alike,
+        so its initial weights agree."""
+        raise NotImplementedError
+
+    def act(
+        self, module: nn.Module, obs: Tensor, generator: torch.Generator
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """One vector step: the actions for ``obs`` [N, *obs] and each of :attr:`records`
+        ([N, *shape]). Runs under ``torch.no_grad``; sample with ``generator``."""
+        raise NotImplementedError
+
+    def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
+        """State values [N] to bootstrap episodes cut by a time limit (``gamma * V(final obs)``
+        is added to that step's reward), or None for no bootstrap."""
+        return None
+
+    def optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
+        """The trainer's optimizer (checkpointed by the runtime): Adam at ``settings.lr``."""
+        return torch.optim.Adam(module.parameters(), lr=self.settings.lr, eps=1e-5)  # type: ignore[attr-defined]
+
+    def update(
+        self, model: nn.Module, module: nn.Module, segments: list[Segment], info: UpdateInfo
+    ) -> dict[str, float]:
+        """Train on ``segments``: losses through ``model`` (``module`` wrapped by DDP, so the
+        gradients are averaged over the trainers), anything without gradients through
+        ``module``. Returns the figures named in :attr:`losses`."""
+        raise NotImplementedError

@@ -1,0 +1,220 @@
+"""The runtime's loop: its settings, checked before any rank starts, and the entry every rank
+calls. An algorithm becomes a loop by subclassing :class:`RLLoop` with its settings as
+``hparams`` and itself as ``algorithm``::
+
+    @dataclass
+    class PPOLoop(RLLoop):
+        hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
+        algorithm: ClassVar[type[Algorithm[Any]]] = PPO
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from app.api import ConfigError, JobInfo, LoopMetrics, setting
+from app.output.logs import write_console
+from app.output.progress import StopRule
+from app.output.tensorboard import SUBDIR, check_tensorboard
+from app.runtime.algorithm import Algorithm, AlgorithmSettings, Spaces
+from app.runtime.checkpoints import (
+    CHECKPOINT_DIR,
+    newest_valid_checkpoint,
+    policy_shapes,
+    resume_mismatch,
+    run_settings,
+)
+from app.runtime.envs import EnvConfig, ensure_registered, probe_spaces
+from app.runtime.models import is_image
+from rlcomm import CommContext, LayoutPlan
+
+
+@dataclass
+class RLLoop:
+    """The runtime's settings; a subclass adds ``hparams`` (the algorithm's) and ``algorithm``."""
+
+    total_env_steps: int = setting(400_000, "budget: stop here if the target is not reached")
+    target_return: float | None = setting(
+        None, "stop once the mean return of the last `window` episodes reaches it (null: the "
+        "env's registered reward_threshold, e.g. 475 for CartPole-v1; none: the budget alone)"
+    )
+    stop_at_target: bool = setting(
+        True, "end the run when the target return is reached (false: note when it was "
+        "reached, for time_to_target_s, and train on to the budget)"
+    )
+    window: int = setting(20, "episodes in the stop rule's mean return")
+    checkpoint_every: int = setting(10, "updates between checkpoints; 0 disables them")
+    resume: str | None = setting(None, "a checkpoint file, or a run dir holding checkpoints/ (its newest valid one)")
+    progress: bool = setting(True, "rank 0's progress line: a bar on a terminal, plain lines otherwise")
+    tensorboard: bool = setting(False, "TensorBoard scalars under <run dir>/tensorboard (the tensorboard extra)")
+    env: EnvConfig = setting(doc="the environment (docs/environments.md)", factory=EnvConfig)
+    max_staleness: int = setting(
+        0, "weights versions a trainer's data may lag its own (0: lockstep; >= 1: rollouts "
+        "collect while trainers update)"
+    )
+    verify_weights_every: int = setting(
+        10, "every N-th weights version, rollouts check what they loaded against the "
+        "trainer's bytes (0: never)"
+    )
+
+    algorithm: ClassVar[type[Algorithm[Any]]]
+    hparams: Any = None  # the algorithm's settings (an AlgorithmSettings dataclass)
+
+    # What the run reports in result["metrics"] (records.job_metrics), for sweeps to rank by:
+    # the same on every rank; after a resume, rates and times cover this attempt only.
+    metrics: ClassVar[LoopMetrics] = LoopMetrics(
+        {
+            "env_steps_per_s": "max",
+            "time_to_target_s": "min",  # None when the target return was not reached
+            "env_steps_to_target": "min",  # None when the target return was not reached
+            "reached_target": "max",  # 1 or 0
+            "updates_per_s": "max",
+            "transfer_s": "min",  # weight-transfer time per trainer
+            "transfer_share": "min",  # weight-transfer time / trainer loop time
+            "trainer_wait_fraction": "min",  # trainers blocked on rollouts' trajectories
+            "rollout_wait_fraction": "min",  # rollouts blocked on trainers (weights, hand-off)
+            "final_mean_return": "max",
+        },
+        headline=("time_to_target_s", "env_steps_to_target", "env_steps_per_s",
+                  "transfer_share", "trainer_wait_fraction", "rollout_wait_fraction"),
+    )
+
+    def __post_init__(self) -> None:
+        # Built from config nodes (the app instantiates loops with _recursive_=False, so that
+        # loop.env._target_ is not called) or plain mappings: made into the dataclasses.
+        settings_type = typing.get_type_hints(type(self))["hparams"]
+        if not isinstance(self.hparams, AlgorithmSettings):
+            self.hparams = settings_type(**_plain(self.hparams))
+        if not isinstance(self.env, EnvConfig):
+            self.env = EnvConfig(**_plain(self.env))
+        self.env.kwargs = _plain(self.env.kwargs)
+
+    @property
+    def hp(self) -> Any:
+        return self.hparams
+
+    @cached_property
+    def spaces(self) -> Spaces:
+        """The environment's spaces, from one env built once (errors name the setting)."""
+        return probe_spaces(self.env)
+
+    def validate(self, plan: LayoutPlan) -> None:
+        """Range checks and the environment's, run by the launcher before any rank starts."""
+        collectors = len(plan.rollouts) if plan.rollouts else len(plan.trainers)
+        per_update = collectors * self.hp.num_envs * self.hp.num_steps
+        batch_per_trainer = per_update // len(plan.trainers)
+        errors = [f"hparams.{e}" for e in self.hp.range_errors(batch_per_trainer)]
+        errors += self.env.range_errors()
+        if self.window < 1:
+            errors.append(f"window: must be a positive integer, got {self.window}")
+        if self.checkpoint_every < 0:
+            errors.append(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
+        if self.max_staleness < 0:
+            errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
+        if self.verify_weights_every < 0:
+            errors.append(f"verify_weights_every: must be >= 0, got {self.verify_weights_every}")
+        if not errors and self.total_env_steps < per_update:
+            errors.append(
+                f"total_env_steps: must allow at least one update ({per_update} env steps with "
+                f"this layout and hparams), got {self.total_env_steps}"
+            )
+        if errors:
+            raise ConfigError(f"loop.{errors[0]}")
+        if self.env.normalize_obs and is_image(self.spaces.observation):
+            raise ConfigError(
+                f"loop.env.normalize_obs: {self.env.id} has image observations, which the CNN "
+                "scales to [0, 1] itself; got true (set it false)"
+            )
+        problem = self.algorithm.space_problem(self.spaces)
+        if problem:
+            name = self.algorithm.__name__
+            raise ConfigError(f"loop.env.id: {self.env.id}: {problem} ({name} cannot act in it)")
+        self.check_resume()
+        if self.tensorboard:
+            check_tensorboard()
+
+    def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
+        return self.algorithm(self.hp, spaces)
+
+    def check_resume(self) -> None:
+        """``loop.resume``, resolved and checked in the launcher before any rank starts: the
+        checkpoint the ranks will pick (a folder's newest valid one; skipped files and an
+        unverifiable old checkpoint are named in a warning line) must verify and agree with
+        this run's algorithm, environment, settings and policy shapes
+        (docs/data-safety.md, "Resume is checked before launch")."""
+        if self.resume is None:
+            return
+        import torch
+
+        picked = newest_valid_checkpoint(self.resume)
+        for note in picked.notes():
+            write_console(f"warning: {note}")
+        with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+            policy = self.build_algorithm(self.spaces).build()
+        problem = resume_mismatch(picked.state, run_settings(self, self.spaces),
+                                  policy_shapes(policy))
+        if problem:
+            raise ConfigError(problem)
+
+    def target(self) -> float | None:
+        """The return that ends the run: ``target_return``, else the env's reward_threshold."""
+        if self.target_return is not None:
+            return self.target_return
+        if self.env._target_:
+            return None
+        import gymnasium as gym
+
+        ensure_registered(self.env.id)
+        try:
+            threshold = gym.spec(self.env.id).reward_threshold
+        except gym.error.Error:  # an envpool task id: gymnasium does not know it
+            return None
+        return float(threshold) if threshold is not None else None
+
+    def stop_rule(self) -> StopRule:
+        """What ends a run: the target when there is one (and ``stop_at_target``), else the
+        budget alone."""
+        return StopRule(self.target() if self.stop_at_target else None, self.window,
+                        self.total_env_steps)
+
+    def summary(self, result: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+        """The closing summary's figures and files, from rank 0's result."""
+        final = result["mean_return_last_window"]
+        return {
+            "solved": result["reached_target"],
+            "target_return": self.target(),
+            "window": self.window,
+            "time_to_target_s": result["time_to_target_s"],
+            "env_steps_to_target": result["env_steps_to_target"],
+            "final_mean_return": final if np.isfinite(final) else None,
+            "env_steps": result["env_steps"],
+            "updates": result["updates"],
+            "train_wall_s": result["wall_s"],
+            # As the sweep compares jobs (result["metrics"]): this attempt's rate, all trainers'
+            # share of their time spent sending weights.
+            "env_steps_per_s": result["metrics"]["env_steps_per_s"],
+            "transfer_share": result["metrics"]["transfer_share"],
+            "files": {
+                name: str(run_dir / name)
+                for name in ("metrics.csv", "learning_curve.png", CHECKPOINT_DIR, SUBDIR)
+                if (run_dir / name).exists()
+            },
+        }
+
+    def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
+        from app.runtime.run import RuntimeRun
+
+        return RuntimeRun(self, ctx, job).run()
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)  # type: ignore[return-value]
+    return dict(node or {})
