@@ -324,6 +324,9 @@ BAD_OVERRIDES = [
     (["loop=ppo", "loop.env.vector=bogus"],
      "loop.env.vector: must be one of sync, async, envpool, got 'bogus'"),
     (["loop=ppo", "loop.env._target_=nosuch.make"], "loop.env._target_: "),
+    (["loop=custom", "loop._target_=examples.reinforce.ReinforceLoop", "+loop.hparams.lr=-0.1"],
+     "loop.hparams.lr: must be > 0, got -0.1"),
+    (["loop=vtrace", "loop.hparams.rho_bar=0"], "loop.hparams.rho_bar: must be > 0, got 0"),
     (["loop=ppo", "+experiment=image", "loop.env.normalize_obs=true"],
      "loop.env.normalize_obs: RlcommImage-v0 has image observations, which the CNN scales to [0, 1] itself; got true"),
 ]

@@ -155,10 +155,16 @@ def test_what_must_agree_is_named_with_both_values(tmp_path: Path) -> None:
     assert _mismatch(state, _loop()) == (
         "loop.resume: checkpoint has env.observation_space=Box(shape=(8,), dtype=float32), "
         "this run Box(shape=(4,), dtype=float32)")
+    del state["settings"]["env.observation_space"]
+    # Which normalisers the run has: their statistics are part of the policy it resumes.
+    normalised = _loop()
+    normalised.env.normalize_obs = True
+    assert _mismatch(state, normalised) == (
+        "loop.resume: checkpoint has env.normalize_obs=false, this run true")
     # What may change on resume is not recorded at all.
     assert not {k for k in state["settings"] if k.split(".")[-1] in (
         "total_env_steps", "target_return", "window", "checkpoint_every", "max_staleness",
-        "verify_weights_every", "progress", "tensorboard", "resume", "seed")}
+        "verify_weights_every", "progress", "tensorboard", "resume", "seed", "vector")}
     assert not any(k.startswith(("layout", "comm", "launcher")) for k in state["settings"])
 
 

@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from app.config.schema import AppConfig, CommConfig, LayoutConfig
 from app.loops.commcheck import CommCheck
 from app.loops.ppo import PPOLoop
+from app.loops.vtrace import VTraceLoop
 
 
 @functools.cache
@@ -51,4 +52,5 @@ def register_configs() -> None:
     cs.store(group="comm", name="comm_schema", node=CommConfig)
     cs.store(group="layout", name="layout_schema", node=LayoutConfig)
     register_loop("ppo", PPOLoop)
+    register_loop("vtrace", VTraceLoop)
     register_loop("commcheck", CommCheck)

@@ -18,6 +18,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from app.api import JobInfo
+from app.output import timeline
+from app.output.background import in_background
 from app.output.progress import RunProgress, Snapshot
 from app.output.tensorboard import ScalarLog
 from app.runtime.algorithm import Segment, UpdateInfo
@@ -94,7 +96,7 @@ class RuntimeRun:
         if self.rank == 0 and self.is_trainer:
             self.metrics_file = MetricsFile(self.job.run_dir / "metrics.csv", self.metrics)
         first_update, first_steps = self.update, self.env_steps  # this attempt's start
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         reached_at: tuple[float, int] | None = None
         rule = self.loop.stop_rule()
         target = self.loop.target()  # with loop.stop_at_target=false: noted, not the end
@@ -112,6 +114,7 @@ class RuntimeRun:
             self.update += 1
             row = self._record(version, new_episodes, losses, shared,
                                self.env_steps - first_steps, time.perf_counter() - start)
+            timeline.mark("first_update")  # the first time counts (app/output/timeline.py)
             if scalars is not None:
                 scalars.write({**row, "mean_return_window": self._recent_return()}, self.env_steps)
             if view is not None:
@@ -124,18 +127,21 @@ class RuntimeRun:
                     break
             if self.env_steps < self.loop.total_env_steps:
                 self._sync_weights(first=False)
+        timeline.mark("stop")
         if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
             self._save_checkpoint()  # keep the final state too
         if view is not None:
             view.close()  # after the last checkpoint notice: the bar is the run's last line
-        if scalars is not None:
-            scalars.close()
+        if scalars is not None:  # written before success is reported (app/launch/rank.py)
+            in_background(scalars.close, name="TensorBoard scalars")
         elapsed = time.perf_counter() - start
+        cpu_s = time.process_time() - cpu_start
         if self.metrics_file is not None:
             self.metrics_file.close()
             if self.metrics:
-                plot_learning_curve(self.metrics_file.path, self.job.run_dir / "learning_curve.png",
-                                    target, f"{self._name()} {self.loop.env.id}")
+                in_background(plot_learning_curve, self.metrics_file.path,
+                              self.job.run_dir / "learning_curve.png", target,
+                              f"{self._name()} {self.loop.env.id}", name="learning curve")
         if self.worker is not None:
             self.worker.close()
         steps = self.env_steps - first_steps
@@ -162,6 +168,7 @@ class RuntimeRun:
             "max_staleness": self.loop.max_staleness,
             "wait_fraction": round(exchange.wait_total_s / elapsed, 4) if elapsed else 0.0,
             "time_split_s": self._time_split(elapsed),
+            "cpu_s": round(cpu_s, 3),  # this process's CPU time over the loop (all threads)
             **({"staleness_histogram": {str(k): n for k, n in sorted(exchange.staleness.items())}}
                if self.is_trainer else {}),
             "param_checksum": float(sum(p.detach().double().sum()
