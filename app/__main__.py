@@ -1,8 +1,18 @@
 """``python -m app [overrides]``: compose, validate, plan, then launch or join the ranks."""
 
+# ruff: noqa: E402  (the forkserver starts before this process's own imports)
 from __future__ import annotations
 
+from app.launch.forkserver import start_early
+
+# First: the ranks' forkserver imports torch, gymnasium, Hydra and the app on another core while
+# this process imports, composes and validates (app/launch/forkserver.py).
+start_early()
+
+import atexit
+import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,14 +25,22 @@ from omegaconf import DictConfig, OmegaConf
 from app.api import RankEnv
 from app.config import register_configs
 from app.config.help import help_text
+from app.errors import LaunchInterruptedError
+from app.launch import forkserver
 from app.launch.environment import mark_job_start, output_subdir, resolve_rank_env, run_id
 from app.launch.failures import recording_failures, write_errors_named
 from app.launch.planning import check_restarts, check_world_size, validate
 from app.launch.slurm import register_launcher_configs
-from app.output.layout_picture import write_layout_files
+from app.output import timeline
+from app.output.layout_picture import (
+    describe_layout,
+    draw_layout_file,
+    write_layout_files,
+    write_layout_text,
+)
 from app.output.logs import quiet_file_errors
 from app.output.summary import format_summary
-from rlcomm import RlcommError, format_plan
+from rlcomm import LayoutPlan, RlcommError, format_plan
 
 log = logging.getLogger("app")
 
@@ -31,6 +49,9 @@ OmegaConf.register_new_resolver("rlcomm_output_subdir", output_subdir, replace=T
 OmegaConf.register_new_resolver("rlcomm_help", help_text, replace=True)
 register_configs()
 register_launcher_configs()  # hydra/launcher=rlcomm_slurm|rlcomm_local
+
+_first_job = True  # the first job of this process starts at the process's start
+PICTURE_AFTER_FAILURE_S = 5.0  # a failed run still waits this long for its layout picture
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -48,8 +69,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     plan = validate(cfg)
     if cfg.plan_only:
-        print(format_plan(plan))
-        print(f"layout picture: {write_layout_files(plan, run_dir)}")
+        picture = _draw_layout(plan, run_dir, nice=0)  # what the user asked for: not niced
+        print(format_plan(plan))  # while the picture is drawn
+        print(f"layout picture: {picture.wait() if picture else write_layout_files(plan, run_dir)}")
         return None
     if env.note and env.rank == 0:
         log.warning(env.note)
@@ -59,26 +81,61 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     from rlcomm import resolve_backend
 
     resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process
-    if env.rank == 0:  # after the checks: every rank of a bad job fails alike, and at once
-        write_layout_files(plan, run_dir)  # one picture per run, from one process
-    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    if not env.joins:
+    if not env.joins:  # torch's elastic agent, imported while the forkserver still imports
         from app.launch.local import launch_local
+    timeline.mark("validated")
+    timeline.export()  # for the ranks (app/output/timeline.py)
+    # One picture per run, from one process, after the checks (every rank of a bad job fails
+    # alike, and at once), drawn beside the ranks' start, not before it.
+    picture = _draw_layout(plan, run_dir) if env.rank == 0 else None
+    if picture is None and env.rank == 0:
+        write_layout_files(plan, run_dir)
+    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    try:
+        if not env.joins:
+            log.info("starting %d local ranks; run dir %s", plan.world_size, run_dir)
+            result: dict[str, Any] | None = launch_local(config, plan, run_dir)
+        else:
+            from app.launch.rank import run_rank
 
-        log.info("starting %d local ranks; run dir %s", plan.world_size, run_dir)
-        result: dict[str, Any] | None = launch_local(config, plan, run_dir)
-    else:
-        from app.launch.rank import run_rank
-
-        result = run_rank(config, plan, str(run_dir))
+            result = run_rank(config, plan, str(run_dir))
+        if picture is not None:  # written before the run reports success
+            picture.wait()
+            picture = None
+    except (KeyboardInterrupt, LaunchInterruptedError):
+        if picture is not None:  # stopped by the user: at once
+            picture.cancel()
+            picture = None
+        raise
+    finally:
+        if picture is not None:  # the run failed: the picture is finished if it soon can be
+            with contextlib.suppress(Exception):
+                picture.wait(PICTURE_AFTER_FAILURE_S)
+            picture.cancel()
     if result is not None:  # rank 0's summary (a joined job: on rank 0 only)
         print(format_summary(result["summary"]), flush=True)
     return result
 
 
+def _draw_layout(plan: LayoutPlan, run_dir: Path, nice: int = 10) -> forkserver.SideJob | None:
+    """``layout.txt`` now (a write error ends the run before any rank starts), ``layout.png``
+    drawn in a process of its own (app/launch/forkserver.py: SideJob), at a low priority unless
+    the user waits for it; None where that cannot be had (then the caller draws it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    write_layout_text(plan, run_dir)
+    return forkserver.SideJob("layout", draw_layout_file, describe_layout(plan),
+                              run_dir / "layout.png", nice=nice)
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> dict[str, Any] | None:
+def _main(cfg: DictConfig) -> dict[str, Any] | None:
+    global _first_job
     mark_job_start()
+    timeline.reset()
+    timeline.mark("start", timeline.process_start_time() if _first_job else None)
+    timeline.mark("composed")  # Hydra is done: imports and composition behind us
+    _first_job = False
     quiet_file_errors()  # Hydra's __main__.log on a full disk: one line, not a traceback each
     hydra_cfg = HydraConfig.get()
     try:
@@ -90,6 +147,35 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
             raise  # Hydra records the job as failed and runs the rest of the sweep
         print(f"error: {err}", file=sys.stderr)
         sys.exit(exit_code)
+
+
+def main() -> None:
+    """``python -m app`` and ``rlcomm-run``. Once the run is over the process ends at once:
+    nothing is left to wait for (every rank has exited, every file is written), and tearing
+    down an interpreter that holds torch takes about a second on 2 busy cores."""
+    try:
+        _main()
+    except SystemExit as done:
+        _exit(done.code)
+        raise
+    _exit(0)
+
+
+def _exit(code: object) -> None:
+    """Ends ``python -m app`` now: the exit handlers run (logs flushed and closed,
+    multiprocessing's own cleanup), the interpreter's teardown does not. Called from a test
+    or tool that imported the app, it returns and the caller goes on."""
+    if not forkserver.invoked_as_app():
+        return
+    if isinstance(code, str):  # sys.exit("message"): the message, exit code 1
+        print(code, file=sys.stderr)
+        code = 1
+    status = code if isinstance(code, int) else (0 if code is None else 1)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
+            stream.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 from datetime import datetime
+from pathlib import Path
 
 from .core import Row, Settings
 from .procs import REPO_ROOT
@@ -22,11 +23,13 @@ SECTIONS = (
     "group_setup",
     "scale",
     "startup",
+    "wind_down",
     "rl_throughput",
     "rl_staleness",
     "flight",
+    "mujoco",
 )
-NOT_IN_QUICK = ("rl_throughput", "rl_staleness")
+NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
 
 
@@ -39,7 +42,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=lambda s: [name.strip() for name in s.split(",") if name.strip()],
         help=f"comma-separated sections among: {', '.join(SECTIONS)}",
     )
+    parser.add_argument(
+        "--cleanrl", metavar="PPO_PY", type=Path,
+        help="CleanRL's ppo.py: rl_throughput then also times it to return 475 (the reference "
+        "of the default run's launch-to-exit goal)",
+    )
+    parser.add_argument(
+        "--cleanrl-python", metavar="PYTHON",
+        help="the Python to run --cleanrl with (one with CleanRL's own requirements; "
+        "default: this one)",
+    )
     args = parser.parse_args(argv)
+    if args.cleanrl is not None and not args.cleanrl.is_file():
+        parser.error(f"--cleanrl: {args.cleanrl} is not a file")
     unknown = sorted(set(args.only or ()) - set(SECTIONS))
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
@@ -78,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         out_dir=REPO_ROOT / "outputs" / "bench" / stamp,
         deadline=time.monotonic() + budget,
+        cleanrl=args.cleanrl.resolve() if args.cleanrl else None,
+        cleanrl_python=args.cleanrl_python,
     )
     started = time.perf_counter()
     load_at_start = _load()

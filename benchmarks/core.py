@@ -54,7 +54,9 @@ def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> Stat:
 
 @dataclass(frozen=True)
 class Goal:
-    """A threshold on the median ratio (``on="ratio"``) or on rlcomm's median value."""
+    """A threshold on the median ratio (``on="ratio"``), on rlcomm's median value
+    (``on="value"``) or on rlcomm's largest value, so that every sample must meet it
+    (``on="max"``)."""
 
     op: str  # "<=", "<" or ">="
     threshold: float
@@ -67,7 +69,7 @@ class Goal:
         stat = row.ratio if self.on == "ratio" else row.rlcomm
         if stat is None:
             return None
-        value = stat.median
+        value = stat.max if self.on == "max" else stat.median
         if self.whole_iqr and stat.q1 is not None and stat.q3 is not None:
             value = stat.q1 if self.op == ">=" else stat.q3
         if self.op == "<=":
@@ -79,7 +81,8 @@ class Goal:
     def describe(self, unit: str) -> str:
         if self.on == "ratio":
             return f"ratio {self.op} {self.threshold:.3g}" + (" (IQR)" if self.whole_iqr else "")
-        return f"value {self.op} {self.threshold:g} {unit}".rstrip()
+        which = "every value" if self.on == "max" else "value"
+        return f"{which} {self.op} {self.threshold:g} {unit}".rstrip()
 
 
 @dataclass
@@ -163,6 +166,9 @@ class Settings:
     quick: bool
     out_dir: Path
     deadline: float = float("inf")
+    # CleanRL's ppo.py and the Python to run it with (rl_throughput's reference, optional).
+    cleanrl: Path | None = None
+    cleanrl_python: str | None = None
 
     def seconds_left(self) -> float:
         return self.deadline - time.monotonic()

@@ -1,10 +1,20 @@
-"""6. RL throughput: the default PPO run (``python -m app loop=ppo``: trainers 0,1 each feeding a
-rollout worker) against ``python -m app loop=ppo layout=single`` (one colocated rank).
+"""6. RL throughput and time to answer: the default PPO run (``python -m app loop=ppo``: trainers
+0,1 each feeding a rollout worker) against ``python -m app loop=ppo layout=single`` (one
+colocated rank), and, with ``--cleanrl PPO_PY``, against CleanRL's ``ppo.py`` (one process), side
+by side: for each seed of ``SEEDS``, one run of each, in alternating order.
 
-Each run is a subprocess with its own ``hydra.run.dir`` under this benchmark's output folder;
-its metrics come from ``<run dir>/result.json`` (looked up by key pattern, so the loop may nest
-them). A run that exceeds its share of the time budget is killed; its env steps/s then come
-from the last progress line it printed. Without a ``loop=ppo`` config the row is skipped.
+Each app run is a subprocess with its own ``hydra.run.dir`` under this benchmark's output
+folder; its metrics come from ``<run dir>/result.json`` (looked up by key pattern, so the loop
+may nest them), its wall time is launch to exit (the run stops itself at return 475). CleanRL's
+``ppo.py`` runs a fixed budget: it is timed from launch to the moment the mean of its last 20
+printed episodic returns reaches 475, and stopped there. A run that exceeds its share of the
+time budget (with ``--cleanrl``: ``RUN_TIMEOUT_S``, outside the shared budget; about 4 minutes in
+all on an idle 2-core machine) is killed; its env steps/s then come from the last progress line
+it printed.
+Without a ``loop=ppo`` config the rows are skipped.
+
+Goals: the default run's launch to exit <= 0.25 x CleanRL's launch to return 475, and <= the
+one-rank layout's (median of the per-seed ratios).
 """
 
 from __future__ import annotations
@@ -17,13 +27,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .core import NUMBER, PER_SECOND, SECONDS, Row, Settings, Stat, ratios
+from .apprun import run_to_target
+from .core import NUMBER, PER_SECOND, SECONDS, Goal, Row, Settings, Stat, ratios
 from .procs import CommandTimeoutError, timed_command
 
 NAME = "rl_throughput"
 RUN_TIMEOUT_S = 300.0  # per run at most; less when the run's 10-minute budget has less left
 MIN_RUN_S = 30.0  # below this much time per run, the runs are skipped
+SEEDS = (1, 2, 3)
 RUNS = {"default": ["loop=ppo"], "single": ["loop=ppo", "layout=single"]}
+CLEANRL = "cleanrl"
+TARGET_RETURN, WINDOW = 475.0, 20  # CartPole-v1's reward threshold, the app's stop rule
+WALL = "wall time (launch to exit)"
+GOALS = {"single": Goal("<=", 1.0), CLEANRL: Goal("<=", 0.25)}
 
 # metric -> (unit, pattern of its key in result.json)
 METRICS: dict[str, tuple[str, str]] = {
@@ -101,7 +117,7 @@ def run_app(overrides: list[str], run_dir: Path, timeout: float) -> Outcome:
         tail = " / ".join(done.stderr.strip().splitlines()[-3:])
         return Outcome(problem=f"failed with exit code {done.returncode}: {tail}"[:600])
     document = json.loads(result_file.read_text())
-    metrics = {"wall time (launch to exit)": seconds}
+    metrics = {WALL: seconds}
     for metric, (_, pattern) in METRICS.items():
         value = find_metric(document, pattern)
         if value is not None:
@@ -115,48 +131,86 @@ def run_app(overrides: list[str], run_dir: Path, timeout: float) -> Outcome:
     return outcome
 
 
+def run_cleanrl(settings: Settings, seed: int, work_dir: Path, timeout: float) -> Outcome:
+    """CleanRL's ppo.py (``settings.cleanrl``), launch to return 475, in ``work_dir`` (it writes
+    its TensorBoard runs there)."""
+    assert settings.cleanrl is not None
+    work_dir.mkdir(parents=True, exist_ok=True)
+    python = settings.cleanrl_python or sys.executable
+    timed = run_to_target([python, str(settings.cleanrl), "--seed", str(seed)], work_dir,
+                          TARGET_RETURN, WINDOW, timeout)
+    if timed.seconds is None:
+        return Outcome(problem=timed.problem)
+    return Outcome({WALL: timed.seconds})
+
+
 def run(settings: Settings) -> list[Row]:
     base = settings.out_dir / "rl"
     ok, why = ppo_available(base / "probe")
     if not ok:
         note = f"skipped: loop=ppo not available ({why})"
         return [Row(NAME, "default PPO run vs layout=single", status="skipped", note=note)]
-    outcomes: dict[str, Outcome] = {}
-    for left, (name, overrides) in zip(range(len(RUNS), 0, -1), RUNS.items()):
-        timeout = min(RUN_TIMEOUT_S, settings.seconds_left() / left)
-        if timeout < MIN_RUN_S:
-            problem = f"only {timeout:.0f} s of the time budget left"
-            outcomes[name] = Outcome(problem=problem, status="skipped")
-        else:
-            outcomes[name] = run_app(overrides, base / name, timeout)
+    kinds = [*RUNS, *([CLEANRL] if settings.cleanrl else [])]
+    outcomes: dict[str, list[Outcome]] = {kind: [] for kind in kinds}
+    left = len(kinds) * len(SEEDS)
+    for index, seed in enumerate(SEEDS):
+        for kind in (kinds if index % 2 == 0 else kinds[::-1]):  # alternating order
+            # With CleanRL (about a minute per run) the section cannot fit the shared budget:
+            # each run then gets RUN_TIMEOUT_S, as rl_staleness's do.
+            share = RUN_TIMEOUT_S if settings.cleanrl else settings.seconds_left() / left
+            timeout = min(RUN_TIMEOUT_S, share)
+            left -= 1
+            if timeout < MIN_RUN_S:
+                problem = f"only {timeout:.0f} s of the time budget left"
+                outcomes[kind].append(Outcome(problem=problem, status="skipped"))
+            elif kind == CLEANRL:
+                outcomes[kind].append(run_cleanrl(settings, seed, base / f"cleanrl-{seed}", timeout))
+            else:
+                outcomes[kind].append(
+                    run_app([*RUNS[kind], f"seed={seed}"], base / f"{kind}-{seed}", timeout))
     rows = [
-        Row(NAME, f"{name} PPO run", status=outcome.status, note=outcome.problem)
-        for name, outcome in outcomes.items()
+        Row(NAME, f"{kind} run, seed {seed}", status=outcome.status, note=outcome.problem)
+        for kind, runs in outcomes.items()
+        for seed, outcome in zip(SEEDS, runs)
         if outcome.problem
     ]
-    units = {"wall time (launch to exit)": SECONDS, **{m: u for m, (u, _) in METRICS.items()}}
+    units = {WALL: SECONDS, **{m: u for m, (u, _) in METRICS.items()}}
     for metric, unit in units.items():
-        rows.append(_metric_row(metric, unit, outcomes["default"], outcomes["single"]))
+        rows.append(_metric_row(metric, unit, outcomes["default"], outcomes["single"], "single"))
+    if CLEANRL in outcomes:
+        rows.append(_metric_row(WALL, SECONDS, outcomes["default"], outcomes[CLEANRL], CLEANRL,
+                                name="default run launch to exit vs CleanRL ppo.py launch to "
+                                "return 475"))
     return rows
 
 
-def _metric_row(metric: str, unit: str, default: Outcome, single: Outcome) -> Row:
-    """default (rlcomm's layout) against single; one side only when the other has no value."""
-    ours, theirs = default.metrics.get(metric), single.metrics.get(metric)
-    row = Row(NAME, f"{metric}: default vs single", unit=unit, reference_name="layout=single")
-    if ours is not None:
-        row.rlcomm = Stat.single(ours)
-    if theirs is not None:
-        row.reference = Stat.single(theirs)
-    if ours is not None and theirs is not None:
-        row.ratio = ratios([ours], [theirs]) if theirs else None
-        row.note = "1 run each" + ("" if theirs else "; no ratio to a reference of 0")
-    elif ours is None and theirs is None:
-        row.status, row.note = "skipped", "no value in either run"
+def _metric_row(metric: str, unit: str, default: list[Outcome], other: list[Outcome],
+                kind: str, name: str = "") -> Row:
+    """default (rlcomm's layout) against ``kind`` over the seeds; the ratio over the seeds both
+    have; one side only when the other has no value."""
+    reference = "layout=single" if kind == "single" else "CleanRL ppo.py"
+    row = Row(NAME, name or f"{metric}: default vs {kind}", unit=unit, reference_name=reference,
+              goal=GOALS.get(kind) if metric == WALL else None)
+    ours = [o.metrics.get(metric) for o in default]
+    theirs = [o.metrics.get(metric) for o in other]
+    mine = [v for v in ours if v is not None]
+    refs = [v for v in theirs if v is not None]
+    if mine:
+        row.rlcomm = Stat.of(mine)
+    if refs:
+        row.reference = Stat.of(refs)
+    pairs = [(a, b) for a, b in zip(ours, theirs) if a is not None and b]
+    if pairs:
+        row.ratio = ratios([a for a, _ in pairs], [b for _, b in pairs])
+        row.note = f"{len(pairs)} seed(s) of {list(SEEDS)} with both"
+    elif not mine and not refs:
+        row.status, row.note = "skipped", "no value in any run"
     else:
-        missing, outcome = ("single", single) if theirs is None else ("default", default)
-        why = outcome.problem or (
-            outcome.not_reached if "475" in metric else "not in its result.json"
-        )
+        missing, runs = (kind, other) if not refs else ("default", default)
+        why = next((o.problem for o in runs if o.problem), "") or next(
+            (o.not_reached for o in runs if o.not_reached and "475" in metric), ""
+        ) or "not in its result.json"
         row.note = f"no {missing} value: {why}"
+        if row.goal is not None:
+            row.status = "failed" if any(o.problem for o in runs) else "skipped"
     return row

@@ -1,8 +1,9 @@
 """A killed launcher leaves nothing running (issue 21, item 5), with real processes and signals.
 
 ``kill -9`` of the launcher is what the OOM killer or a batch system's hard limit does: no handler
-runs. Every rank (tied to its launcher by app/launch/lifeline.py) and multiprocessing's resource
-tracker must end within a few seconds anyway, also while the ranks are blocked in a collective,
+runs. Every rank (tied to its launcher's forkserver, the forkserver to the launcher, by
+app/launch/lifeline.py), the forkserver and multiprocessing's resource tracker must end within a
+few seconds anyway, also while the ranks are blocked in a collective,
 and the run dir must stay resumable from its newest checkpoint. torchrun's agent killed the same
 way takes its ranks with it too, and a rank whose launcher died before the rank could tie itself
 to it stops at once.
@@ -112,15 +113,21 @@ def test_a_sigkilled_launcher_takes_every_rank_and_the_resource_tracker_with_it(
         app.wait_until("a first checkpoint", partial(_has_checkpoint, checkpoints))
         ranks = app.ranks()
         assert sorted(ranks) == [0, 1, 2, 3], (ranks, app.describe())
-        # The elastic agent runs inside the launcher: every rank is the launcher's own child.
-        assert {rank: proc.ppid() for rank, proc in ranks.items()} == dict.fromkeys(ranks, app.pid)
+        # The elastic agent runs inside the launcher and has the launcher's forkserver fork
+        # every rank (app/launch/forkserver.py): the ranks are the forkserver's children, the
+        # forkserver and the resource tracker the launcher's.
+        servers = [p for p in app.processes()[1:] if "forkserver" in " ".join(p.cmdline())
+                   and p.ppid() == app.pid]
+        assert len(servers) == 1, _describe(app.processes())
+        assert {rank: proc.ppid() for rank, proc in ranks.items()} == \
+            dict.fromkeys(ranks, servers[0].pid)
         trackers = [p for p in app.processes()[1:] if "resource_tracker" in " ".join(p.cmdline())]
         assert len(trackers) == 1 and trackers[0].ppid() == app.pid, _describe(app.processes())
         if freeze:
             ranks[3].suspend()
             time.sleep(1.0)  # the others run into a collective that rank 3 never joins
         took.append(_sigkill_launcher(app))
-        assert not _running([*ranks.values(), *trackers])
+        assert not _running([*ranks.values(), *trackers, *servers])
         app.assert_all_ended()
     print(f"\nevery process gone {', '.join(f'{s:.2f}' for s in took)} s after the SIGKILL")
 

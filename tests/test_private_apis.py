@@ -2,8 +2,10 @@
 code relies on, pinned: an upgrade that changes one fails here, naming it, not in a user's job.
 
 Pinned in-process (PINNED) where a call shows it; with real processes where only they do: the
-command line of the elastic agent's rank processes (``spawn_main``, how app/launch/local.py
-tells ranks from the agent's other children), and gloo's wording of a peer that left or fell
+elastic agent's rank processes as multiprocessing's Process objects of the launcher
+(``multiprocessing.process._children``, how app/launch/local.py watches its ranks), the
+forkserver's preload (app/launch/forkserver.py), the exit handlers ``python -m app`` runs
+before it ends (``atexit._run_exitfuncs``), and gloo's wording of a peer that left or fell
 silent, which the code matches on (rlcomm/net/hosts.py, app/launch/failures.py,
 app/launch/rank.py).
 
@@ -16,7 +18,12 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import multiprocessing
+import multiprocessing.process
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from app.launch.failures import GLOO_PEER_LOST, classify
-from app.launch.local import rank_pids
 from app.launch.rank import _gist
 from rlcomm.net.hosts import _LOST, _PEER_ADDRESS
 from rlcomm.testing import run_ranks
@@ -118,6 +124,15 @@ def _submitit_job_internals() -> None:
     assert callable(Job.task) and hasattr(Job, "num_tasks")
 
 
+def _elastic_hostname() -> None:
+    from torch.distributed.elastic.agent.server import api, local_elastic_agent
+
+    assert callable(api._get_fq_hostname)
+    assert callable(local_elastic_agent.LocalElasticAgent._get_fq_hostname)
+    # The events the agent records after its ranks ended name the host through it.
+    assert "_get_fq_hostname()" in inspect.getsource(api.SimpleElasticAgent._construct_event)
+
+
 def _hydra_config_loader() -> None:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.singleton import Singleton
@@ -137,6 +152,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("BaseSubmititLauncher.launch (its body)", "app/launch/slurm.py: RlcommLauncher.launch mirrors it", _submitit_launch_body),
     ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/launch/slurm.py: waiting for and reading task results", _submitit_job_internals),
     ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/config/help.py", _hydra_config_loader),
+    ("torch elastic _get_fq_hostname (api, LocalElasticAgent)", "app/launch/local.py: _no_name_lookups", _elastic_hostname),
 ]
 
 
@@ -163,14 +179,17 @@ def _rank_until_told(folder: str) -> None:
 
 
 @pytest.mark.integration
-def test_the_elastic_agents_ranks_carry_spawn_main_in_their_command_lines(tmp_path: Path) -> None:
+def test_the_elastic_agents_forkserver_ranks_are_the_launchers_process_objects(
+    tmp_path: Path,
+) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    # How the agent LocalElasticAgent (start_method="spawn", app/launch/local.py) starts ranks.
+    # How the agent LocalElasticAgent (start_method="forkserver", app/launch/local.py) starts
+    # ranks: DeathWatch finds them among multiprocessing's Process objects of this process.
     ranks = start_processes(
         name="pin", entrypoint=_rank_until_told, args={0: (str(tmp_path),), 1: (str(tmp_path),)},
         envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
-        start_method="spawn",
+        start_method="forkserver",
     )
     try:
         deadline = time.monotonic() + 120
@@ -179,16 +198,54 @@ def test_the_elastic_agents_ranks_carry_spawn_main_in_their_command_lines(tmp_pa
         started = sorted(int(p.suffix[1:]) for p in tmp_path.glob("started.*"))
         spawned = sorted(ranks.pids().values())
         assert started == spawned, (started, spawned)
-        found = rank_pids(os.getpid())  # the children whose command line holds spawn_main
+        children = list(multiprocessing.process._children)  # type: ignore[attr-defined]
+        found = sorted(p.pid for p in children if p.pid in spawned and p.sentinel >= 0)
     finally:
         (tmp_path / "stop").touch()
         ranks.wait(timeout=60)
         ranks.close()
     if found != spawned:
-        lines = {p.pid: p.cmdline() for p in psutil.Process().children()}
-        pytest.fail(f"private API changed: multiprocessing's spawn_main in a spawned rank's "
-                    f"command line (used in app/launch/local.py: rank_pids): found {found}, "
-                    f"ranks {spawned}; children: {lines}")
+        pytest.fail(f"private API changed: multiprocessing.process._children (used in "
+                    f"app/launch/local.py: DeathWatch) holds {found}, ranks {spawned}")
+
+
+_PRELOADED = """
+    import multiprocessing, os, sys
+    from multiprocessing import forkserver
+    import app.launch.forkserver as ours
+
+    def report():
+        return ours._server_env is not None, os.getppid(), ours.running()
+
+    if __name__ == "__main__":
+        ours.start("picture")
+        ctx = multiprocessing.get_context("forkserver")
+        with ctx.Pool(1) as pool:
+            preloaded, parent, _ = pool.apply(report)
+        # Forked by a forkserver that imported app.launch.forkserver within its preload and
+        # tied itself to this process: the forkserver is this process's child.
+        server = [int(line.split()[0]) for line in os.popen(f"ps -o pid= --ppid {os.getpid()}")]
+        print(preloaded, parent in server)
+        import atexit
+        atexit.register(lambda: print("exit handler ran", flush=True))
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        os._exit(0)
+"""
+
+
+@pytest.mark.integration
+def test_the_forkserver_preloads_this_app_and_exit_handlers_run_on_request(tmp_path: Path) -> None:
+    script = tmp_path / "preloaded.py"
+    script.write_text(textwrap.dedent(_PRELOADED))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.splitlines() != ["True True", "exit handler ran"]:
+        pytest.fail("private API changed: multiprocessing.forkserver.main's preload (used in "
+                    "app/launch/forkserver.py: _in_forkserver_preload) or atexit._run_exitfuncs "
+                    f"(app/__main__.py: _exit): {done.stdout!r} {done.stderr[-2000:]}")
 
 
 def _running(pid: int | None) -> bool:

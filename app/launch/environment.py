@@ -54,6 +54,8 @@ _STEPS_PER_JOB = 8
 # The app's own variables, set where a job starts and inherited by its ranks.
 RUN_ID_VARIABLE = "RLCOMM_RUN_ID"  # the run directory's name every rank of a joined run agrees on
 JOB_START_VARIABLE = "RLCOMM_JOB_START"  # time.time() when the job started
+TIMELINE_VARIABLE = "RLCOMM_TIMELINE"  # the launcher's marks (app/output/timeline.py)
+FORKSERVER_VARIABLE = "RLCOMM_FORKSERVER"  # the launcher's forkserver (app/launch/forkserver.py)
 _PROCESS_START = time.time()  # roughly this process's start: the app imports this module early
 
 # Every variable through which a launcher describes a rank: tests and benchmarks scrub these to
@@ -61,7 +63,7 @@ _PROCESS_START = time.time()  # roughly this process's start: the app imports th
 # RANK_VARIABLES from the jobs it submits: see app/launch/slurm.py.)
 LAUNCHER_VARIABLES = (
     *RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", RUN_ID_VARIABLE, JOB_START_VARIABLE,
-    GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME,
+    TIMELINE_VARIABLE, FORKSERVER_VARIABLE, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME,
 )
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_")
 

@@ -12,6 +12,10 @@ whose last writers were the launcher and the ranks, and exits too.
 The kernel sends the signal when the *thread* that started the rank ends: the elastic agent
 starts its ranks from the thread that runs it (the main thread of ``python -m app``, or of
 torchrun), which ends only with the process.
+
+The app's local ranks are forked by its forkserver (app/launch/forkserver.py), a child the
+launcher starts from its main thread: the forkserver asks for SIGKILL when the launcher dies, and
+each rank when the forkserver does, so a SIGKILLed launcher still takes every rank with it.
 """
 
 from __future__ import annotations
@@ -41,18 +45,20 @@ def tie_to_launcher(launched_here: bool, environ: Mapping[str, str] | None = Non
     if not sys.platform.startswith("linux"):
         return None
     if launched_here:
-        spawner = multiprocessing.parent_process()  # spawn tells the child its parent's pid
+        # spawn and the forkserver tell the child the launcher's pid (the Process object's
+        # creator); a rank the launcher's forkserver forked has the forkserver as its parent.
+        spawner = multiprocessing.parent_process()
         if spawner is None or spawner.pid is None:  # called in the launching process itself
             return None
         expected: int | None = spawner.pid
+        parent = os.getppid()
+        if parent != spawner.pid and parent_of(parent) == spawner.pid:
+            expected = parent  # the launcher's forkserver, tied to the launcher itself
     elif resolve_rank_env(environ).launcher == "torchrun":
         expected = None  # torchrun's agent passes no pid: only a rank adopted by init is known
     else:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+    die_with_parent()
     # The launcher may have died before the request: then this rank was already adopted.
     parent = os.getppid()
     orphaned = parent != expected if expected is not None else parent == _INIT_PID
@@ -62,3 +68,20 @@ def tie_to_launcher(launched_here: bool, environ: Mapping[str, str] | None = Non
                   "gone; stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return parent
+
+
+def die_with_parent() -> None:
+    """Asks the kernel for SIGKILL when this process's parent (the thread that forked it) ends."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of process ``pid``, from /proc; None once it is gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
+        return int(stat.rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,21 +1,34 @@
 """Start ``layout.world_size`` local ranks through torch's elastic agent (torchrun's engine).
 
 The agent's rendezvous store listens on 127.0.0.1 only, on a port the kernel picks, so two runs
-on one machine never collide and nothing is exposed beyond loopback.
+on one machine never collide and nothing is exposed beyond loopback. The ranks are forked from
+the app's forkserver (app/launch/forkserver.py), which imported torch and the app once.
+
+A finished run exits promptly, always: a rank that finished but does not exit within
+``launcher.shutdown_timeout`` names what holds it in its log and ends itself (exit code 0,
+:func:`_exit_guard`); one that cannot (stuck with the interpreter lock held) is named and
+killed by the launcher (:class:`DeathWatch`) twice that long after ``result.json`` appeared,
+and the run still succeeds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import faulthandler
 import json
 import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.process
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 import uuid
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +46,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from app.errors import WRITE_ERRORS, LaunchInterruptedError, RankFailedError
+from app.launch import forkserver
 from app.launch.failures import Kind, read_records, write_error_line
 from app.launch.rank import run_rank
 from app.output.logs import console_handler
@@ -107,6 +121,9 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
         # The agent speaks while rank 0's progress bar is on the same terminal: above it.
         agent_log.addHandler(console_handler("launcher"))
         agent_log.propagate = False
+    _no_name_lookups()
+    # Started at the app's first line already (python -m app); here for any other way in.
+    start_method = forkserver.START_METHOD if forkserver.start() else "spawn"
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -117,19 +134,24 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
         rdzv_configs={"timeout": int(cfg.comm.timeout)},
         max_restarts=cfg.launcher.max_restarts,
         monitor_interval=cfg.launcher.monitor_interval,
-        start_method="spawn",
+        start_method=start_method,
         local_addr=LOOPBACK,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
     )
     launch.shutdown_timeout = cfg.launcher.shutdown_timeout
-    previous = signal.signal(signal.SIGUSR1, lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir))
-    deaths = DeathWatch(run_dir / "logs", plan.world_size)
+    deaths = DeathWatch(run_dir / "logs", plan.world_size, result=run_dir / "result.json",
+                        exit_bound_s=2 * float(cfg.launcher.shutdown_timeout))
+    previous = signal.signal(signal.SIGUSR1,
+                             lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir, deaths))
     try:
-        elastic_launch(launch, _local_rank)(config, plan, str(run_dir))
+        # The launcher's environment travels with the ranks: a forked rank adopts it.
+        elastic_launch(launch, _local_rank)(config, plan, str(run_dir), dict(os.environ))
     except ChildFailedError as err:
-        raise RankFailedError(
-            _describe_failures(err, run_dir, deaths.killed())
-        ) from None
+        if not deaths.only_stragglers_failed():
+            raise RankFailedError(
+                _describe_failures(err, run_dir, deaths.killed())
+            ) from None
+        # Every rank finished; the ones that would not exit were named and killed.
     except SignalException as err:  # the agent forwarded the signal to every rank and waited
         name = signal.Signals(err.sigval).name
         raise LaunchInterruptedError(
@@ -162,7 +184,11 @@ def read_result(run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _local_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> None:
+def _local_rank(
+    config: dict[str, Any], plan: LayoutPlan, run_dir: str, launcher_env: dict[str, str]
+) -> None:
+    forkserver.adopt_launcher_environment(launcher_env)
+    forkserver.set_process_name(f"rlcomm-rank{os.environ.get('RANK', '')}")  # ps, top
     try:
         run_rank(config, plan, run_dir, launched_here=True)
     except Exception:
@@ -172,6 +198,42 @@ def _local_rank(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> None:
             # rank's own failure record, written into room kept for it, says what failed.
             sys.exit(1)
         raise
+    grace = float(config["launcher"]["shutdown_timeout"])
+    _exit_guard(Path(run_dir) / "result.json", grace, float(config["comm"]["timeout"]) + grace)
+
+
+def _exit_guard(result: Path, grace_s: float, give_up_s: float) -> None:
+    """Bounds what is left of this finished rank: waiting for the others (until ``result``
+    exists, rank 0's last step), then ``grace_s`` for this process to exit. A rank still alive
+    then names what holds it (threads that do not end, children) in its log, with every
+    thread's stack, and exits with code 0: its work is done. A daemon thread: it ends with the
+    process and holds nothing."""
+    finished = time.monotonic()
+
+    def guard() -> None:
+        while not result.exists() and time.monotonic() - finished < give_up_s:
+            time.sleep(0.05)
+        time.sleep(grace_s)
+        holders = [f"thread {t.name!r}" for t in threading.enumerate()
+                   if t is not threading.current_thread() and t.is_alive() and not t.daemon
+                   and t is not threading.main_thread()]
+        holders += [f"child process {p.pid}" for p in multiprocessing.active_children()]
+        rank = os.environ.get("RANK", "?")
+        log = logging.getLogger("app.launch.local")
+        log.warning("rank %s finished %.1f s ago but has not exited (%s); ending it; the "
+                    "stacks of its threads follow in its log", rank,
+                    time.monotonic() - finished, ", ".join(holders) or "its main thread")
+        for handler in logging.getLogger().handlers:
+            stream = getattr(handler, "stream", None)
+            if isinstance(handler, logging.FileHandler) and stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.flush()
+                    faulthandler.dump_traceback(stream, all_threads=True)
+                    stream.flush()
+        logging.shutdown()
+        os._exit(0)
+
+    threading.Thread(target=guard, name="rlcomm-exit-guard", daemon=True).start()
 
 
 def _drop_unreadable_error_file() -> bool:
@@ -192,26 +254,9 @@ def _drop_unreadable_error_file() -> bool:
         return True
 
 
-def rank_pids(parent: int) -> list[int]:
-    """The rank processes the agent started under ``parent``: its children that multiprocessing
-    spawned (not its resource tracker). Read from /proc: the agent does not publish its pids."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rpartition(")")[2].split()[1])
-            if ppid == parent and b"spawn_main" in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except (OSError, ValueError, IndexError):  # it ended meanwhile
-            continue
-    return sorted(pids)
-
-
-def _forward_to_ranks(signum: int, run_dir: Path) -> None:
+def _forward_to_ranks(signum: int, run_dir: Path, deaths: DeathWatch) -> None:
     """``kill -USR1 <launcher>``: every rank writes its stacks and collective table to its log."""
-    pids = rank_pids(os.getpid())
+    pids = deaths.running_pids()
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
@@ -221,28 +266,67 @@ def _forward_to_ranks(signum: int, run_dir: Path) -> None:
     )
 
 
+def _no_name_lookups() -> None:
+    """The elastic agent names this host in each worker event it records after the ranks end
+    (``socket.getfqdn``: a DNS lookup, unbounded where the resolver is slow or unreachable), on
+    the way from the last rank's exit to the launcher's. Its own name does: all ranks are here."""
+    from torch.distributed.elastic.agent.server import api, local_elastic_agent
+
+    name = socket.gethostname()
+    api._get_fq_hostname = lambda: name
+    local_elastic_agent.LocalElasticAgent._get_fq_hostname = lambda self: name  # type: ignore[method-assign]
+
+
 class DeathWatch:
-    """Which local rank died first, and whether a signal killed it, seen as it happens.
+    """Which local rank died first, and whether a signal killed it, seen as it happens; and which
+    finished rank does not exit.
 
     The agent reports one failed rank, whichever its poll finds first: often a peer that lost
-    its connection to a rank killed a moment before, which wrote no error record. A thread peeks
-    at the ranks' exit status (``waitid`` with ``WNOWAIT``: multiprocessing still reaps them)
-    and knows each rank by the log file it holds open. Only the first deaths count: the ranks
-    the agent then stops with SIGTERM are not causes.
+    its connection to a rank killed a moment before, which wrote no error record. A thread looks
+    at the rank processes the agent started (multiprocessing's Process objects of this process)
+    every ``period_s``: a process has ended once its sentinel is ready, which reads nothing (the
+    agent still collects every exit code), and each is known by the log file it holds open. Only
+    the first deaths count: the ranks the agent then stops with SIGTERM are not causes. Their
+    exit codes are read once the agent is done with them (:meth:`killed`).
+
+    Once ``result`` (rank 0's result.json) exists, every rank has finished; a rank still running
+    ``exit_bound_s`` later is named on the console and killed (:meth:`only_stragglers_failed`).
     """
 
-    def __init__(self, log_dir: Path, world_size: int, period_s: float = 0.05) -> None:
+    def __init__(self, log_dir: Path, world_size: int, result: Path | None = None,
+                 exit_bound_s: float = 10.0, period_s: float = 0.05) -> None:
         self._log_dir, self._world_size, self._period_s = log_dir, world_size, period_s
-        self._ranks: dict[int, int] = {}  # pid -> rank, of ranks still running
-        self._first: dict[int, str | None] = {}  # the first scan's deaths: rank -> signal or None
+        self._result, self._exit_bound_s = result, exit_bound_s
+        self._ranks: dict[BaseProcess, int] = {}  # rank processes still running -> rank
+        self._attempt: dict[BaseProcess, int] = {}  # every rank process of this attempt
+        self._first: dict[BaseProcess, int] = {}  # the first scan's deaths -> rank
         self._attempt_over = False  # every rank ended: ranks seen next belong to a restart
+        self._finished_at: float | None = None  # when result.json appeared (monotonic)
+        self.stragglers: dict[int, int] = {}  # rank -> pid, killed for not exiting
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rlcomm-deaths", daemon=True)
         self._thread.start()
 
     def killed(self) -> dict[int, str]:
         """Ranks among the first to end that a signal killed, with the signal's name."""
-        return {rank: name for rank, name in self._first.items() if name is not None}
+        found = {}
+        for proc, rank in self._first.items():
+            code = proc.exitcode  # the agent has collected it: this reads nothing new
+            if code is not None and code < 0:
+                with contextlib.suppress(ValueError):
+                    found[rank] = signal.Signals(-code).name
+        return found
+
+    def only_stragglers_failed(self) -> bool:
+        """The run finished (result.json), and the only ranks that did not exit cleanly are the
+        ones this watch killed because they did not exit after it."""
+        if not self.stragglers or self._result is None or not self._result.exists():
+            return False
+        killed = set(self.stragglers.values())
+        return all(p.exitcode == 0 or p.pid in killed for p in self._attempt)
+
+    def running_pids(self) -> list[int]:
+        return sorted(p.pid for p in list(self._ranks) if p.pid is not None)
 
     def stop(self) -> None:
         self._stop.set()
@@ -250,30 +334,50 @@ class DeathWatch:
 
     def _watch(self) -> None:
         while not self._stop.wait(self._period_s):
-            # /proc is scanned only until every rank of the attempt is known: it is not free.
-            new = rank_pids(os.getpid()) if len(self._ranks) < self._world_size else []
-            for pid in new:
-                if pid not in self._ranks:
-                    rank = self._rank_of(pid)
-                    if rank is not None:
-                        if self._attempt_over:  # the agent restarted the ranks
-                            self._first, self._attempt_over = {}, False
-                        self._ranks[pid] = rank
-            ended: dict[int, str | None] = {}
-            for pid, rank in list(self._ranks.items()):
-                try:
-                    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                except ChildProcessError:  # reaped already
-                    info = None
-                    del self._ranks[pid]
-                if info is not None:
-                    killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-                    ended[rank] = signal.Signals(info.si_status).name if killed else None
-                    del self._ranks[pid]
+            if len(self._ranks) < self._world_size:
+                self._find_ranks()
+            ended: dict[BaseProcess, int] = {}
+            for proc in _ended(list(self._ranks)):
+                ended[proc] = self._ranks.pop(proc)
             if ended and not self._first:
                 self._first = ended
             if not self._ranks and self._first:
                 self._attempt_over = True
+            self._check_exits()
+
+    def _find_ranks(self) -> None:
+        # The Process objects this process started and did not join yet (the agent's ranks,
+        # the launcher's side jobs); set and discarded by multiprocessing in this process.
+        for proc in list(multiprocessing.process._children):  # type: ignore[attr-defined]
+            if proc in self._ranks or proc in self._attempt or proc.pid is None:
+                continue
+            rank = self._rank_of(proc.pid)
+            if rank is None:
+                continue
+            if self._attempt_over:  # the agent restarted the ranks
+                self._first, self._attempt, self._attempt_over = {}, {}, False
+            self._ranks[proc] = self._attempt[proc] = rank
+
+    def _check_exits(self) -> None:
+        if self._result is None or not self._ranks:
+            return
+        if self._finished_at is None:
+            if not self._result.exists():
+                return
+            self._finished_at = time.monotonic()
+        waited = time.monotonic() - self._finished_at
+        if waited < self._exit_bound_s:
+            return
+        for proc, rank in list(self._ranks.items()):
+            if rank in self.stragglers or proc.pid is None:
+                continue
+            self.stragglers[rank] = proc.pid
+            _launcher_log().warning(
+                "rank %d (pid %d) has not exited %.1f s after the run finished (%s); killing it "
+                "(log: %s)", rank, proc.pid, waited, self._result.name,
+                self._log_dir / f"rank{rank}.log")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
 
     def _rank_of(self, pid: int) -> int | None:
         with contextlib.suppress(OSError):
@@ -283,6 +387,28 @@ class DeathWatch:
                     with contextlib.suppress(ValueError):
                         return int(target.stem.removeprefix("rank"))
         return None
+
+
+def _ended(procs: list[BaseProcess]) -> list[BaseProcess]:
+    """Those of ``procs`` that have ended: their sentinel is ready (nothing is read from it)."""
+    sentinels = {}
+    for proc in procs:
+        with contextlib.suppress(ValueError):  # closed: ended and collected long ago
+            sentinels[proc.sentinel] = proc
+    if not sentinels:
+        return []
+    return [sentinels[s] for s in multiprocessing.connection.wait(list(sentinels), timeout=0)
+            if isinstance(s, int)]
+
+
+def _launcher_log() -> logging.Logger:
+    """``[launcher] ...`` lines on the console, above any progress bar."""
+    log = logging.getLogger("rlcomm.launcher")
+    if not log.handlers:
+        log.addHandler(console_handler("launcher"))
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
 
 
 def _describe_failures(

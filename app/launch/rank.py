@@ -24,6 +24,8 @@ from app.launch.environment import job_start_time, resolve_rank_env
 from app.launch.failures import recording_failures
 from app.launch.lifeline import tie_to_launcher
 from app.launch.planning import build_loop, check_world_size
+from app.output import timeline
+from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
@@ -49,6 +51,8 @@ def run_rank(
 
     # First: a launcher SIGKILLed from here on takes this rank with it (app/launch/lifeline.py).
     tie_to_launcher(launched_here)
+    timeline.reset()  # a forked rank starts with the forkserver's (none) or a sweep job's marks
+    timeline.mark("started")
     # Until the watchdog listens (after init), `kill -USR1` must not end the rank.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     env = resolve_rank_env()
@@ -90,11 +94,13 @@ def _run(
     plan, hosts = agree_on_hosts(ctx, plan, simulated_nodes=one_machine)
     ctx.init_groups(plan)
     group_creation_s = time.perf_counter() - tick
+    timeline.mark("groups")
     rank = env.rank
     log.info("rank %d (%s) groups: %s", rank, plan.role(rank), sorted(ctx.describe()))
 
     _seed_everything(cfg.seed + rank)
     loop: Loop = build_loop(cfg.loop)
+    timeline.mark("loop")
     try:
         result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank, env=env))
     except Exception as err:
@@ -105,15 +111,20 @@ def _run(
         raise PeerLostError(
             f"rank {rank} on {hosts.names[rank]}: lost {hosts.describe(lost)}: {_gist(err)}"
         ) from err
+    timeline.mark("finished")
     report = {
         "rank": rank,
         "role": plan.role(rank),
         "host": hosts.names[rank],
         "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},
         "result": result,
+        "timeline": timeline.marks(),
     }
     reports = collectives.gather_json(ctx, CommMode.GLOBAL, report, dst=0)
     ctx.destroy()
+    # What the loop handed off at its stop decision (the learning curve, TensorBoard's last
+    # flush, app/output/background.py) is written before this rank reports success.
+    wait_for_background(float(cfg.comm.timeout))
     if reports is None:
         return None
     loop_summary = getattr(loop, "summary", None)  # a loop may add its own figures and files
@@ -139,6 +150,14 @@ def _run(
         ),
         "ranks": reports,
     }
+    # When each step was reached (app/output/timeline.py): the launcher's marks, each rank's.
+    run_timeline: dict[str, Any] = {
+        **timeline.launcher_marks(),
+        "ranks": {str(r["rank"]): r.pop("timeline", {}) for r in reports},
+        "result": time.time(),
+    }
+    summary["timeline"] = run_timeline
+    summary["phases"] = timeline.phases(run_timeline)
     _write_result(run_dir / "result.json", json.dumps(summary, indent=2))
     # The launcher prints the closing summary (app.output.summary.format_summary) once the ranks end.
     log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",

@@ -168,19 +168,41 @@ def draw_layout(picture: LayoutPicture, png: Path) -> None:
     ax.set_xlim(-0.8, width)
     ax.set_ylim(-0.7, node_y + 1.3)
     ax.axis("off")
-    fig.savefig(png, dpi=100)
+    # Written aside and renamed: a drawing stopped halfway leaves no cut picture behind.
+    partial = png.with_name(f".{png.name}.partial")
+    try:
+        fig.savefig(partial, dpi=100, format="png")
+        partial.replace(png)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def write_layout_files(plan: LayoutPlan, run_dir: Path) -> Path:
     """``layout.png`` and ``layout.txt`` (the printed table) in ``run_dir``; returns the png."""
+    write_layout_text(plan, run_dir)
+    return draw_layout_file(describe_layout(plan), run_dir / "layout.png")
+
+
+def write_layout_text(plan: LayoutPlan, run_dir: Path) -> Path:
+    """``layout.txt``, the printed table, in ``run_dir`` (a full disk: the error names it)."""
     from app.errors import naming
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    with naming(run_dir / "layout.txt"):  # a full disk: the error names the file
-        (run_dir / "layout.txt").write_text(format_plan(plan) + "\n")
-    png = run_dir / "layout.png"
+    text = run_dir / "layout.txt"
+    with naming(text):
+        text.write_text(format_plan(plan) + "\n")
+    return text
+
+
+def draw_layout_file(picture: LayoutPicture, png: Path) -> Path:
+    """:func:`draw_layout` into ``png`` (a full disk: the error names it); returns ``png``.
+    What the launcher hands to a process of its own (app/__main__.py): a picture is small to
+    pass, whatever the plan's size."""
+    from app.errors import naming
+
     with naming(png):
-        draw_layout(describe_layout(plan), png)
+        draw_layout(picture, png)
     return png
 
 

@@ -43,7 +43,8 @@ class RLLoop:
     total_env_steps: int = setting(400_000, "budget: stop here if the target is not reached")
     target_return: float | None = setting(
         None, "stop once the mean return of the last `window` episodes reaches it (null: the "
-        "env's registered reward_threshold, e.g. 475 for CartPole-v1; none: the budget alone)"
+        "env's registered reward_threshold, e.g. 475 for CartPole-v1; an env without one: the "
+        "budget alone)"
     )
     stop_at_target: bool = setting(
         True, "end the run when the target return is reached (false: note when it was "
