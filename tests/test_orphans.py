@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from app.launch.lifeline import tie_to_launcher
-from tests.helpers.apprun import AppProcess, read_result
+from tests.helpers.apprun import AppProcess, read_result, running
 
 GONE_S = 20.0  # every process the launcher started is gone this soon after it was SIGKILLed
 # Small PPO steps so an update takes a fraction of a second even on 2 loaded cores; a long comm
@@ -56,18 +56,6 @@ def start_app(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
         app.close()
 
 
-def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
-    """Those of ``procs`` still running (a zombie has ended: only its exit status is left)."""
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return alive
-
-
 def _has_checkpoint(folder: Path) -> bool:
     return any(folder.glob("ckpt_*.pt"))
 
@@ -90,7 +78,7 @@ def _sigkill_launcher(app: AppProcess) -> float:
     os.kill(app.pid, signal.SIGKILL)
     killed_at = time.monotonic()
     assert app.wait(30) == -signal.SIGKILL, app.describe()
-    while (left := _running(started)) and time.monotonic() - killed_at < GONE_S:
+    while (left := running(started)) and time.monotonic() - killed_at < GONE_S:
         time.sleep(0.05)
     took = time.monotonic() - killed_at
     assert not left, f"still running {took:.1f}s after the launcher was SIGKILLed: " \
@@ -127,7 +115,7 @@ def test_a_sigkilled_launcher_takes_every_rank_and_the_resource_tracker_with_it(
             ranks[3].suspend()
             time.sleep(1.0)  # the others run into a collective that rank 3 never joins
         took.append(_sigkill_launcher(app))
-        assert not _running([*ranks.values(), *trackers, *servers])
+        assert not running([*ranks.values(), *trackers, *servers])
         app.assert_all_ended()
     print(f"\nevery process gone {', '.join(f'{s:.2f}' for s in took)} s after the SIGKILL")
 
@@ -208,9 +196,9 @@ def test_a_rank_whose_launcher_died_before_it_was_tied_ends_at_once(
     except psutil.NoSuchProcess:
         rank = []
     deadline = time.monotonic() + GONE_S
-    while _running(rank) and time.monotonic() < deadline:
+    while running(rank) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = _running(rank)
+    left = running(rank)
     for proc in left:
         proc.kill()
     if launcher_kind == "torchrun" and adopter != "1":

@@ -22,12 +22,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from app.launch.forkserver import early_profile
 from app.output import background, timeline
-from tests.helpers.apprun import HANG_S, AppProcess, read_result
+from tests.helpers.apprun import HANG_S, AppProcess, read_result, running
 from tests.helpers.userpkg import user_package
 
 GONE_S = 20.0  # every process is gone this soon after the launcher was SIGKILLed
@@ -91,17 +90,6 @@ class Probe:
 '''
 
 
-def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
-    alive = []
-    for proc in procs:
-        try:
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return alive
-
-
 @pytest.mark.e2e
 def test_ranks_from_the_preloaded_forkserver_keep_their_logs_environment_and_lifeline(
     start_app: Callable[..., AppProcess], tmp_path: Path
@@ -129,9 +117,9 @@ def test_ranks_from_the_preloaded_forkserver_keep_their_logs_environment_and_lif
     os.kill(app.pid, signal.SIGKILL)
     assert app.wait(30) == -signal.SIGKILL, app.describe()
     deadline = time.monotonic() + GONE_S
-    while _running(started) and time.monotonic() < deadline:
+    while running(started) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(started), [p.pid for p in _running(started)]
+    assert not running(started), [p.pid for p in running(started)]
     app.assert_all_ended()
 
 

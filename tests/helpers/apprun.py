@@ -30,6 +30,18 @@ MARKER = "RLCOMM_TEST_MARKER"
 HANG_S = 240.0  # a run still going after this is a hang: the test fails instead of blocking
 
 
+def running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of ``procs`` still running (a zombie has ended: only its exit status is left)."""
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return alive
+
+
 def processes_with_marker(marker: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
