@@ -92,6 +92,10 @@ class JobInfo:
     seed: int
     rank: int
     env: RankEnv  # how this rank was started (restart count, host, launcher)
+    # An elastic rollout rank that replaces a lost one in a running job (rlcomm.elastic): it
+    # has no GLOBAL group and is admitted by its trainer.
+    joining: bool = False
+    hosts: Mapping[int, str] = field(default_factory=dict)  # rank -> host, as the ranks started
 
 
 Direction = Literal["min", "max"]  # lower or higher is better

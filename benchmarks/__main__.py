@@ -28,8 +28,9 @@ SECTIONS = (
     "rl_staleness",
     "flight",
     "mujoco",
+    "elastic",
 )
-NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco")
+NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
 
 

@@ -104,6 +104,7 @@ class CommContext(metaclass=SingletonMeta):
         self._store: dist.Store | None = None
         self._plan: LayoutPlan | None = None
         self._timeout: datetime.timedelta | None = None
+        self._elastic: set[str] = set()  # modes whose group is a membership epoch's (elastic.py)
         self.recorder = FlightRecorder()
         self.watchdog: Watchdog | None = None
 
@@ -122,8 +123,13 @@ class CommContext(metaclass=SingletonMeta):
         hang_timeout: float | None = None,
         debug: bool = False,
         record: bool = True,
+        elastic_member: bool = False,
     ) -> None:
         """Initialise the default process group and register it as GLOBAL.
+
+        ``elastic_member``: this rank is an elastic rollout rank; if its job is running already
+        (rlcomm.elastic.is_running), it replaces a lost process and joins without a default
+        group (:meth:`join_running_job`, :attr:`joined_running_job`).
 
         ``world_size``/``rank`` default to WORLD_SIZE/RANK; ``backend`` is nccl, gloo or auto;
         ``timeout`` (seconds) bounds the rendezvous, init and every group created later. A rank
@@ -153,6 +159,12 @@ class CommContext(metaclass=SingletonMeta):
         from rlcomm.net.rendezvous import join_world
 
         store = join_world(backend, dist_url, rank, world_size, wait)
+        if elastic_member:
+            from rlcomm.elastic import is_running
+
+            if is_running(store):
+                self.join_running_job(store, rank, world_size, timeout)
+                return
         dist.init_process_group(
             backend=backend,
             store=store,
@@ -224,6 +236,8 @@ class CommContext(metaclass=SingletonMeta):
 
     def get_device(self, comm_mode: Mode) -> torch.device:
         """Where tensors for this mode's group live: the current GPU for nccl, else the CPU."""
+        if self.is_elastic(comm_mode):  # a membership epoch's group: gloo
+            return torch.device("cpu")
         if dist.get_backend(self.get_group(comm_mode)) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
@@ -391,6 +405,47 @@ class CommContext(metaclass=SingletonMeta):
             [self.get_group(name) for name in names], device, mesh=mesh, mesh_dim_names=tuple(names)
         )
 
+    def join_running_job(self, store: dist.Store, rank: int, world_size: int,
+                         timeout: int) -> None:
+        """A process that joins a running job as ``rank`` (a replacement rollout rank): it has
+        the job's store but no default group (the world was formed without it); its groups are
+        membership epochs (:meth:`register_epoch_group`, rlcomm.elastic)."""
+        if self.is_initialized() or self._store is not None:
+            raise RlcommError("CommContext is already initialized; call destroy() first")
+        self._store = store
+        self._backend = "gloo"
+        self._timeout = datetime.timedelta(seconds=timeout)
+        self._global_ranks[CommMode.GLOBAL] = rank
+        self._world_sizes[CommMode.GLOBAL] = world_size
+
+    @property
+    def joined_running_job(self) -> bool:
+        """This process joined a running job as a replacement (no default group)."""
+        return self._store is not None and not self.is_initialized()
+
+    def register_epoch_group(self, mode: Mode, group: ProcessGroup, ranks: list[int]) -> None:
+        """Make ``group``, a membership epoch's (``ranks``: leader first, in group-rank order,
+        validated by rlcomm.elastic.build_epoch_group), this rank's group of ``mode``, replacing
+        the one before. Its collectives take group ranks (it is not in torch's world maps)."""
+        key = mode_name(mode)
+        rank = self.get_global_rank()
+        self._groups[key] = group
+        self._local_ranks[key] = ranks.index(rank)
+        self._world_sizes[key] = len(ranks)
+        self._ranks_in_group[key] = list(ranks)
+        self._declared_ranks[key] = list(ranks)
+        self._elastic.add(key)
+
+    def make_elastic(self, mode: Mode) -> None:
+        """This rank's planned group of ``mode`` is epoch 0 of an elastic one: its transfers go
+        point to point (a lost member fails only its own)."""
+        self._lookup(self._groups, mode)
+        self._elastic.add(mode_name(mode))
+
+    def is_elastic(self, comm_mode: Mode) -> bool:
+        """Whether this rank's group of ``comm_mode`` has members that come and go."""
+        return mode_name(comm_mode) in self._elastic
+
     def describe(self) -> dict[str, GroupInfo]:
         """This rank's registry as data: mode -> local rank, group size, ranks."""
         return {
@@ -428,6 +483,11 @@ class CommContext(metaclass=SingletonMeta):
         return int(ranks.index(global_rank))
 
     @property
+    def timeout(self) -> datetime.timedelta:
+        """The timeout every group was created with (``init_distributed_env``'s)."""
+        return self._timeout or datetime.timedelta(seconds=1800)
+
+    @property
     def backend(self) -> str:
         return self._backend
 
@@ -439,13 +499,14 @@ class CommContext(metaclass=SingletonMeta):
             raise RlcommError("CommContext is not initialized: call init_distributed_env() first")
         return self._store
 
-    def destroy(self) -> None:
-        """Tear down every group and reset the context so it can be initialised again."""
+    def destroy(self, barrier: bool = True) -> None:
+        """Tear down every group and reset the context so it can be initialised again.
+        ``barrier=False``: no last barrier over the world (members of it may be gone)."""
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.is_initialized():
             try:
-                if self._backend != FAKE:
+                if self._backend != FAKE and barrier:
                     dist.barrier()  # nobody tears down while a peer is still sending
             finally:
                 dist.destroy_process_group()

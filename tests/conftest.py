@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.helpers.apprun import AppProcess
 
 TIERS = ("unit", "integration", "e2e", "cluster")
 _TEST_MODULE = re.compile(r"(?:^|\.)test_\w+$")
@@ -72,3 +77,23 @@ def _test_module_imports(items: list[pytest.Item], root: Path) -> list[str]:
                     problems.append(f"{where}:{node.lineno} imports the test module {name}")
                     break
     return problems
+
+
+@pytest.fixture
+def start_app(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
+    """``start_app(name, *overrides, run_dir=..., env=..., prefix=...)`` starts ``python -m app``
+    as a user would (tests/helpers/apprun.py); whatever a test leaves running is killed (and
+    reported as a survivor) at teardown."""
+    from tests.helpers.apprun import AppProcess
+
+    apps: list[AppProcess] = []
+
+    def start(name: str, *overrides: str, run_dir: Path | None = None,
+              env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> AppProcess:
+        app = AppProcess(name, tmp_path, overrides, run_dir or tmp_path / name, env or {}, prefix)
+        apps.append(app)
+        return app
+
+    yield start
+    for app in apps:
+        app.close()

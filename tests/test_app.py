@@ -292,6 +292,7 @@ BAD_OVERRIDES = [
     (["loop._target_=nosuch.module.Loop"], "loop._target_: cannot import 'nosuch.module.Loop'"),
     (["comm.backend=mpi"], "comm.backend"),
     (["launcher.max_restarts=-1"], "launcher.max_restarts: must be >= 0, got -1"),
+    (["launcher.rollout_restarts=-1"], "launcher.rollout_restarts: must be >= 0, got -1"),
     # PPO's settings are typed and range-checked before any rank starts.
     (["loop=ppo", "loop.hparams.num_envs=0"], "loop.hparams.num_envs: must be a positive integer, got 0"),
     (["loop=ppo", "loop.hparams.num_envs=abc"], "loop.hparams.num_envs"),
@@ -306,6 +307,7 @@ BAD_OVERRIDES = [
     (["loop=ppo", "loop.total_env_steps=100"], "loop.total_env_steps: must allow at least one update (2048 env steps"),
     (["loop=ppo", "loop.checkpoint_every=-1"], "loop.checkpoint_every: must be >= 0, got -1"),
     (["loop=ppo", "loop.max_staleness=-1"], "loop.max_staleness: must be >= 0, got -1"),
+    (["loop=ppo", "loop.min_rollouts=0"], "loop.min_rollouts: must be >= 1, got 0"),
     (["loop=ppo", "loop.verify_weights_every=-2"], "loop.verify_weights_every: must be >= 0, got -2"),
     (["loop=ppo", "loop.resume=/nonexistent/run"], "loop.resume: '/nonexistent/run' does not exist"),
     (["loop.latency_iters=0"], "loop.latency_iters: must be a positive integer, got 0"),
@@ -434,7 +436,9 @@ def test_the_default_layout_still_plans_trainers_0_1_and_rollouts_2_3() -> None:
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["loop=commcheck"])
-    assert validate(cfg) == plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3]))
+    # Rollout ranks are elastic only under the RL runtime's loops (not commcheck's).
+    assert validate(cfg) == plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3],
+                                                   elastic_rollouts=False))
 
 
 LAYOUT_OVERRIDES = [

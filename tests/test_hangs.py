@@ -11,7 +11,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +36,9 @@ def site(marker: str) -> str:
 
 
 @pytest.fixture
-def app_run(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
-    """``app_run(name, *overrides)`` starts ``python -m app``; teardown kills what is left."""
-    apps: list[AppProcess] = []
-
-    def start(name: str, *overrides: str) -> AppProcess:
-        app = AppProcess(name, tmp_path, overrides, tmp_path / name, {}, ())
-        apps.append(app)
-        return app
-
-    yield start
-    for app in apps:
-        app.close()
+def app_run(start_app: Callable[..., AppProcess]) -> Callable[..., AppProcess]:
+    """``app_run(name, *overrides)`` starts ``python -m app`` (conftest's ``start_app``)."""
+    return start_app
 
 
 def run_hang(app_run: Callable[..., AppProcess], name: str, *overrides: str,

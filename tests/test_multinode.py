@@ -8,6 +8,7 @@ module only: the fixture tears them down and checks that no namespace is left.
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import subprocess
@@ -24,13 +25,17 @@ from tests.helpers.multihost import (
     SCRIPTS,
     describe_runs,
     finish,
+    finish_logged,
     hosts_up,
     kill_host,
     link_bytes,
     netns_list,
+    rank_processes,
     run_torchrun,
     set_link,
     start_on_host,
+    start_on_host_logged,
+    static_torchrun,
     torchrun,
 )
 
@@ -237,8 +242,10 @@ def test_all_ranks_on_one_host_while_the_layout_says_two_nodes_is_an_error(
 # A lost host: killed, or its link down
 # --------------------------------------------------------------------------------------------
 
-LONG_PPO = ["layout=2n_split", "loop.total_env_steps=100000000", "loop.target_return=1e9",
-            "loop.progress=false", "loop.checkpoint_every=2"]
+# Static groups: a lost host ends the run (elastic rollout ranks, the default, are dropped
+# instead: test_a_killed_rollout_host_is_waited_for_and_its_restart_rejoins...).
+LONG_PPO = ["layout=2n_split", "layout.elastic_rollouts=false", "loop.total_env_steps=100000000",
+            "loop.target_return=1e9", "loop.progress=false", "loop.checkpoint_every=2"]
 TIMEOUT_S = 15
 
 
@@ -314,7 +321,8 @@ def test_a_restarted_host_rejoins_and_the_run_resumes_from_its_checkpoint(
     marker, rdzv_id = uuid.uuid4().hex, f"mn{uuid.uuid4().hex[:8]}"
     launcher = torchrun(2, 2, f"{hosts[0]}:29450", rdzv_id)
     launcher[3:3] = ["--max-restarts", "1"]
-    args = [*launcher, "layout=2n_split", f"loop.total_env_steps={updates * 2048}",
+    args = [*launcher, "layout=2n_split", "layout.elastic_rollouts=false",
+            f"loop.total_env_steps={updates * 2048}",
             "loop.target_return=1e9", "loop.progress=false", "loop.checkpoint_every=2",
             f"comm.timeout={TIMEOUT_S}", "launcher.max_restarts=1"]
     # torch 2.13's agents share one store across rounds, which a new agent cannot join.
@@ -447,3 +455,199 @@ def test_interface_is_the_one_that_reaches_the_master_unless_the_user_set_one(
     assert choose_on("host2", "host1", NCCL_SOCKET_IFNAME="lo") == [
         {"GLOO_SOCKET_IFNAME": "eth0"}, "eth0", "lo"]
 
+
+
+# --------------------------------------------------------------------------------------------
+# Elastic rollout hosts (layout.elastic_rollouts, the default): a lost rollout host is dropped
+# and the trainers go on; a new torchrun on it joins the running job. (The local launcher's
+# version: tests/test_elastic.py.)
+# --------------------------------------------------------------------------------------------
+
+# Small updates (4 envs x 32 steps per rollout rank): a few per second, even on a loaded machine.
+SMALL_UPDATES = ["loop.target_return=1e9", "loop.checkpoint_every=0", "loop.progress=false",
+                 "loop.hparams.num_envs=4", "loop.hparams.num_steps=32"]
+STEPS_PER_ROLLOUT = 4 * 32
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, str]]:
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        return []
+    with path.open() as handle:
+        return [row for row in csv.DictReader(handle) if row.get("update")]
+
+
+def column(rows: list[dict[str, str]], name: str) -> list[int]:
+    return [int(float(row[name])) for row in rows]
+
+
+def collapse(values: list[int]) -> list[int]:
+    """Runs of equal values as one: [2, 2, 1, 1] -> [2, 1]."""
+    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
+
+
+def wait_for(what: str, condition, runs: list, marker: str, timeout: float) -> float:
+    """Polls ``condition`` until it holds (returns the seconds it took); fails, ending every
+    run, when it does not within ``timeout`` or a host's command ends first."""
+    start = time.monotonic()
+    while not condition():
+        ended = [r.host for r in runs if r.proc.poll() is not None]
+        if ended or time.monotonic() - start > timeout:
+            finish_logged(runs, marker, 10)
+            why = f"{', '.join(ended)} ended" if ended else f"{timeout:.0f} s passed"
+            pytest.fail(f"{why} before {what}\n{describe_runs(runs)}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_a_killed_rollout_host_is_waited_for_and_its_restart_rejoins_without_restarting_the_trainers(
+    hosts: list[str], tmp_path: Path
+) -> None:
+    """2n_split under torchrun with the static rendezvous: host2 (rollout ranks 2, 3) dies with
+    its agent; host1's trainers keep their processes and wait for rollout ranks; a new torchrun
+    on host2 joins the running job, its ranks are admitted, and the run ends normally, one
+    uninterrupted count of updates, no restart and no resume."""
+    timeout_s, updates = 60, 60
+    marker, rdzv_id, port = uuid.uuid4().hex, f"mn{uuid.uuid4().hex[:8]}", 29480
+    app_args = ["layout=2n_split", f"loop.total_env_steps={updates * 2 * STEPS_PER_ROLLOUT}",
+                *SMALL_UPDATES, f"comm.timeout={timeout_s}"]
+
+    def start(node_rank: int, name: str):
+        return start_on_host_logged(
+            hosts[node_rank], [*static_torchrun(2, 2, node_rank, hosts[0], port, rdzv_id),
+                               *app_args], tmp_path, marker, name)
+
+    runs = [start(0, "host1"), start(1, "host2")]
+    run_dir = tmp_path / "outputs" / "runs" / f"torchrun-{rdzv_id}"
+    try:
+        wait_for("5 updates", lambda: len(metric_rows(run_dir)) >= 5, runs, marker, 180)
+        trainers = rank_processes(runs[0], run_dir)
+        assert sorted(trainers) == [0, 1], trainers
+        pids = {r: (p.pid, p.create_time()) for r, p in trainers.items()}
+        kill_host("host2")
+        killed = time.monotonic()
+        runs[1].proc.wait(timeout=30)
+        # Whichever trainer was waiting for its member's segment says so (the other may have
+        # had its member's last segment already: it learns of the loss from the replacement).
+        waiting = re.compile(r"rank (0|1) waiting up to [\d.]+ s for rollout ranks to "
+                             r"join: 0 live of loop\.min_rollouts=1; lost: rank (2|3) on host2 \(")
+        logs = [run_dir / "logs" / f"rank{r}.log" for r in (0, 1)]
+
+        def waiting_in_a_log() -> re.Match | None:
+            return next((m for path in logs if path.exists()
+                         for m in [waiting.search(path.read_text())] if m), None)
+
+        wait_for("a trainer waits for rollout ranks", lambda: waiting_in_a_log() is not None,
+                 runs[:1], marker, 20)
+        waited_s = time.monotonic() - killed
+        wait_for("the waiting line on host1's stderr",
+                 lambda: waiting.search(runs[0].live_stderr()) is not None, runs[:1], marker, 10)
+        rows_at_kill = len(metric_rows(run_dir))
+        assert {r: (p.pid, p.create_time()) for r, p in trainers.items()} == pids
+        assert all(p.is_running() for p in trainers.values())
+        runs.append(start(1, "host2-again"))
+        wait_for("the trainers admit the new ranks 2 and 3",
+                 lambda: "rank 2 (host2) joined rank 0's group" in logs[0].read_text()
+                 and "rank 3 (host2) joined rank 1's group" in logs[1].read_text(),
+                 [runs[0], runs[2]], marker, timeout_s)
+        rejoined_s = time.monotonic() - killed
+        still = rank_processes(runs[0], run_dir)
+        assert {r: (p.pid, p.create_time()) for r, p in still.items() if r in (0, 1)} == pids
+    finally:
+        finish_logged(runs, marker, 240)
+    survivor, _, rejoined = runs
+    assert survivor.returncode == 0 and rejoined.returncode == 0, describe_runs(runs)
+    assert waited_s < 15, f"a trainer said it waits {waited_s:.1f} s after the kill"
+    assert rejoined_s < timeout_s
+    said = waiting_in_a_log()
+    assert said is not None and (int(said[1]), int(said[2])) in ((0, 2), (1, 3)), said
+    assert waiting.search(survivor.stderr)
+    result = read_result(run_dir)
+    assert result["summary"]["restarts"] == 0
+    leaves = sorted((c["rank"], c["reason"], c["host"]) for c in result["leaves"])
+    assert [(r, h) for r, _, h in leaves] == [(2, "host2"), (3, "host2")], result["leaves"]
+    noticed = [why for _, why, _ in leaves
+               if why == "connection closed" or why.startswith("timed out")]
+    # the one a trainer waited for, at least; the other's trainer may have found it replaced
+    assert noticed and all(why in (*noticed, "replaced by a new process")
+                           for _, why, _ in leaves), leaves
+    joins = sorted((c["rank"], c["reason"], c["host"]) for c in result["joins"])
+    assert joins == [(2, "admitted", "host2"), (3, "admitted", "host2")], result["joins"]
+    assert all(c["epoch"] == 1 for c in result["joins"]), result["joins"]
+    # the trainers kept their processes and state: one count of updates, never back
+    rows = metric_rows(run_dir)
+    assert column(rows, "update") == list(range(1, len(rows) + 1))
+    assert len(rows) > rows_at_kill and len(rows) == result["summary"]["updates"]
+    # A waiting trainer writes no row: the row of 0 members may be missing.
+    assert collapse(column(rows, "members")) in ([2], [2, 0, 2], [2, 1, 2]), column(rows, "members")
+    epochs = column(rows, "epoch")
+    assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] >= 1, epochs
+    for rank in (0, 1):
+        text = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert "resumed from" not in text
+    reports = {r["rank"]: r for r in result["ranks"]}
+    assert sorted(reports) == [0, 1, 2, 3]
+    assert {reports[r]["host"] for r in (2, 3)} == {"host2"}
+    for r in (2, 3):
+        assert reports[r]["result"]["joined"] is True
+        assert 0 < reports[r]["result"]["updates"] < reports[0]["result"]["updates"]
+    assert "joins the running job" in (run_dir / "logs" / "rank2.log").read_text()
+
+
+def test_a_rollout_host_whose_link_goes_down_is_dropped_within_comm_timeout_and_the_others_go_on(
+    three_hosts: list[str], tmp_path: Path
+) -> None:
+    """One rank per host (trainer 0 on host1, rollout ranks 1, 2 on host2, host3): host3's cable
+    is pulled; within comm.timeout rank 0 drops rank 2, and the run goes on with rank 1 and ends.
+
+    The ranks are started by hand (RANK, WORLD_SIZE, MASTER_ADDR/PORT: rank 0 hosts the store),
+    not by torchrun: torch's agents meet in an exit barrier once their workers are done, and
+    the agent of a host cut off for good never comes, so the others' torchrun would wait
+    torch's fixed 300 s in it (LocalElasticAgent's exit_barrier_timeout) before exiting 0."""
+    timeout_s, before, after = 15, 10, 40
+    marker, port = uuid.uuid4().hex, 29490
+    budget = (before * 2 + after) * STEPS_PER_ROLLOUT  # ~`after` updates with one rollout rank
+    app_args = ["layout=1t1r", "layout.world_size=3", "layout.rollouts=[1,2]",
+                f"loop.total_env_steps={budget}", *SMALL_UPDATES, f"comm.timeout={timeout_s}"]
+    run_id = f"byhand-{marker[:8]}"
+    env = {"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": three_hosts[0],
+           "MASTER_PORT": str(port), "RLCOMM_RUN_ID": run_id}
+    runs = [start_on_host_logged(host, [sys.executable, "-m", "app", *app_args], tmp_path,
+                                 marker, host, {**env, "RANK": str(rank)})
+            for rank, host in enumerate(three_hosts)]
+    run_dir = tmp_path / "outputs" / "runs" / run_id
+    log0 = run_dir / "logs" / "rank0.log"
+    try:
+        wait_for("5 updates", lambda: len(metric_rows(run_dir)) >= 5, runs, marker, 180)
+        set_link("host3", up=False)
+        down = time.monotonic()
+        rows_at_drop = len(metric_rows(run_dir))
+        left = "rank 2 (host3) left rank 0's group ("
+        wait_for("rank 0 drops rank 2", lambda: left in log0.read_text(), runs[:2], marker,
+                 timeout_s + 45)
+        dropped_s = time.monotonic() - down
+        for run in runs[:2]:  # the budget ends the run ~10-20 s after the drop
+            run.proc.wait(timeout=max(1.0, down + timeout_s + 150 - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass  # finish_logged reports it
+    finally:
+        set_link("host3", up=True)
+        finish_logged(runs, marker, 90)  # host3's rank gives up on its own: nobody is left
+    host1, host2, _ = runs
+    assert host1.returncode == 0 and host2.returncode == 0, describe_runs(runs)
+    assert dropped_s <= timeout_s + 30, dropped_s
+    text = log0.read_text()
+    assert re.search(r"rank 2 \(host3\) left rank 0's group \((timed out|did not answer)[^)]*\); "
+                     r"1 rollout ranks go on", text), text[-3000:]
+    rows = metric_rows(run_dir)
+    assert column(rows, "update") == list(range(1, len(rows) + 1))
+    members = column(rows, "members")
+    assert collapse(members) == [2, 1], members  # and no way back: host3 stays cut off
+    assert members.index(1) >= rows_at_drop and members.count(1) >= 10, members
+    result = read_result(run_dir)
+    (leave,) = result["leaves"]
+    assert (leave["rank"], leave["host"]) == (2, "host3"), leave
+    assert leave["reason"].startswith(("timed out", "did not answer")), leave
+    assert leave["next_update_s"] is not None and result["joins"] == []
+    assert sorted(r["rank"] for r in result["ranks"]) == [0, 1]  # rank 2 never reported
+    assert result["summary"]["restarts"] == 0

@@ -180,7 +180,8 @@ def test_multirun_through_the_slurm_launcher_on_two_nodes(partition: str, tmp_pa
 # A host lost mid-run: every process of host2 killed, its slurmd and slurmstepd included
 # --------------------------------------------------------------------------------------------
 
-LONG_PPO = ("layout=2n_split", "loop.total_env_steps=100000000", "loop.target_return=1e9",
+LONG_PPO = ("layout=2n_split", "layout.elastic_rollouts=false",
+            "loop.total_env_steps=100000000", "loop.target_return=1e9",
             "loop.progress=false", "loop.checkpoint_every=2", "comm.timeout=15")
 # The ranks on host1 fail at once (their connections to host2 close); SLURM ends the job once
 # host2's slurmd has missed its SlurmdTimeout (10 s) and the node is declared failed.

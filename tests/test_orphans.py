@@ -17,7 +17,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -38,22 +38,6 @@ PPO_FOREVER = (*PPO_SMALL, f"loop.total_env_steps={10**10}", "comm.timeout=600",
 STEPS_PER_UPDATE = 2 * 4 * 64  # layout 2t2r: 2 rollout ranks x num_envs x num_steps
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "--no-python")  # the app's command line follows: torchrun's ranks run it as it is
-
-
-@pytest.fixture
-def start_app(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
-    """``start_app(name, *overrides, prefix=...)``; whatever a test leaves running is killed
-    (and reported as a survivor) at teardown."""
-    apps: list[AppProcess] = []
-
-    def start(name: str, *overrides: str, prefix: tuple[str, ...] = ()) -> AppProcess:
-        app = AppProcess(name, tmp_path, overrides, tmp_path / name, {}, prefix)
-        apps.append(app)
-        return app
-
-    yield start
-    for app in apps:
-        app.close()
 
 
 def _has_checkpoint(folder: Path) -> bool:
@@ -107,8 +91,13 @@ def test_a_sigkilled_launcher_takes_every_rank_and_the_resource_tracker_with_it(
         servers = [p for p in app.processes()[1:] if "forkserver" in " ".join(p.cmdline())
                    and p.ppid() == app.pid]
         assert len(servers) == 1, _describe(app.processes())
-        assert {rank: proc.ppid() for rank, proc in ranks.items()} == \
-            dict.fromkeys(ranks, servers[0].pid)
+        # An elastic rollout rank (2, 3) is the child of its slot, which the forkserver forked
+        # (app/launch/slots.py).
+        parents = {rank: psutil.Process(proc.ppid()) for rank, proc in ranks.items()}
+        assert {rank: p.pid for rank, p in parents.items() if rank < 2} == \
+            dict.fromkeys([0, 1], servers[0].pid)
+        assert {rank: (p.name(), p.ppid()) for rank, p in parents.items() if rank >= 2} == {
+            rank: (f"rlcomm-slot{rank}", servers[0].pid) for rank in (2, 3)}
         trackers = [p for p in app.processes()[1:] if "resource_tracker" in " ".join(p.cmdline())]
         assert len(trackers) == 1 and trackers[0].ppid() == app.pid, _describe(app.processes())
         if freeze:

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +40,6 @@ STOP_S = 60.0  # a failed or interrupted run must be over this soon after the ev
 PPO_SMALL = ("loop.hparams={num_envs:4,num_steps:64}", "loop.progress=false", "loop.target_return=1e9")
 STEPS_PER_UPDATE = 2 * 4 * 64  # layout 2t2r: 2 rollout ranks x num_envs x num_steps
 PPO_FOREVER = (*PPO_SMALL, f"loop.total_env_steps={10**10}")
-
-
-@pytest.fixture
-def start_app(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
-    """``start_app(name, *overrides, run_dir=..., env=..., prefix=...)``; whatever a test leaves
-    running is killed (and reported as a survivor) at teardown."""
-    apps: list[AppProcess] = []
-
-    def start(name: str, *overrides: str, run_dir: Path | None = None,
-              env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> AppProcess:
-        app = AppProcess(name, tmp_path, overrides, run_dir or tmp_path / name, env or {}, prefix)
-        apps.append(app)
-        return app
-
-    yield start
-    for app in apps:
-        app.close()
 
 
 def per_rank(result: dict[str, Any], *keys: str) -> dict[int, tuple[Any, ...]]:
@@ -188,18 +171,26 @@ def test_ranks_that_arrive_after_the_store_host_gave_up_still_learn_who_is_missi
 
 
 @pytest.mark.e2e
-def test_sigkill_of_one_rank_stops_the_whole_run(start_app: Callable[..., AppProcess]) -> None:
-    app = start_app("killed", *PPO_FOREVER)
+@pytest.mark.parametrize(("rank", "layout"), [(1, "layout.elastic_rollouts=true"),
+                                              (2, "layout.elastic_rollouts=false")],
+                         ids=["a trainer", "a rollout rank of static groups"])
+def test_sigkill_of_one_rank_stops_the_whole_run(
+    start_app: Callable[..., AppProcess], rank: int, layout: str
+) -> None:
+    """A trainer's death ends the run; so does a rollout rank's where the groups are static
+    (an elastic rollout rank is dropped instead: tests/test_elastic.py)."""
+    app = start_app("killed", *PPO_FOREVER, layout)
     app.wait_until_training()
     ranks = app.ranks()
     assert sorted(ranks) == [0, 1, 2, 3], ranks
-    ranks[2].send_signal(signal.SIGKILL)
+    ranks[rank].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     code = app.wait()
     stopped_after = time.monotonic() - killed_at
-    assert stopped_after < STOP_S, f"run went on {stopped_after:.0f}s after rank 2 died"
+    assert stopped_after < STOP_S, f"run went on {stopped_after:.0f}s after rank {rank} died"
     assert code == 2, app.describe()
-    assert f"rank 2 killed by SIGKILL (log: {app.run_dir / 'logs' / 'rank2.log'})" in app.last_line
+    log = app.run_dir / "logs" / f"rank{rank}.log"
+    assert f"rank {rank} killed by SIGKILL (log: {log})" in app.last_line
     assert app.last_line.startswith("error: "), app.describe()
     app.assert_all_ended()
 
@@ -274,7 +265,7 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
     app.wait_until("a first checkpoint", lambda: any(checkpoints.glob("ckpt_*.pt")))
     first = app.ranks()
     assert sorted(first) == [0, 1, 2, 3], first
-    first[2].send_signal(signal.SIGKILL)  # once
+    first[1].send_signal(signal.SIGKILL)  # a trainer, once: every rank restarts
     assert app.wait() == 0, app.describe()
 
     result = read_result(app.run_dir)

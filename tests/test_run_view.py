@@ -120,6 +120,22 @@ def test_off_a_terminal_a_plain_line_is_printed_at_most_once_per_interval() -> N
     assert "\r" not in stream.getvalue()
 
 
+@pytest.mark.unit
+def test_an_elastic_run_shows_its_live_rollout_ranks_and_when_it_waits_for_them() -> None:
+    stream = io.StringIO()
+    view = RunProgress(StopRule(475.0, 20, 4096), stream=stream, plain_interval_s=0.0)
+    view.update(Snapshot(1024, -math.inf, 3, 1000.0, 1, 1.0, members=3))
+    view.waiting("waiting up to 300 s for rollout ranks to join: 0 live of "
+                 "loop.min_rollouts=1; lost: rank 2 on node2 (connection closed)")
+    view.update(Snapshot(2048, -math.inf, 5, 1000.0, 2, 2.0, members=2))
+    view.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].endswith("1,000 steps/s, 3 rollout ranks, weights v1, 0:01"), lines
+    assert lines[1] == ("[rank0] ppo: waiting up to 300 s for rollout ranks to join: 0 live "
+                        "of loop.min_rollouts=1; lost: rank 2 on node2 (connection closed)")
+    assert lines[2].endswith("1,000 steps/s, 2 rollout ranks, weights v2, 0:02"), lines
+
+
 @pytest.mark.e2e
 def test_a_run_on_a_terminal_shows_one_bar_messages_above_it_and_the_summary(
     tmp_path: Path,

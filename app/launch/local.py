@@ -9,6 +9,10 @@ A finished run exits promptly, always: a rank that finished but does not exit wi
 :func:`_exit_guard`); one that cannot (stuck with the interpreter lock held) is named and
 killed by the launcher (:class:`DeathWatch`) twice that long after ``result.json`` appeared,
 and the run still succeeds.
+
+An elastic rollout rank (``plan.elastic_rollouts``) runs in a child of the process the agent
+started, a slot (app/launch/slots.py) that outlives it: a lost rollout rank does not stop the
+others, and is started again ``launcher.rollout_restarts`` times.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from app.errors import WRITE_ERRORS, LaunchInterruptedError, RankFailedError
-from app.launch import forkserver
+from app.launch import forkserver, slots
 from app.launch.failures import Kind, read_records, write_error_line
+from app.launch.lifeline import tie_to_launcher
 from app.launch.rank import run_rank
 from app.output.logs import console_handler
 from rlcomm import LayoutPlan
@@ -188,6 +193,23 @@ def _local_rank(
     config: dict[str, Any], plan: LayoutPlan, run_dir: str, launcher_env: dict[str, str]
 ) -> None:
     forkserver.adopt_launcher_environment(launcher_env)
+    rank = int(os.environ.get("RANK", "-1"))
+    if getattr(plan, "elastic_rollouts", False) and rank in plan.rollouts:
+        # A lost rollout rank must not end this process: the agent would stop every rank.
+        if slots.can_fork():
+            tie_to_launcher(launched_here=True)  # the slot as a rank is: its child is tied to it
+            restarts = int(config["launcher"].get("rollout_restarts", 0))
+            slots.supervise(rank, lambda _incarnation: _run_rank_here(config, plan, run_dir),
+                            restarts, Path(run_dir), _launcher_log())
+            return
+        _launcher_log().warning("rank %d: its process runs other threads and cannot fork a "
+                                "rank it survives; losing this rank fails the run", rank)
+    _run_rank_here(config, plan, run_dir)
+
+
+def _run_rank_here(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> None:
+    """The rank, in this process: the agent's worker process, or a slot's child
+    (app/launch/slots.py)."""
     forkserver.set_process_name(f"rlcomm-rank{os.environ.get('RANK', '')}")  # ps, top
     try:
         run_rank(config, plan, run_dir, launched_here=True)

@@ -48,12 +48,30 @@ def validate(cfg: DictConfig) -> LayoutPlan:
         raise ConfigError(problem)
     if cfg.launcher.max_restarts < 0:
         raise ConfigError(f"launcher.max_restarts: must be >= 0, got {cfg.launcher.max_restarts}")
+    if cfg.launcher.rollout_restarts < 0:
+        raise ConfigError(
+            f"launcher.rollout_restarts: must be >= 0, got {cfg.launcher.rollout_restarts}"
+        )
     _check_target(cfg.loop)
     if cfg.sweep.rank_by is not None:  # the configured loop's declared metrics, or the app's
         check_metric_name(cfg.sweep.rank_by, str(cfg.loop._target_))
     plan = build_plan(cfg)
-    _check_loop(cfg.loop, plan)
-    return plan
+    loop = _check_loop(cfg.loop, plan)
+    # Rollout ranks are elastic only under a loop that follows membership (the RL runtime's):
+    # any other loop's collectives would wait for a lost rank forever.
+    # Epoch groups are gloo: with NCCL the rollout ranks stay static.
+    elastic = (plan.elastic_rollouts and bool(getattr(loop, "elastic_rollouts", False))
+               and _backend(cfg) != "nccl")
+    return dataclasses.replace(plan, elastic_rollouts=elastic)
+
+
+def _backend(cfg: DictConfig) -> str:
+    from rlcomm.backends import resolve_backend
+
+    try:
+        return resolve_backend(str(cfg.comm.backend))
+    except Exception:  # a backend that cannot be had fails with its own error at init
+        return str(cfg.comm.backend)
 
 
 def build_loop(loop: DictConfig) -> Any:
@@ -64,7 +82,7 @@ def build_loop(loop: DictConfig) -> Any:
     return instantiate(loop, _convert_="object", _recursive_=False)
 
 
-def _check_loop(loop: DictConfig, plan: LayoutPlan) -> None:
+def _check_loop(loop: DictConfig, plan: LayoutPlan) -> Any:
     """Type-check the loop's settings against its dataclass (unknown keys included), build it
     once so bad arguments fail before any rank starts, then run its own ``validate(plan)``."""
     from hydra.utils import get_object
@@ -84,6 +102,7 @@ def _check_loop(loop: DictConfig, plan: LayoutPlan) -> None:
     check = getattr(built, "validate", None)
     if callable(check):
         check(plan)
+    return built
 
 
 def _schema_error(err: Exception, target: Any, loop: DictConfig) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import logging
@@ -9,6 +10,7 @@ import os
 import random
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
+from rlcomm.elastic import MembersLostError, mark_running
 from rlcomm.errors import PeerLostError
 from rlcomm.net.hosts import agree_on_hosts, announce_lost, lost_hosts
 
@@ -85,7 +88,11 @@ def _run(
         hang_timeout=cfg.comm.get("hang_timeout"),
         debug=bool(cfg.comm.get("debug", False)),
         record=bool(cfg.comm.get("record", True)),
+        elastic_member=plan.elastic_rollouts and env.rank in plan.rollouts,
     )
+    if ctx.joined_running_job:  # a replacement rollout rank (rlcomm.elastic)
+        _join_running_job(cfg, plan, env, run_dir, ctx)
+        return None
     if ctx.watchdog is not None:  # `kill -USR1`: stacks and collective table to the log
         ctx.watchdog.dump_on(signal.SIGUSR1)
     startup_s = time.time() - job_start_time()
@@ -93,6 +100,8 @@ def _run(
     one_machine = launched_here or env.launcher == "submitit"  # both start every rank here
     plan, hosts = agree_on_hosts(ctx, plan, simulated_nodes=one_machine)
     ctx.init_groups(plan)
+    if plan.elastic_modes and env.rank == 0:
+        mark_running(ctx.store)  # a process starting as a rank from now on joins
     group_creation_s = time.perf_counter() - tick
     timeline.mark("groups")
     rank = env.rank
@@ -102,7 +111,10 @@ def _run(
     loop: Loop = build_loop(cfg.loop)
     timeline.mark("loop")
     try:
-        result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank, env=env))
+        result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank, env=env,
+                                   hosts=dict(enumerate(hosts.names))))
+    except MembersLostError:
+        raise  # its own line names who was lost
     except Exception as err:
         lost = lost_hosts(ctx, hosts, err)
         if lost is None:
@@ -120,8 +132,12 @@ def _run(
         "result": result,
         "timeline": timeline.marks(),
     }
-    reports = collectives.gather_json(ctx, CommMode.GLOBAL, report, dst=0)
-    ctx.destroy()
+    if plan.elastic_modes:  # rollout ranks came and went: no group spans every rank now
+        reports = _reports_through_store(ctx, plan, report, float(cfg.comm.timeout))
+        ctx.destroy(barrier=False)
+    else:
+        reports = collectives.gather_json(ctx, CommMode.GLOBAL, report, dst=0)
+        ctx.destroy()
     # What the loop handed off at its stop decision (the learning curve, TensorBoard's last
     # flush, app/output/background.py) is written before this rank reports success.
     wait_for_background(float(cfg.comm.timeout))
@@ -157,12 +173,64 @@ def _run(
         "result": time.time(),
     }
     summary["timeline"] = run_timeline
+    if plan.elastic_modes:  # every join and leave, from the trainers that saw them
+        changes = sorted((c for r in reports for c in (r.get("result") or {}).get("changes", [])),
+                         key=lambda c: c["time"])
+        summary["joins"] = [c for c in changes if c["event"] == "join"]
+        summary["leaves"] = [c for c in changes if c["event"] == "leave"]
+        if changes:
+            summary["summary"]["rollout_ranks"] = {"left": len(summary["leaves"]),
+                                                   "joined": len(summary["joins"])}
     summary["phases"] = timeline.phases(run_timeline)
     _write_result(run_dir / "result.json", json.dumps(summary, indent=2))
     # The launcher prints the closing summary (app.output.summary.format_summary) once the ranks end.
     log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",
              extra=FILE_ONLY)
     return summary
+
+
+def _join_running_job(
+    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, ctx: CommContext
+) -> None:
+    """A rollout rank started while its job runs (a restart, one more torchrun or srun task):
+    its trainer admits it at an update boundary; it reports like the others."""
+    log.info("rank %d joins the running job (replacing a lost process)", env.rank)
+    _seed_everything(cfg.seed + env.rank)
+    loop: Loop = build_loop(cfg.loop)
+    result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
+                               env=env, joining=True))
+    report = {"rank": env.rank, "role": plan.role(env.rank), "host": socket.gethostname(),
+              "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},
+              "result": result, "timeline": timeline.marks()}
+    _reports_through_store(ctx, plan, report, float(cfg.comm.timeout))
+    ctx.destroy(barrier=False)
+    wait_for_background(float(cfg.comm.timeout))
+
+
+def _reports_through_store(
+    ctx: CommContext, plan: LayoutPlan, report: dict[str, Any], timeout_s: float
+) -> list[dict[str, Any]] | None:
+    """Every rank's report, on rank 0, through the store: the trainers', and those of the
+    rollout ranks each trainer had at the end (rlcomm.elastic: its ``final`` record)."""
+    store = ctx.store
+    store.set(f"report/{report['rank']}", json.dumps(report))
+    if report["rank"] != 0:
+        return None
+    deadline = time.monotonic() + timeout_s
+    wanted = list(plan.trainers)
+    for trainer in plan.trainers:
+        store.wait([f"elastic/{trainer}/final"], datetime.timedelta(seconds=timeout_s))
+        wanted += json.loads(store.get(f"elastic/{trainer}/final"))["members"]
+    reports = []
+    for rank in sorted(wanted):
+        key = f"report/{rank}"
+        while not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if store.check([key]):
+            reports.append(json.loads(store.get(key)))
+        else:
+            log.warning("rank %d did not report within %g s", rank, timeout_s)
+    return reports
 
 
 def _write_result(path: Path, text: str) -> None:

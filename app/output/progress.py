@@ -61,6 +61,8 @@ class Snapshot:
     env_steps_per_s: float
     weights_version: int
     elapsed_s: float
+    members: int | None = None  # live rollout ranks of an elastic run (None: not elastic)
+    waiting: bool = False  # trainers wait for rollout ranks to join
 
 
 class _Bar(tqdm):
@@ -110,6 +112,16 @@ class RunProgress:
         if time.monotonic() - self._last_draw >= self.interval_s:
             self._draw(now)
 
+    def waiting(self, text: str) -> None:
+        """The run waits for something (rollout ranks to join): shown at once, until the next
+        update redraws the line."""
+        if self._bar is None:
+            write_console(f"[rank0] {self.name}: {text}", self.stream)
+            return
+        self._bar.right = text
+        self._bar.refresh()
+        self._last_draw = -math.inf  # the next update redraws
+
     def close(self) -> None:
         """Draws the final state (100% when the stop rule fired) and leaves it on screen."""
         if self._last is not None and self._last is not self._drawn:
@@ -137,6 +149,8 @@ class RunProgress:
         count = f"last {rule.window}" if full else f"{now.episodes}/{rule.window} episodes"
         rate = f"{now.env_steps_per_s:,.0f} steps/s"
         clock = f"weights v{now.weights_version}, {_clock(now.elapsed_s)}"
+        if now.members is not None:
+            clock = f"{now.members} rollout ranks, {clock}"
         if rule.target_return is not None:
             left = f"[rank0] {self.name}: mean return {mean} of {rule.target_return:g}"
             right = f"{now.env_steps:,} env steps, {rate}, {clock}"

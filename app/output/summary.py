@@ -53,6 +53,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary['loop']} finished on {scale} in {summary['wall_s']:.1f} s, "
             f"{restarts} restart{'s' if restarts != 1 else ''}"
         )
+    changes = summary.get("rollout_ranks")
+    if changes:  # an elastic run whose rollout ranks came and went (result.json: leaves, joins)
+        lines.append(f"rollout ranks: {changes['left']} left, {changes['joined']} joined "
+                     "(result.json: leaves, joins)")
     width = max(len(name) for name in summary["files"])
     lines += [f"{name:<{width}}  {_shown(path)}" for name, path in summary["files"].items()]
     return "\n".join([*lines, RULE])

@@ -234,14 +234,18 @@ def find_checkpoint(path: str | Path) -> Path:
     return newest_valid_checkpoint(path).path
 
 
-def resume_source(ctx: CommContext, job: JobInfo, resume: str | None) -> Resumable | None:
-    """The checkpoint this run starts from, the same on every rank, or None for a fresh start:
-    after a restart by the agent this run's newest valid checkpoint, else ``loop.resume``'s."""
+def resume_source(ctx: CommContext, job: JobInfo, resume: str | None,
+                  over: ParallelMode | None = ParallelMode.GLOBAL) -> Resumable | None:
+    """The checkpoint this run starts from, the same on every rank of ``over``, or None for a
+    fresh start: after a restart by the agent this run's newest valid checkpoint, else
+    ``loop.resume``'s. ``over=None``: this rank's own restart count, nobody asked (an elastic
+    run's rollout ranks: the trainers' weights and statistics reach them with the first
+    transfer, the checkpoint only tells them where the run resumed)."""
     # Every rank resumes alike: a host restarted by hand joins with a new torchrun, whose
     # restart count (0) is not the others'.
     counts = torch.tensor([job.env.restart_count])
-    restarted = int(collectives.all_reduce(ctx, ParallelMode.GLOBAL, counts,
-                                           torch.distributed.ReduceOp.MAX))
+    restarted = job.env.restart_count if over is None else int(
+        collectives.all_reduce(ctx, over, counts, torch.distributed.ReduceOp.MAX))
     picked: Resumable | None = None
     if restarted > 0:
         with contextlib.suppress(NoCheckpointError):  # failed before its first checkpoint
@@ -278,6 +282,7 @@ def save_checkpoint(
     metrics: list[dict[str, float]],
     settings: Mapping[str, Any] | None = None,
     normalizers: Mapping[str, torch.Tensor] | None = None,
+    epoch: int | None = None,
 ) -> Path:
     """Writes ``ckpt_<update>.pt`` with its checksum and ``settings`` (:func:`run_settings`).
     Never half-written: written aside (``.tmp``), synced, then renamed; a failed write removes
@@ -291,6 +296,7 @@ def save_checkpoint(
         "optimizer": optimizer.state_dict(),
         "update": update,
         "env_steps": env_steps,
+        "epoch": epoch,  # the membership epoch of an elastic run (rlcomm.elastic), else None
         "episodes": episodes,
         "metrics": metrics,
         # Minibatch order needs no state (seeded per update); environments restart from

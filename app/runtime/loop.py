@@ -5,7 +5,9 @@ calls. An algorithm becomes a loop by subclassing :class:`RLLoop` with its setti
     @dataclass
     class PPOLoop(RLLoop):
         hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
-        algorithm: ClassVar[type[Algorithm[Any]]] = PPO
+        algorithm: ClassVar[type[Algorithm[Any]]]
+    # Follows membership epochs: its rollout ranks may leave and join (layout.elastic_rollouts).
+    elastic_rollouts: ClassVar[bool] = True = PPO
 """
 
 from __future__ import annotations
@@ -64,8 +66,14 @@ class RLLoop:
         10, "every N-th weights version, rollouts check what they loaded against the "
         "trainer's bytes (0: never)"
     )
+    min_rollouts: int = setting(
+        1, "elastic layouts: live rollout ranks a trainer needs to go on; below it waits for "
+        "joiners (0.8 x the hang timeout), then ends the run naming who was lost"
+    )
 
     algorithm: ClassVar[type[Algorithm[Any]]]
+    # Follows membership epochs: its rollout ranks may leave and join (layout.elastic_rollouts).
+    elastic_rollouts: ClassVar[bool] = True
     hparams: Any = None  # the algorithm's settings (an AlgorithmSettings dataclass)
 
     # What the run reports in result["metrics"] (records.job_metrics), for sweeps to rank by:
@@ -121,6 +129,8 @@ class RLLoop:
             errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.verify_weights_every < 0:
             errors.append(f"verify_weights_every: must be >= 0, got {self.verify_weights_every}")
+        if self.min_rollouts < 1:
+            errors.append(f"min_rollouts: must be >= 1, got {self.min_rollouts}")
         if not errors and self.total_env_steps < per_update:
             errors.append(
                 f"total_env_steps: must allow at least one update ({per_update} env steps with "

@@ -79,13 +79,15 @@ def job_metrics(
     updates: int,
     steps: int,
     recent: float,
+    over: ParallelMode = ParallelMode.GLOBAL,
 ) -> dict[str, float | None]:
     """The figures that compare jobs, the same on every rank: per-role times are summed over
     GLOBAL in one collective, so the fractions are the whole job's. ``updates``, ``steps`` and
     ``elapsed``: this attempt's; ``recent``: the stop rule's mean return (-inf before
-    ``window`` episodes finished)."""
+    ``window`` episodes finished). ``over``: the ranks summed (an elastic run's trainers: its
+    rollout ranks come and go, so their share is not summed)."""
     rollout = not is_trainer
-    totals = collectives.all_reduce_dict(ctx, ParallelMode.GLOBAL, {
+    totals = collectives.all_reduce_dict(ctx, over, {
         "trainers": float(is_trainer),
         "trainer_s": elapsed if is_trainer else 0.0,
         "trainer_wait_s": wait_s if is_trainer else 0.0,

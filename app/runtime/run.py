@@ -26,6 +26,7 @@ from app.runtime.algorithm import Segment, UpdateInfo
 from app.runtime.checkpoints import resume_source, run_settings, save_checkpoint
 from app.runtime.envs import probe_spaces
 from app.runtime.exchange import Exchange
+from app.runtime.membership import LeaderExchange, MemberExchange, with_episodes
 from app.runtime.records import MetricsFile, job_metrics, plot_learning_curve, update_row
 from app.runtime.worker import Agent, Episode, RolloutWorker, as_segment, segment_layout
 from rlcomm import CommContext, ParallelMode, collectives
@@ -47,6 +48,9 @@ class RuntimeRun:
         self.collects = plan.colocated or self.rank in plan.rollouts
         self.split = not plan.colocated
         self.collectors = len(plan.trainers) if plan.colocated else len(plan.rollouts)
+        # Rollout ranks may leave and join (app/runtime/membership.py).
+        self.elastic = self.split and plan.elastic_rollouts
+        self.epoch_base = 0  # a resumed run's epochs count on from its checkpoint's
 
         # Small models gain nothing from intra-op threads, and on shared cores they spin
         # against each other (layout=single under load: 459 s to the target with 2, 25 s with 1).
@@ -67,12 +71,27 @@ class RuntimeRun:
         self.generator = torch.Generator()
         # Before DDP wraps the module: the exchange binds the agent to the weights' send or
         # receive buffer.
-        self.exchange = Exchange(
-            ctx, plan, self.agent, self.layout,
-            episode_cap=self.hp.num_envs * (self.hp.num_steps // 8 + 1),
-            max_staleness=loop.max_staleness,
-            verify_every=loop.verify_weights_every,
-        )
+        self.exchange: Any
+        episode_cap = self.hp.num_envs * (self.hp.num_steps // 8 + 1)
+        if self.elastic:
+            self.layout = with_episodes(self.layout, episode_cap)
+            if self.worker is not None:
+                self.worker.use_layout(self.layout)
+            timeout_s = ctx.timeout.total_seconds()
+            if self.is_trainer:
+                self.exchange = LeaderExchange(
+                    ctx, self.agent, self.layout, loop.max_staleness, loop.verify_weights_every,
+                    loop.min_rollouts, timeout_s, dict(job.hosts))
+            else:
+                self.exchange = MemberExchange(
+                    ctx, self.agent, self.layout,
+                    plan.groups_of(self.rank)[ParallelMode.WEIGHT_TRANSFER.value][0],
+                    loop.max_staleness, timeout_s, joining=job.joining)
+        else:
+            self.exchange = Exchange(
+                ctx, plan, self.agent, self.layout, episode_cap=episode_cap,
+                max_staleness=loop.max_staleness, verify_every=loop.verify_weights_every,
+            )
         self.model: torch.nn.Module = self.agent.net
         self.optimizer: torch.optim.Optimizer | None = None
         if self.is_trainer:
@@ -92,6 +111,8 @@ class RuntimeRun:
         self.split_s = {"collect": 0.0, "update": 0.0, "comm": 0.0}
 
     def run(self) -> dict[str, Any]:
+        if self.elastic and not self.is_trainer:
+            return self._run_member()
         self._maybe_resume()
         if self.rank == 0 and self.is_trainer:
             self.metrics_file = MetricsFile(self.job.run_dir / "metrics.csv", self.metrics)
@@ -103,14 +124,19 @@ class RuntimeRun:
         view = RunProgress(rule, self._name()) if self._writes_outputs(self.loop.progress) else None
         scalars = (ScalarLog(self.job.run_dir, self._name())
                    if self._writes_outputs(self.loop.tensorboard) else None)
+        if view is not None and isinstance(self.exchange, LeaderExchange):
+            self.exchange.on_wait = view.waiting
         if self.env_steps < self.loop.total_env_steps:
             self._sync_weights(first=True)
         while self.env_steps < self.loop.total_env_steps:
             version = self.exchange.version(self.update)
             segments, new_episodes, shared = self._collect(version)
             self.episodes.extend(new_episodes)
-            self.env_steps += self.collectors * self.hp.num_envs * self.hp.num_steps
+            collected = int(shared.pop("segments", self.collectors))
+            self.env_steps += collected * self.hp.num_envs * self.hp.num_steps
             losses = self._train(segments) if self.is_trainer else {}
+            if isinstance(self.exchange, LeaderExchange):
+                self.exchange.update_done()
             self.update += 1
             row = self._record(version, new_episodes, losses, shared,
                                self.env_steps - first_steps, time.perf_counter() - start)
@@ -128,6 +154,8 @@ class RuntimeRun:
             if self.env_steps < self.loop.total_env_steps:
                 self._sync_weights(first=False)
         timeline.mark("stop")
+        if isinstance(self.exchange, LeaderExchange):
+            self.exchange.stop(self.update, self.env_steps)
         if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
             self._save_checkpoint()  # keep the final state too
         if view is not None:
@@ -150,7 +178,11 @@ class RuntimeRun:
             self.ctx, self.is_trainer, elapsed=elapsed, transfer_s=exchange.transfer_s,
             wait_s=exchange.wait_total_s, reached_at=reached_at,
             updates=self.update - first_update, steps=steps, recent=self._recent_return(),
+            over=(ParallelMode.TRAIN_DATA_PARALLEL if self.elastic else ParallelMode.GLOBAL),
         )
+        if self.elastic and elapsed:  # the rollout ranks' waits came with their segments
+            waited = sum(row["rollout_wait_s"] for row in self.metrics[first_update:])
+            metrics["rollout_wait_fraction"] = round(waited / elapsed, 4)
         return {
             "role": self.job.plan.role(self.rank),
             "updates": self.update,
@@ -174,6 +206,68 @@ class RuntimeRun:
             "param_checksum": float(sum(p.detach().double().sum()
                                         for p in self.agent.net.parameters())),
             "metrics": {**metrics, **self._declared_losses()},
+            **(self._membership_result() if isinstance(exchange, LeaderExchange) else {}),
+        }
+
+    def _membership_result(self) -> dict[str, Any]:
+        """Who left and joined this trainer's group, and what was lost with them."""
+        exchange = self.exchange
+        return {
+            "epoch": self.epoch_base + exchange.epoch,
+            "members": list(exchange.live),
+            "changes": [c.record() for c in exchange.changes],
+            "segments_discarded": exchange.discarded,
+        }
+
+    def _run_member(self) -> dict[str, Any]:
+        """A rollout rank of an elastic run: collect, send, take the next weights, until its
+        trainer says the run stopped (app/runtime/membership.py)."""
+        assert self.worker is not None and isinstance(self.exchange, MemberExchange)
+        exchange = self.exchange
+        if not self.job.joining:  # where the run resumed, if it did (the weights come next)
+            picked = resume_source(self.ctx, self.job, self.loop.resume, over=None)
+            if picked is not None:
+                log.info("resumed from %s at update %d (%d env steps)", picked.path,
+                         picked.state["update"], picked.state["env_steps"])
+        start, cpu_start = time.perf_counter(), time.process_time()
+        segments = 0
+        going = exchange.sync_weights(first=True)
+        while going:
+            tick = time.perf_counter()
+            own, mine = self.worker.collect(self.agent, exchange.version(0))
+            self.split_s["collect"] += time.perf_counter() - tick
+            tick = time.perf_counter()
+            lost = exchange.send_segment(own, mine)
+            if lost is None:
+                segments += 1
+                going = exchange.sync_weights(first=False)
+            else:  # lost with its group: on a new epoch's weights already, or stopped
+                going = lost
+            self.split_s["comm"] += time.perf_counter() - tick
+            timeline.mark("first_update")
+        timeline.mark("stop")
+        self.worker.close()
+        elapsed = time.perf_counter() - start
+        steps = segments * self.hp.num_envs * self.hp.num_steps
+        return {
+            "role": self.job.plan.role(self.rank),
+            # The job's counts, as its trainer stopped at, like every rank reports them; then
+            # this rank's own: the segments it sent and the env steps it collected.
+            "updates": exchange.final.get("updates"),
+            "env_steps": exchange.final.get("env_steps"),
+            "segments_sent": segments,
+            "env_steps_collected": steps,
+            "weights_version": exchange.acting_version,
+            "epoch": exchange.epoch,
+            "joined": self.job.joining,
+            "trajectory_bytes_sent": exchange.trajectory_bytes_sent,
+            "wall_s": round(elapsed, 2),
+            "env_steps_per_s": round(steps / elapsed, 1) if elapsed else 0.0,
+            "wait_fraction": round(exchange.wait_total_s / elapsed, 4) if elapsed else 0.0,
+            "time_split_s": self._time_split(elapsed),
+            "cpu_s": round(time.process_time() - cpu_start, 3),
+            "param_checksum": float(sum(p.detach().double().sum()
+                                        for p in self.agent.net.parameters())),
         }
 
     def _declared_losses(self) -> dict[str, float | None]:
@@ -218,6 +312,13 @@ class RuntimeRun:
             tick = time.perf_counter()
             own, mine = self.worker.collect(self.agent, version)
             self.split_s["collect"] += time.perf_counter() - tick
+        if isinstance(self.exchange, LeaderExchange):
+            tick = time.perf_counter()
+            segments, episodes, member_wait = self.exchange.gather_segments(self.update)
+            self.lag = max((s.lag for s in segments), default=0)
+            shared = self._share_among_trainers(segments, episodes, member_wait)
+            self.split_s["comm"] += time.perf_counter() - tick
+            return (segments, *shared)
         segments = [as_segment(self.layout, own)] if (own is not None and not self.split) else []
         tick = time.perf_counter()
         if self.split:
@@ -226,6 +327,44 @@ class RuntimeRun:
         shared = self.exchange.share_episodes(mine, self.lag)
         self.split_s["comm"] += time.perf_counter() - tick
         return (segments, *shared)
+
+    def _share_among_trainers(
+        self, segments: list[Segment], episodes: list[Episode], member_wait: float
+    ) -> tuple[list[Episode], dict[str, float]]:
+        """Elastic runs: the trainers learn every finished episode (their members' segments
+        carried them) and each other's membership, so all stop at the same update; nothing here
+        involves a rollout rank."""
+        exchange = self.exchange
+        cap = self.exchange.layout.fields["episodes"].shape[0] * max(1, len(exchange.members))
+        kept = episodes[-cap:]
+        row = torch.full((cap + 2, 3), float("nan"), dtype=torch.float64)
+        row[0] = torch.tensor([len(kept), len(segments), len(exchange.live)])
+        row[1] = torch.tensor([exchange.wait_s, member_wait, self.lag])
+        exchange.wait_total_s += exchange.wait_s
+        exchange.wait_s = 0.0
+        if kept:
+            row[2 : len(kept) + 2, :2] = torch.tensor(kept, dtype=torch.float64)
+        size = torch.tensor([float(cap)])
+        largest = int(collectives.all_reduce(self.ctx, ParallelMode.TRAIN_DATA_PARALLEL, size,
+                                             torch.distributed.ReduceOp.MAX).item())
+        if largest > cap:  # members joined elsewhere: everyone's block has the same shape
+            row = torch.cat([row, torch.full((largest - cap, 3), float("nan"),
+                                             dtype=torch.float64)])
+        epoch = torch.tensor([float(exchange.epoch)])
+        everyone = collectives.all_gather(self.ctx, ParallelMode.TRAIN_DATA_PARALLEL,
+                                          torch.cat([row, epoch.expand(1, 3).double()]).unsqueeze(0))
+        shared_episodes: list[Episode] = []
+        for block in everyone:
+            count = int(block[0, 0].item())
+            shared_episodes += [(float(r), int(n)) for r, n, _ in block[2 : count + 2].tolist()]
+        return shared_episodes, {
+            "segments": float(everyone[:, 0, 1].sum()),
+            "members": float(everyone[:, 0, 2].sum()),
+            "epoch": float(self.epoch_base + everyone[:, -1, 0].sum()),
+            "staleness": float(everyone[:, 1, 2].max()),
+            "trainer_wait_s": float(everyone[:, 1, 0].mean()),
+            "rollout_wait_s": float(everyone[:, 1, 1].mean()),
+        }
 
     def _train(self, segments: list[Segment]) -> dict[str, float]:
         assert self.optimizer is not None
@@ -293,6 +432,7 @@ class RuntimeRun:
             env_steps_per_s=row["env_steps_per_s"],
             weights_version=int(row["weights_version"]),
             elapsed_s=elapsed,
+            members=int(row["members"]) if "members" in row else None,
         )
 
     def _should_checkpoint(self) -> bool:
@@ -303,10 +443,14 @@ class RuntimeRun:
             return
         save_checkpoint(self.job.run_dir, self.agent.net, self.optimizer, self.update,
                         self.env_steps, self.episodes, self.metrics, self.settings,
-                        self.agent.normalizers())
+                        self.agent.normalizers(),
+                        epoch=(int(self.metrics[-1].get("epoch", 0)) if self.elastic and
+                               self.metrics else None))
 
     def _maybe_resume(self) -> None:
-        picked = resume_source(self.ctx, self.job, self.loop.resume)  # verified on load
+        picked = resume_source(  # verified on load
+            self.ctx, self.job, self.loop.resume,
+            ParallelMode.TRAIN_DATA_PARALLEL if self.elastic else ParallelMode.GLOBAL)
         if picked is None:
             return
         source, state = picked.path, picked.state
@@ -317,6 +461,8 @@ class RuntimeRun:
             self.optimizer.load_state_dict(state["optimizer"])
         self.update, self.env_steps = state["update"], state["env_steps"]
         self.episodes = [(float(r), int(n)) for r, n in state["episodes"]]
+        if state.get("epoch") is not None:  # a new epoch from whoever is there
+            self.epoch_base = int(state["epoch"]) + 1
         torch.set_rng_state(state["torch_rng"])
         if source.resolve().is_relative_to(self.job.run_dir.resolve()):
             self.metrics = list(state["metrics"])  # same run: metrics.csv keeps every row

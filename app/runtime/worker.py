@@ -108,6 +108,10 @@ class RolloutWorker:
         self.env_s = 0.0
         self.act_s = 0.0
 
+    def use_layout(self, layout: Layout) -> None:
+        """Collect into ``layout`` (the segment's fields plus what travels with it)."""
+        self.layout, self.buffer = layout, layout.empty()
+
     @torch.no_grad()
     def collect(self, agent: Agent, version: int) -> tuple[Tensor, list[Episode]]:
         """Step ``num_steps`` times with ``agent``; returns the packed segment (this worker's

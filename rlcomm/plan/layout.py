@@ -67,6 +67,20 @@ class LayoutPlan:
     # The layout fixed which ranks share a node (ranks_per_node, nodes, or INTRA_NODE/INTER_NODE
     # lists); otherwise the node groups follow the hosts the ranks land on (place_on_hosts).
     nodes_declared: bool = True
+    # Rollout ranks may leave and join while the run goes on (rlcomm.elastic): every group that
+    # contains one is elastic (:attr:`elastic_modes`); trainers and their groups stay static.
+    elastic_rollouts: bool = False
+
+    @property
+    def elastic_modes(self) -> tuple[str, ...]:
+        """The modes whose groups contain rollout ranks, when those are elastic: only
+        WEIGHT_TRANSFER is used once the run is going (re-formed per membership epoch); the
+        others (GLOBAL, the node groups) serve the start only."""
+        if not (self.elastic_rollouts and self.rollouts):
+            return ()
+        with_rollouts = [spec.mode for spec in self.groups
+                         if any(r in self._rollout_set for ranks in spec.rank_lists for r in ranks)]
+        return (ParallelMode.GLOBAL.value, *with_rollouts)
 
     @property
     def colocated(self) -> bool:
@@ -139,7 +153,8 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
         or spec.nodes is not None
         or any(m in explicit for m in (ParallelMode.INTRA_NODE, ParallelMode.INTER_NODE))
     )
-    return LayoutPlan(world, per_node, nodes, trainers, rollouts, groups, declared)
+    return LayoutPlan(world, per_node, nodes, trainers, rollouts, groups, declared,
+                      elastic_rollouts=bool(spec.elastic_rollouts))
 
 
 def place_on_hosts(plan: LayoutPlan, hosts: Sequence[str]) -> LayoutPlan:

@@ -56,3 +56,10 @@ class LayoutSpec:
     data_parallel_size: int | None = field(
         default=None, metadata=_doc("DATA_PARALLEL size (checked against the grid)")
     )
+    elastic_rollouts: bool = field(
+        default=True,
+        metadata=_doc(
+            "rollout ranks may leave and join while the run goes on (membership epochs over "
+            "WEIGHT_TRANSFER); false: static groups, a lost rollout rank ends the run"
+        ),
+    )

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from rlcomm.diagnostics.recorder import Call
 
 
+_WEIGHTS_TAG = 0  # point-to-point tag of weights on an elastic group (segments: elastic.py's)
+
+
 def finish(works: list[dist.Work], call: Call) -> None:
     """Wait for a launched broadcast; a timeout in wait() is diagnosed like one in a blocking
     call, then the recorded call is marked finished."""
@@ -69,22 +72,45 @@ class Endpoint:
 
     def _broadcast(self, tensor: Tensor) -> None:
         with self._ctx.recorder.call(self._mode, "broadcast", tensor, self._src):
-            dist.broadcast(tensor, src=self._src, group=self._group)
+            if self._ctx.is_elastic(self._mode):
+                for work in self._point_to_point(tensor):
+                    work.wait()
+            else:
+                dist.broadcast(tensor, src=self._src, group=self._group)
 
     def _launch(self, wire: Tensor) -> tuple[list[dist.Work], Call]:
         """Launch the broadcast of ``wire`` (header and data); the caller waits on the works and
         then marks the recorded call finished."""
         with self._ctx.recorder.call(self._mode, "broadcast", wire, self._src) as call:
-            work = dist.broadcast(wire, src=self._src, group=self._group, async_op=True)
-            works = [work] if work is not None else []
+            if self._ctx.is_elastic(self._mode):
+                works = self._point_to_point(wire)
+            else:
+                work = dist.broadcast(wire, src=self._src, group=self._group, async_op=True)
+                works = [work] if work is not None else []
             call.pending(works)
         return works, call
+
+    def _point_to_point(self, tensor: Tensor) -> list[dist.Work]:
+        """A broadcast on an elastic group (rlcomm.elastic): the sender (group rank 0) sends to
+        each member on its own, so a lost member fails only its own transfer."""
+        if self._rank != self._src:
+            return [self._group.recv([tensor], 0, _WEIGHTS_TAG)]
+        works = []
+        for peer in range(1, self._ctx.get_world_size(self._mode)):
+            try:
+                works.append(self._group.send([tensor], peer, _WEIGHTS_TAG))
+            except RuntimeError:  # its connection closed: the member is gone, the others go on
+                continue
+        return works
 
     def _agree(self, ok: bool) -> list[int]:
         """All members report whether they accept the metadata; returns the rejecting ranks."""
         flags = torch.zeros(len(self._declared), dtype=torch.int64, device=self._device)
         flags[self._ctx.get_local_rank(self._mode)] = 0 if ok else 1
         with self._ctx.recorder.call(self._mode, "all_reduce", flags):
-            dist.all_reduce(flags, group=self._group)
+            if self._ctx.is_elastic(self._mode):  # possibly not in torch's world maps
+                self._group.allreduce([flags]).wait()
+            else:
+                dist.all_reduce(flags, group=self._group)
         ranks = self._ctx.get_ranks_in_group(self._mode)  # the group-rank order of ``flags``
         return [ranks[i] for i, flag in enumerate(flags.tolist()) if flag]

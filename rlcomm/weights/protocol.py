@@ -52,6 +52,10 @@ METADATA_FORMAT = "rlcomm.weights/1"
 SAME_METADATA = 0
 NEW_METADATA = 1
 SENDER_ABORTED = -1
+# The sender ends its transfers on this group (no data follows): the run stopped, or the group
+# was replaced by a new membership epoch (rlcomm.elastic).
+SENDER_STOPPED = -2
+SENDER_MOVED = -3
 
 ALIGN = 64  # bytes; every dtype's segment of the wire starts at a multiple of this
 HEADER_SLOT = ALIGN  # bytes before the first segment: the header (4 int64) and padding
@@ -82,6 +86,15 @@ DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class TransfersEnded(RlcommError):
+    """The sender ended its transfers on this group: ``moved`` (a new membership epoch replaces
+    the group) or not (the run stopped). Not an error: the receiver's caller decides."""
+
+    def __init__(self, message: str, moved: bool) -> None:
+        super().__init__(message)
+        self.moved = moved
 
 
 class WeightTransferError(RlcommError, RuntimeError):

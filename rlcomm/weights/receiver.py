@@ -22,7 +22,10 @@ from .protocol import (
     NEW_METADATA,
     SAME_METADATA,
     SENDER_ABORTED,
+    SENDER_MOVED,
+    SENDER_STOPPED,
     Metadata,
+    TransfersEnded,
     WeightTransferError,
     decode_metadata,
     metadata_mismatches,
@@ -142,6 +145,18 @@ class WeightReceiver(Endpoint):
         spare.posted = self._launch(spare.flat.wire)
         self._posted.append(spare)
 
+    def abandon(self) -> list[dist.Work]:
+        """Give up the posted receives (their sender moved on: rlcomm.elastic); returns their
+        works, which the caller keeps alive, with the buffers they write into."""
+        works: list[dist.Work] = []
+        while self._posted:
+            buffer = self._posted.popleft()
+            if buffer.posted is not None:
+                (posted, call), buffer.posted = buffer.posted, None
+                call.finish()
+                works += posted
+        return works
+
     @property
     def posted(self) -> int:
         """How many posted receives have not been completed yet."""
@@ -216,6 +231,12 @@ class WeightReceiver(Endpoint):
 
     def _check_header(self, header: Tensor) -> tuple[int, int, int, int]:
         version, flag, length, checksummed = header.tolist()
+        if flag in (SENDER_STOPPED, SENDER_MOVED):
+            moved = flag == SENDER_MOVED
+            raise TransfersEnded(
+                f"{self._name}: sender rank {self._src} "
+                f"{'moved to a new membership epoch' if moved else 'stopped'} after version "
+                f"{self._version}", moved=moved)
         if flag == SENDER_ABORTED:
             raise WeightTransferError(
                 f"{self._name}: sender rank {self._src} aborted weights version {version} "

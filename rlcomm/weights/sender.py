@@ -18,6 +18,8 @@ from .protocol import (
     HEADER_LEN,
     NEW_METADATA,
     SENDER_ABORTED,
+    SENDER_MOVED,
+    SENDER_STOPPED,
     Metadata,
     WeightTransferError,
     describe_state_dict,
@@ -44,12 +46,15 @@ class WeightSender(Endpoint):
         mode: Mode = ParallelMode.WEIGHT_TRANSFER,
         device: torch.device | str | None = None,
         verify_every: int = 0,
+        first_version: int = 0,
     ) -> None:
         """``verify_every=N``: every N-th version carries each tensor's checksum, which receivers
-        check after loading it into their module (0: never)."""
+        check after loading it into their module (0: never). ``first_version``: the version the
+        receivers hold already (a sender on a new membership epoch's group goes on counting)."""
         super().__init__(ctx, mode, device)
         if verify_every < 0:
             raise ValueError(f"verify_every: must be >= 0, got {verify_every}")
+        self._version = first_version
         self._verify_every = verify_every
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self._device)
         # The send buffers of the newest layout (bind, a change): maybe not the receivers' yet.
@@ -64,7 +69,8 @@ class WeightSender(Endpoint):
         # every entry of its state dict was bound (then send(module) needs no state dict).
         self._bound: tuple[nn.Module, list[tuple[Tensor, Tensor]]] | None = None
 
-    def send(self, state_dict: Mapping[str, Tensor] | nn.Module, wait: bool = True) -> int:
+    def send(self, state_dict: Mapping[str, Tensor] | nn.Module, wait: bool = True,
+             verify: bool = False) -> int:
         """Send ``state_dict`` (or a module's) as the next version and return that version.
 
         Passing the module bound with :meth:`bind` is the fastest path: while all its tensors
@@ -75,7 +81,7 @@ class WeightSender(Endpoint):
         already in the buffers, so they are not copied, and after ``wait=False`` they must not
         be updated before :meth:`wait` returns. With ``wait=False`` the broadcasts are only
         launched: call :meth:`wait` (or the next ``send``, which waits first) before relying on
-        delivery.
+        delivery. ``verify``: this version carries checksums whatever ``verify_every`` says.
         """
         self.wait()  # the buffers and header are about to be rewritten
         version = self._version + 1
@@ -90,7 +96,8 @@ class WeightSender(Endpoint):
                 changed = metadata != self._metadata
                 buffers = self._layout(metadata, changed)
                 self._copied = buffers.pack(state_dict)
-            checksummed = bool(self._verify_every) and version % self._verify_every == 0
+            checksummed = verify or (
+                bool(self._verify_every) and version % self._verify_every == 0)
             if checksummed:
                 buffers.write_checksums(self._checksum_helper)  # of the bytes about to go out
         except Exception:
@@ -195,6 +202,24 @@ class WeightSender(Endpoint):
             return current
         self._buffers = FlatBuffers(metadata, self._device)
         return self._buffers
+
+    def end(self, moved: bool) -> list[dist.Work]:
+        """Tell the receivers no more versions come on this group: the run stopped, or
+        (``moved``) a new membership epoch's group replaces it. Returns the works in flight,
+        not waited for: a member that is gone may never complete its part (rlcomm.elastic)."""
+        works = self.abandon()
+        self._send_header(self._version, SENDER_MOVED if moved else SENDER_STOPPED, 0,
+                          async_op=True)
+        return works + self.abandon()
+
+    def abandon(self) -> list[dist.Work]:
+        """Stop waiting for the sends in flight (a member of this group is gone); returns
+        their works, which the caller keeps alive (rlcomm.elastic.Graveyard)."""
+        works, self._pending = self._pending, []
+        for call in self._pending_calls:
+            call.finish()
+        self._pending_calls = []
+        return works
 
     def wait(self) -> None:
         """Block until the last ``send(..., wait=False)`` has been delivered."""

@@ -239,14 +239,18 @@ class AppProcess:
 
     def ranks(self) -> dict[int, psutil.Process]:
         """Rank processes by rank, told apart by the rank log file each one holds open (the
-        agent sets RANK after the process starts, so /proc/<pid>/environ does not show it)."""
+        agent sets RANK after the process starts, so /proc/<pid>/environ does not show it). An
+        elastic rollout rank's slot (app/launch/slots.py) holds it too: the rank is its child,
+        the process named ``rlcomm-rank<N>``."""
         found: dict[int, psutil.Process] = {}
         for proc in self.processes()[1:]:
             try:
                 for f in proc.open_files():
                     match = re.fullmatch(r"rank(\d+)\.log", Path(f.path).name)
                     if match and Path(f.path).parent == self.run_dir / "logs":
-                        found[int(match.group(1))] = proc
+                        rank = int(match.group(1))
+                        if rank not in found or proc.name().startswith("rlcomm-rank"):
+                            found[rank] = proc
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
         return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from app.launch.environment import without_launcher_variables
@@ -148,3 +150,80 @@ def link_bytes(host: str) -> tuple[int, int]:
 def describe_runs(runs: Sequence[HostRun]) -> str:
     return "\n".join(f"=== {r.host}: exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n"
                      f"--- stderr\n{r.stderr[-4000:]}" for r in runs)
+
+
+# --------------------------------------------------------------------------------------------
+# Elastic rollout hosts: torchrun with the static rendezvous, output readable while it runs
+# --------------------------------------------------------------------------------------------
+
+
+def static_torchrun(nnodes: int, nproc: int, node_rank: int, master: str, port: int,
+                    rdzv_id: str) -> list[str]:
+    """torchrun with the static rendezvous (its default backend): node 0's agent hosts the store
+    at ``master:port`` and every node's ranks follow from ``--node-rank``. There is no
+    rendezvous round, so a node's torchrun started again while the job runs takes its place
+    (its agent reads its ranks, assigned in the first round, from the store) without the other
+    agents restarting their workers, as c10d's would when a new node waits. ``--rdzv-id`` names
+    the run (TORCHELASTIC_RUN_ID: its run dir is ``torchrun-<rdzv_id>``); without it each
+    host's ranks would name the run after their own agent."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", str(nproc), "--node-rank", str(node_rank), "--master-addr",
+            master, "--master-port", str(port), "--rdzv-id", rdzv_id, "-m", "app"]
+
+
+@dataclass
+class LoggedHostRun(HostRun):
+    """A :class:`HostRun` whose output goes to files, so that a test can read it while it runs
+    (and a long run cannot fill a pipe nobody reads)."""
+
+    out_path: Path = Path()
+    err_path: Path = Path()
+
+    def live_stderr(self) -> str:
+        return self.err_path.read_text(errors="replace") if self.err_path.exists() else ""
+
+    def collect(self) -> None:
+        self.stdout = self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
+        self.stderr = self.live_stderr()
+
+
+def start_on_host_logged(host: str, args: Sequence[str], cwd: Path, marker: str, name: str,
+                         env: dict[str, str] | None = None) -> LoggedHostRun:
+    """:func:`start_on_host`, its output in ``cwd/<name>.stdout`` and ``.stderr``."""
+    full_env = {**without_launcher_variables(os.environ), MARKER: marker, "PYTHONPATH": str(REPO),
+                **(env or {})}
+    out_path, err_path = cwd / f"{name}.stdout", cwd / f"{name}.stderr"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(["bash", str(SCRIPTS / "on_host.sh"), host, *args], cwd=cwd,
+                                env=full_env, stdout=out, stderr=err, text=True)
+    return LoggedHostRun(host, proc, out_path=out_path, err_path=err_path)
+
+
+def finish_logged(runs: Sequence[LoggedHostRun], marker: str, timeout: float) -> list[LoggedHostRun]:
+    """:func:`finish` for runs whose output went to files: it is read in afterwards."""
+    try:
+        finish(runs, marker, timeout)
+    finally:
+        for run in runs:
+            run.collect()
+    return list(runs)
+
+
+def rank_processes(run: HostRun, run_dir: Path) -> dict[int, psutil.Process]:
+    """The rank processes a host's command started, by rank: each holds its log file
+    ``<run_dir>/logs/rank<N>.log`` open (an agent sets RANK after its worker starts, so the
+    environment does not tell)."""
+    logs = (run_dir / "logs").resolve()
+    found: dict[int, psutil.Process] = {}
+    try:
+        procs = psutil.Process(run.proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for proc in procs:
+        with suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            for f in proc.open_files():
+                path = Path(f.path)
+                match = re.fullmatch(r"rank(\d+)\.log", path.name)
+                if match and path.parent.resolve() == logs:
+                    found.setdefault(int(match.group(1)), proc)
+    return found

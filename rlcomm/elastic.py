@@ -1,0 +1,269 @@
+"""Membership epochs: rollout ranks that leave and join a running job, nobody restarted.
+
+An elastic group has a *leader* (a trainer: static, its process, state and TRAIN_DATA_PARALLEL
+group stay) and *members* (rollout ranks) that come and go. Each membership is an *epoch*: the
+planned group is epoch 0; every later one is a new ``ProcessGroupGloo`` among the leader and the
+live members, built over a store prefix of its own (``PrefixStore``), as torchft reconfigures its
+groups, with public torch APIs only. gloo groups cannot shrink or abort (pytorch#130345), so a
+group that lost a member is left as it is, its works kept alive (:data:`graveyard`), and the next
+epoch's group replaces it in the :class:`~rlcomm.CommContext`, validated like a planned group.
+
+Inside an epoch the leader talks to each member point to point (segments in, weights out,
+``rlcomm.weights`` on an elastic group), so a lost member fails only its own transfers: a killed
+process at once (its connections close), a lost link after the group's timeout.
+
+The store is the side channel (keys under ``elastic/<leader>/``): ``joins`` counts join requests
+(``join/<n>``: rank, host, pid); ``epoch/<e>`` lists an epoch's members, leader first, written by
+the leader before anyone builds its group; ``latest`` is the newest epoch; ``admit/<rank>/<pid>``
+tells a joining process its epoch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import distributed as dist
+
+from rlcomm.errors import RlcommError
+
+SEGMENT_TAG = 1  # point-to-point tag of member -> leader data (weights use rlcomm.weights' own)
+
+# What a lost member leaves behind: its epoch's group and the works still posted on it. gloo
+# cannot abort them and destroying a group with pending work can hang, so they live as long as
+# the process (which ends without tearing them down: os._exit, app/launch).
+graveyard: list[Any] = []
+
+
+class MembershipError(RlcommError):
+    """A membership epoch cannot be formed: members disagree, or a joiner was not admitted."""
+
+
+class MembersLostError(MembershipError):
+    """A leader's live members stayed below the minimum for the whole wait."""
+
+
+_RUNNING = "elastic/running"
+
+
+def mark_running(store: dist.Store) -> None:
+    """Rank 0, once every planned group exists: a process that starts as a rank of this job
+    from now on replaces a lost one and joins (:func:`is_running`)."""
+    store.set(_RUNNING, "1")
+
+
+def is_running(store: dist.Store) -> bool:
+    return bool(store.check([_RUNNING]))
+
+
+@dataclass(frozen=True)
+class Join:
+    """A process asking to join ``leader``'s group as ``rank``."""
+
+    rank: int
+    host: str
+    pid: int
+
+
+def _prefix(leader: int) -> str:
+    return f"elastic/{leader}/"
+
+
+def build_epoch_group(
+    store: dist.Store, leader: int, epoch: int, members: list[int], rank: int,
+    timeout: datetime.timedelta,
+) -> dist.ProcessGroup:
+    """This rank's group of ``epoch`` (``members``, leader first, in group-rank order), over the
+    epoch's own store prefix; validated: every member must hold the same epoch and list."""
+    prefix = dist.PrefixStore(f"{_prefix(leader)}epoch{epoch}/", store)
+    position = members.index(rank)
+    digest = _digest(members)
+    seen = torch.zeros(len(members), 3, dtype=torch.int64)  # each member fills its own row
+    seen[position] = torch.tensor([epoch, rank, digest])
+    try:
+        group = cast(dist.ProcessGroup,
+                     dist.ProcessGroupGloo(prefix, position, len(members), timeout))
+        group.allreduce([seen]).wait()
+    except RuntimeError as err:  # DistStoreError too: a member missing, or of another epoch
+        raise MembershipError(
+            f"rank {rank}: epoch {epoch} of rank {leader}'s group should be ranks {members}; "
+            f"it did not form within {timeout.total_seconds():g} s: a member is missing or "
+            f"holds another epoch or member list ({describe_loss(err)})") from err
+    found = [(int(e), int(r)) for e, r, _ in seen.tolist()]
+    others = [int(r) for e, r, d in seen.tolist() if (e, d) != (epoch, digest)]
+    if found != [(epoch, r) for r in members] or others:
+        disagree = f"; rank(s) {', '.join(map(str, others))} hold another member list" \
+            if others else ""
+        raise MembershipError(
+            f"rank {rank}: epoch {epoch} of rank {leader}'s group should be ranks {members}; "
+            f"its members report (epoch, rank) {found}{disagree}"
+        )
+    return group
+
+
+def _digest(members: list[int]) -> int:
+    return zlib.crc32(json.dumps(members).encode())  # the same in every process; fits int64
+
+
+class Membership:
+    """The leader's side: who is in its group, and the store records of every change."""
+
+    def __init__(self, store: dist.Store, leader: int, planned: list[int], epoch: int = 0) -> None:
+        self.store, self.leader = store, leader
+        self.planned = list(planned)  # the layout's group: who may join
+        self.members = [r for r in planned if r != leader]
+        self.epoch = epoch
+        # Every join request of this job's store counts: one may come before this exists.
+        self._joins_seen = 0
+        store.set(_prefix(leader) + f"epoch/{epoch}", json.dumps([leader, *self.members]))
+        store.set(_prefix(leader) + "latest", str(epoch))
+
+    def pending_joins(self) -> list[Join]:
+        """Join requests that arrived since the last call (one store round trip when none)."""
+        count = int(self.store.add(_prefix(self.leader) + "joins", 0))
+        found = []
+        for n in range(self._joins_seen, count):
+            record = json.loads(self.store.get(_prefix(self.leader) + f"join/{n}"))
+            if record["rank"] in self.planned and record["rank"] != self.leader:
+                found.append(Join(int(record["rank"]), str(record["host"]), int(record["pid"])))
+        self._joins_seen = count
+        return found
+
+    def announce(self, members: list[int], joins: list[Join]) -> int:
+        """Proposes the next epoch with ``members`` (leader excluded): its record goes in the
+        store, and each joiner is told it; returns the epoch. The members acknowledge it
+        (:func:`acknowledge`) and :meth:`confirm` settles who is in."""
+        self.epoch += 1
+        self.members = list(members)
+        record = _prefix(self.leader) + f"epoch/{self.epoch}"
+        self.store.set(record, json.dumps([self.leader, *self.members]))
+        self.store.set(_prefix(self.leader) + "latest", str(self.epoch))
+        for join in joins:
+            self.store.set(_prefix(self.leader) + f"admit/{join.rank}/{join.pid}", str(self.epoch))
+        return self.epoch
+
+    def confirm(self, timeout_s: float, poll_s: float = 0.005) -> list[int]:
+        """Waits up to ``timeout_s`` for every proposed member's acknowledgement, then fixes the
+        epoch's members to those that gave it (``final/<e>``); returns the ones that did not
+        (gone since, or cut off: the group would wait for them in vain)."""
+        keys = {r: _prefix(self.leader) + f"ack/{self.epoch}/{r}" for r in self.members}
+        deadline = time.monotonic() + timeout_s
+        while not all(self.store.check([k]) for k in keys.values()):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(poll_s)
+        missing = [r for r, k in keys.items() if not self.store.check([k])]
+        self.members = [r for r in self.members if r not in missing]
+        self.store.set(_prefix(self.leader) + f"final/{self.epoch}",
+                       json.dumps([self.leader, *self.members]))
+        return missing
+
+    def group(self, rank: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        return build_epoch_group(self.store, self.leader, self.epoch,
+                                 [self.leader, *self.members], rank, timeout)
+
+
+def acknowledge(store: dist.Store, leader: int, epoch: int, rank: int,
+                timeout: datetime.timedelta) -> list[int] | None:
+    """A member's answer to a proposed epoch: it acknowledges and waits for the leader to fix
+    the members; returns them (leader first), or None if it was left out (too late)."""
+    store.set(_prefix(leader) + f"ack/{epoch}/{rank}", "1")
+    final = _prefix(leader) + f"final/{epoch}"
+    store.wait([final], timeout)
+    members = [int(r) for r in json.loads(store.get(final))]
+    return members if rank in members else None
+
+
+def request_join(store: dist.Store, leader: int, rank: int) -> Join:
+    """A new process asks ``leader`` to admit it as ``rank`` at its next update boundary."""
+    join = Join(rank, socket.gethostname(), os.getpid())
+    n = int(store.add(_prefix(leader) + "joins", 1)) - 1
+    store.set(_prefix(leader) + f"join/{n}", json.dumps(join.__dict__))
+    return join
+
+
+def await_admission(store: dist.Store, leader: int, join: Join, timeout_s: float,
+                    poll_s: float = 0.05) -> tuple[int, list[int]]:
+    """Waits until ``leader`` admits ``join``; returns its epoch and the proposed members
+    (leader first), which it then :func:`acknowledge` s."""
+    key = _prefix(leader) + f"admit/{join.rank}/{join.pid}"
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise MembershipError(
+                f"rank {join.rank}: rank {leader} did not admit it within {timeout_s:g} s"
+            )
+        time.sleep(poll_s)
+    epoch = int(store.get(key))
+    return epoch, epoch_members(store, leader, epoch)
+
+
+def epoch_members(store: dist.Store, leader: int, epoch: int) -> list[int]:
+    return [int(r) for r in json.loads(store.get(_prefix(leader) + f"epoch/{epoch}"))]
+
+
+def latest_epoch(store: dist.Store, leader: int) -> int:
+    return int(store.get(_prefix(leader) + "latest"))
+
+
+def send_to_leader(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    group.send([tensor], 0, SEGMENT_TAG).wait()
+
+
+def receive_from_members(
+    group: dist.ProcessGroup, buffers: dict[int, torch.Tensor], positions: dict[int, int]
+) -> dict[int, str]:
+    """Receives one tensor from each member (``buffers``: rank -> where it lands; ``positions``:
+    rank -> its group rank); returns the members that failed, with why (a closed connection at
+    once, silence after the group's timeout: :func:`patience_s`)."""
+    works: dict[int, dist.Work] = {}
+    lost: dict[int, str] = {}
+    for rank in buffers:
+        try:
+            works[rank] = group.recv([buffers[rank]], positions[rank], SEGMENT_TAG)
+        except RuntimeError as err:  # its connection closed before: gloo raises at once
+            lost[rank] = describe_loss(err)
+    for rank, work in works.items():
+        try:
+            work.wait()
+        except Exception as err:
+            lost[rank] = describe_loss(err)
+    return lost
+
+
+def patience_s(timeout_s: float, hang_timeout_s: float) -> float:
+    """The timeout of every epoch's group: how long a member may be silent (or a leader wait
+    for members) before it counts as lost. Within the job's timeout, and short of its hang
+    diagnosis (rlcomm.diagnostics.watchdog), which would otherwise take the ranks waiting
+    meanwhile in a collective of theirs for hung."""
+    return 0.8 * min(timeout_s, hang_timeout_s)
+
+
+def drain(group: dist.ProcessGroup, positions: list[int], nbytes: int, count: int) -> None:
+    """Posts ``count`` receives per member for what it may still send on a group the leader
+    leaves (its sends then complete), and keeps them alive unread."""
+    for position in positions:
+        for _ in range(count):
+            scratch = torch.empty(nbytes, dtype=torch.uint8)
+            try:
+                graveyard.append((scratch, group.recv([scratch], position, SEGMENT_TAG)))
+            except RuntimeError:  # that member is gone too
+                break
+
+
+def describe_loss(err: BaseException) -> str:
+    """Why a member's transfer failed, in a few words (gloo's message without its location)."""
+    text = str(err)
+    if "Connection closed" in text or "Connection reset" in text or "Broken pipe" in text:
+        return "connection closed"
+    if "Timed out" in text or "timed out" in text:
+        return "timed out"  # the group's timeout: patience_s
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return first.split("] ", 1)[-1][:160]
