@@ -49,6 +49,9 @@ def _start_slot(run_dir: Path, run_child: Callable[[int], None],
 
 def _note_pid(run_dir: Path, incarnation: int) -> None:
     """What every child does first: its pid and incarnation, for the test to read."""
+    # A rank starts with SIGTERM's default action; this child was forked from pytest, whose
+    # earlier tests may have left a handler (torch's elastic launcher installs one).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     tie_to_launcher(launched_here=True)  # as run_rank does: the slot is accepted as its parent
     env = os.environ.get(INCARNATION_VARIABLE, "")
     (run_dir / f"child{incarnation}.pid").write_text(f"{os.getpid()} {env}")
