@@ -441,6 +441,28 @@ def test_the_default_layout_still_plans_trainers_0_1_and_rollouts_2_3() -> None:
                                                    elastic_rollouts=False))
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(("overrides", "elastic", "modes"), [
+    ([], True, ("GLOBAL", "INTRA_NODE", "INTER_NODE", "WEIGHT_TRANSFER")),
+    (["loop=vtrace", "layout=1t3r"], True, ("GLOBAL", "INTRA_NODE", "INTER_NODE",
+                                            "WEIGHT_TRANSFER")),
+    (["layout.elastic_rollouts=false"], False, ()),
+    (["loop=commcheck"], False, ()),  # not a loop that follows membership
+    (["comm=nccl"], False, ()),  # epoch groups are gloo
+    (["layout=single"], False, ()),  # no rollout ranks
+], ids=["default", "vtrace 1t3r", "switched off", "commcheck", "nccl", "colocated"])
+def test_which_layouts_have_elastic_rollout_ranks(
+    overrides: list[str], elastic: bool, modes: tuple[str, ...]
+) -> None:
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    plan = validate(cfg)
+    assert (plan.elastic_rollouts and bool(plan.rollouts)) == elastic
+    assert set(plan.elastic_modes) == set(modes)
+
+
 LAYOUT_OVERRIDES = [
     (["layout.trainers=0"], "layout.trainers: a count must be at least 1, got 0"),
     (["layout.trainers=5"], "layout.trainers: count 5 is more than world_size 4"),

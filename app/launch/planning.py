@@ -66,12 +66,15 @@ def validate(cfg: DictConfig) -> LayoutPlan:
 
 
 def _backend(cfg: DictConfig) -> str:
+    """``comm.backend`` as it will resolve (``auto``: nccl where CUDA is)."""
     from rlcomm.backends import resolve_backend
 
+    backend = cfg.comm.backend
+    name = str(getattr(backend, "value", backend))  # the schema's enum, or a plain string
     try:
-        return resolve_backend(str(cfg.comm.backend))
+        return resolve_backend(name)
     except Exception:  # a backend that cannot be had fails with its own error at init
-        return str(cfg.comm.backend)
+        return name
 
 
 def build_loop(loop: DictConfig) -> Any:
