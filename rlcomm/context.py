@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from rlcomm.diagnostics.agreement import agree_on_call
 from rlcomm.diagnostics.recorder import FlightRecorder
 from rlcomm.diagnostics.watchdog import Watchdog, default_hang_timeout, timeout_problem
 from rlcomm.net import env
-from rlcomm.plan.layout import LayoutPlan
+from rlcomm.plan.layout import LayoutPlan, plan_digest
 
 from .errors import (
     EnvironmentConfigError,
@@ -40,17 +39,6 @@ from .utils import SingletonMeta, format_ranks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-def plan_digest(plan: LayoutPlan) -> str:
-    """A digest of everything ``init_groups`` creates. Tuples of ints hash alike in every
-    process (only str/bytes hashing is salted), so the rank lists, the bulk of a 65,536-rank
-    plan, go through ``hash`` in C; the rest is small."""
-    lists = tuple(spec.rank_lists for spec in plan.groups)
-    names = [spec.mode for spec in plan.groups]
-    roles = hash((plan.trainers, plan.rollouts, plan.ranks_per_node))
-    text = f"{plan.world_size}/{names}/{[len(rl) for rl in lists]}/{hash(lists)}/{roles}"
-    return hashlib.sha256(text.encode()).hexdigest()
-
 
 @dataclass(frozen=True)
 class GroupInfo:
@@ -435,12 +423,6 @@ class CommContext(metaclass=SingletonMeta):
         self._ranks_in_group[key] = list(ranks)
         self._declared_ranks[key] = list(ranks)
         self._elastic.add(key)
-
-    def make_elastic(self, mode: Mode) -> None:
-        """This rank's planned group of ``mode`` is epoch 0 of an elastic one: its transfers go
-        point to point (a lost member fails only its own)."""
-        self._lookup(self._groups, mode)
-        self._elastic.add(mode_name(mode))
 
     def is_elastic(self, comm_mode: Mode) -> bool:
         """Whether this rank's group of ``comm_mode`` has members that come and go."""

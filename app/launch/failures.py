@@ -195,3 +195,20 @@ def read_records(log_dir: Path) -> dict[int, FailureRecord]:
     newest = max((r.attempt for r in records.values()), default=0)
     return {rank: r for rank, r in records.items() if r.attempt == newest}
 
+
+def drop_unreadable_error_file() -> bool:
+    """Removes torch's error file for this rank when it could not be written whole (a full
+    disk leaves it empty or cut); True if it did."""
+    name = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not name:
+        return False
+    path = Path(name)
+    try:
+        json.loads(path.read_text())
+        return False
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return True

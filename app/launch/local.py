@@ -51,7 +51,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from app.errors import WRITE_ERRORS, LaunchInterruptedError, RankFailedError
 from app.launch import forkserver, slots
-from app.launch.failures import Kind, read_records, write_error_line
+from app.launch.failures import (
+    Kind,
+    drop_unreadable_error_file,
+    read_records,
+    write_error_line,
+)
 from app.launch.lifeline import tie_to_launcher
 from app.launch.rank import run_rank
 from app.output.logs import console_handler
@@ -214,7 +219,7 @@ def _run_rank_here(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> No
     try:
         run_rank(config, plan, run_dir, launched_here=True)
     except Exception:
-        if _drop_unreadable_error_file():
+        if drop_unreadable_error_file():
             # Re-raised, the exception would make torch write the error file again, on the
             # same full disk: the agent would then fail reading it (JSONDecodeError). The
             # rank's own failure record, written into room kept for it, says what failed.
@@ -256,24 +261,6 @@ def _exit_guard(result: Path, grace_s: float, give_up_s: float) -> None:
         os._exit(0)
 
     threading.Thread(target=guard, name="rlcomm-exit-guard", daemon=True).start()
-
-
-def _drop_unreadable_error_file() -> bool:
-    """Removes torch's error file for this rank when it could not be written whole (a full
-    disk leaves it empty or cut); True if it did."""
-    name = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not name:
-        return False
-    path = Path(name)
-    try:
-        json.loads(path.read_text())
-        return False
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError):
-        with contextlib.suppress(OSError):
-            path.unlink()
-        return True
 
 
 def _forward_to_ranks(signum: int, run_dir: Path, deaths: DeathWatch) -> None:

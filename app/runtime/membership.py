@@ -32,7 +32,7 @@ import torch
 
 from app.runtime.algorithm import Segment
 from app.runtime.exchange import check_staleness, policy_receiver
-from app.runtime.segments import Field, Layout
+from app.runtime.segments import EPISODE_FIELDS, Layout, pack_episodes, unpack_episodes
 from app.runtime.worker import Episode, as_segment
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.diagnostics.watchdog import default_hang_timeout
@@ -58,41 +58,10 @@ WT, TDP = ParallelMode.WEIGHT_TRANSFER, ParallelMode.TRAIN_DATA_PARALLEL
 log = logging.getLogger(__name__)
 
 
-_EPISODE_FIELDS = ("episodes", "episode_count", "wait_s")
-
-
-def with_episodes(layout: Layout, cap: int) -> Layout:
-    """``layout`` plus what a member's segment carries in an elastic run: its finished episodes
-    (at most ``cap``: return, length) and the seconds it waited since its last segment."""
-    fields = dict(layout.fields)
-    fields["episodes"] = Field((cap, 2), torch.float64)
-    fields["episode_count"] = Field((1,), torch.int64)
-    fields["wait_s"] = Field((1,), torch.float64)
-    return Layout(fields)
-
-
-def pack_episodes(layout: Layout, packed: torch.Tensor, episodes: list[Episode],
-                  wait_s: float) -> None:
-    views = layout.unpack(packed)
-    cap = views["episodes"].shape[0]
-    kept = episodes[-cap:]
-    views["episode_count"][0] = len(kept)
-    if kept:
-        views["episodes"][: len(kept)] = torch.tensor(kept, dtype=torch.float64)
-    views["wait_s"][0] = wait_s
-
-
-def unpack_episodes(layout: Layout, packed: torch.Tensor) -> tuple[list[Episode], float]:
-    views = layout.unpack(packed)
-    count = int(views["episode_count"][0])
-    episodes = [(float(r), int(n)) for r, n in views["episodes"][:count].tolist()]
-    return episodes, float(views["wait_s"][0])
-
-
 def segment_fields(layout: Layout, packed: torch.Tensor) -> Segment:
     """The segment an update sees (views into ``packed``), without the episode fields."""
     segment = as_segment(layout, packed)
-    for name in _EPISODE_FIELDS:
+    for name in EPISODE_FIELDS:
         segment.pop(name, None)
     return segment
 

@@ -26,8 +26,9 @@ from app.runtime.algorithm import Segment, UpdateInfo
 from app.runtime.checkpoints import resume_source, run_settings, save_checkpoint
 from app.runtime.envs import probe_spaces
 from app.runtime.exchange import Exchange
-from app.runtime.membership import LeaderExchange, MemberExchange, with_episodes
+from app.runtime.membership import LeaderExchange, MemberExchange
 from app.runtime.records import MetricsFile, job_metrics, plot_learning_curve, update_row
+from app.runtime.segments import with_episodes
 from app.runtime.worker import Agent, Episode, RolloutWorker, as_segment, segment_layout
 from rlcomm import CommContext, ParallelMode, collectives
 

@@ -61,3 +61,35 @@ class Layout:
             start = self.offsets[name]
             views[name] = buffer[start : start + spec.nbytes].view(spec.dtype).view(spec.shape)
         return views
+
+
+# What an elastic run's segment also carries (app/runtime/membership.py).
+EPISODE_FIELDS = ("episodes", "episode_count", "wait_s")
+
+
+def with_episodes(layout: Layout, cap: int) -> Layout:
+    """``layout`` plus what a member's segment carries in an elastic run: its finished episodes
+    (at most ``cap``: return, length) and the seconds it waited since its last segment."""
+    fields = dict(layout.fields)
+    fields["episodes"] = Field((cap, 2), torch.float64)
+    fields["episode_count"] = Field((1,), torch.int64)
+    fields["wait_s"] = Field((1,), torch.float64)
+    return Layout(fields)
+
+
+def pack_episodes(layout: Layout, packed: torch.Tensor, episodes: list[tuple[float, int]],
+                  wait_s: float) -> None:
+    views = layout.unpack(packed)
+    cap = views["episodes"].shape[0]
+    kept = episodes[-cap:]
+    views["episode_count"][0] = len(kept)
+    if kept:
+        views["episodes"][: len(kept)] = torch.tensor(kept, dtype=torch.float64)
+    views["wait_s"][0] = wait_s
+
+
+def unpack_episodes(layout: Layout, packed: torch.Tensor) -> tuple[list[tuple[float, int]], float]:
+    views = layout.unpack(packed)
+    count = int(views["episode_count"][0])
+    episodes = [(float(r), int(n)) for r, n in views["episodes"][:count].tolist()]
+    return episodes, float(views["wait_s"][0])

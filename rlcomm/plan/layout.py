@@ -6,6 +6,7 @@ layout before a single rank starts, and so that planning 65,536 ranks stays well
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -297,3 +298,14 @@ def _check_positive_int(where: str, value: object) -> int:
     if not is_int(value) or value <= 0:  # type: ignore[operator]
         raise LayoutError(f"{where}: must be a positive integer, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+def plan_digest(plan: LayoutPlan) -> str:
+    """A digest of everything ``init_groups`` creates. Tuples of ints hash alike in every
+    process (only str/bytes hashing is salted), so the rank lists, the bulk of a 65,536-rank
+    plan, go through ``hash`` in C; the rest is small."""
+    lists = tuple(spec.rank_lists for spec in plan.groups)
+    names = [spec.mode for spec in plan.groups]
+    roles = hash((plan.trainers, plan.rollouts, plan.ranks_per_node))
+    text = f"{plan.world_size}/{names}/{[len(rl) for rl in lists]}/{hash(lists)}/{roles}"
+    return hashlib.sha256(text.encode()).hexdigest()
