@@ -8,8 +8,8 @@ Per layout, over the seeds (median [min..max]):
 - the return at 1M env steps (the mean of the last 20 episodes when the budget ends the run)
   against CleanRL's published ``ppo_continuous_action.py`` return on Hopper-v4 (goal: median
   >= 2,300);
-- the wall time, launch to exit, against CleanRL's script on this machine (752 env steps/s,
-  measured 2026-12-01 over its first 61,440 steps, projected to 1M: 1,330 s; goal: ratio <= 0.5);
+- the wall time, launch to exit, against CleanRL's script on this machine (1,175 env steps/s,
+  measured 2026-12-02 over its first 61,440 steps, projected to 1M: 851 s; goal: ratio <= 0.5);
 - env steps/s of the training loop, updates included (goal: >= 1,500);
 - the measured time split (``time_split_s`` in each rank's result): the share of all ranks'
   loop time spent stepping envs, in the policy's forward, in the update and communicating
@@ -51,9 +51,10 @@ RUN_TIMEOUT_S = 1800.0
 # CleanRL's ppo_continuous_action.py, published (docs/benchmark/ppo.md, Hopper-v4, 1M steps,
 # 1 env): mean and standard deviation over its seeds.
 CLEANRL_RETURN, CLEANRL_STD = 2382.86, 271.74
-# CleanRL's script as published, run on this machine on 2026-12-01 (issue 23): 752 env steps/s
-# over its first 61,440 steps; its time to 1M env steps is projected from that rate.
-CLEANRL_STEPS_PER_S = 752.0
+# CleanRL's script as published, run on this machine on 2026-12-02: 1,175 env steps/s over its
+# first 61,440 steps (Hopper-v4, seed 1, gymnasium 0.29.1, mujoco 2.3.7, torch 2.13.0 CPU); its
+# time to 1M env steps is projected from that rate. (On 2026-12-01's machine: 752 env steps/s.)
+CLEANRL_STEPS_PER_S, CLEANRL_MEASURED_ON = 1175.0, "2026-12-02"
 CLEANRL_WALL_S = BUDGET / CLEANRL_STEPS_PER_S
 RETURN_GOAL = Goal(">=", 2300.0, on="value")
 WALL_GOAL = Goal("<=", 0.5)
@@ -98,8 +99,9 @@ def read_outcome(outcome: Outcome, result: dict[str, Any], run_dir: Path) -> Out
     summary = result["summary"]
     outcome.final_return = summary.get("final_mean_return")
     outcome.steps_per_s = summary.get("env_steps_per_s")
-    if summary.get("env_steps") != BUDGET:
-        outcome.problem = f"ended at {summary.get('env_steps')} env steps, not {BUDGET}"
+    # The budget ends a run at the first update boundary at or past it (1,001,472 on 2t2r).
+    if (summary.get("env_steps") or 0) < BUDGET:
+        outcome.problem = f"ended at {summary.get('env_steps')} env steps, short of {BUDGET}"
     outcome.split = time_split(result)
     outcome.curve = learning_curve(run_dir / "metrics.csv")
     return outcome
@@ -174,8 +176,8 @@ def rows_of(outcomes: dict[str, list[Outcome]]) -> list[Row]:
             row.rlcomm = Stat.of(walls)
             row.ratio = ratios(walls, [CLEANRL_WALL_S] * len(walls))
         row.note = (f"{seeds}; CleanRL's: projected from its {CLEANRL_STEPS_PER_S:g} env "
-                    f"steps/s measured here on 2026-12-01; load averages (1/5/15 min) before "
-                    f"-> after each run: {loads}")
+                    f"steps/s measured here on {CLEANRL_MEASURED_ON}; load averages (1/5/15 "
+                    f"min) before -> after each run: {loads}")
         rows.append(_finish(row, problems))
 
         rates = [o.steps_per_s for o in runs if o.steps_per_s]
