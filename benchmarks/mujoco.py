@@ -19,8 +19,8 @@ Learning curves (return against env steps and against wall time, one line per se
 published final band shaded) go to ``<bench dir>/mujoco/hopper_learning_curves.png``; each run
 keeps its run dir (``result.json``, ``metrics.csv``) under ``<bench dir>/mujoco/``.
 
-Six runs of 5-8 minutes each on an idle 2-core machine (about 40 minutes in all; more under
-load): this section does not fit the shared 10-minute budget and ignores it (``python -m
+Six runs of 4-6 minutes each on an idle 2-core machine (29.5 minutes in all on 2026-12-02; more
+under load): this section does not fit the shared 10-minute budget and ignores it (``python -m
 benchmarks --only mujoco``; it is not part of ``--quick``). A run that fails or runs past
 ``RUN_TIMEOUT_S`` leaves its values out (noted in the rows).
 
