@@ -139,7 +139,7 @@ def test_what_must_agree_is_named_with_both_values(tmp_path: Path) -> None:
     assert _mismatch(state, _loop(hidden_size=32)) == (
         "loop.resume: checkpoint has loop.hparams.hidden_size=64, this run 32")
     assert _mismatch(state, _loop(lr=0.001)) == (
-        "loop.resume: checkpoint has loop.hparams.lr=0.0025, this run 0.001")
+        "loop.resume: checkpoint has loop.hparams.lr=0.0075, this run 0.001")
     assert _mismatch(state, _loop(anneal_lr=False)) == (
         "loop.resume: checkpoint has loop.hparams.anneal_lr=true, this run false")
 

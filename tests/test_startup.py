@@ -54,7 +54,7 @@ def start_app(tmp_path: Path) -> Iterator[Callable[..., AppProcess]]:
 # ---- ranks from the preloaded forkserver --------------------------------------------------------
 
 PROBE_LOOP = '''
-import json, os, time
+import json, os, sys, time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +76,8 @@ class Probe:
         probe.with_suffix(".tmp").write_text(json.dumps({
             "pid": os.getpid(),
             "forked_by_forkserver": app.launch.forkserver._server_env is not None,
+            # What DDP's constructor imports, loaded before this rank existed.
+            "dynamo_preloaded": "torch._dynamo" in sys.modules,
             "rank_variable": os.environ.get("RANK"),
             # Set by the launcher after its forkserver had started: only the launcher's
             # environment at launch has them.
@@ -102,6 +104,7 @@ def test_ranks_from_the_preloaded_forkserver_keep_their_logs_environment_and_lif
     probes = {r: json.loads((app.run_dir / f"probe{r}.json").read_text()) for r in (0, 1)}
     for rank, probe in probes.items():
         assert probe["forked_by_forkserver"], probes
+        assert probe["dynamo_preloaded"], probes
         assert probe["rank_variable"] == str(rank), probes  # the agent's own variables kept
         assert probe["job_start"] and probe["timeline"], probes  # the launcher's at launch
         assert "groups:" in app.log(rank), app.describe()  # each rank its own log file
