@@ -42,6 +42,9 @@ ARGS = (
     "loop.target_return=1e9",
     "loop.checkpoint_every=0",
     "loop.progress=false",
+    # What PPO's defaults were when it was recorded (app/loops/ppo/core.py has other ones now).
+    "loop.hparams.lr=2.5e-3",
+    "loop.hparams.num_minibatches=4",
 )
 RECORDED = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac", "mean_return")
 REL_TOL = 1e-3  # how far, relative, a value may stray from the recording (see above)
