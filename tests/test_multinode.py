@@ -306,8 +306,12 @@ def test_a_host_whose_link_goes_down_ends_the_run_with_one_line_naming_it(
         finish(runs, marker, 90)  # host2's agent ends once it reaches host1 again: nobody there
     assert_survivor_names_the_lost_host(survivor, "host2", "[2,3]", ended)
     assert "Timed out" in survivor.stderr
-    # host2's ranks, cut off from the rendezvous store on host1, name host1
-    assert "lost host1 (ranks [0,1])" in runs[1].stderr, describe_runs(runs)
+    # host2's ranks, cut off from the rendezvous store on host1, name host1, unless host2's
+    # agent, finding that store closed once the link is back, stops them first (a race seen in
+    # CI: with the link still down they wait on host1 past comm.timeout; docs/clusters.md).
+    cut_off = runs[1].stderr
+    assert "lost host1 (ranks [0,1])" in cut_off or "RendezvousConnectionError" in cut_off, \
+        describe_runs(runs)
 
 
 def test_a_restarted_host_rejoins_and_the_run_resumes_from_its_checkpoint(
