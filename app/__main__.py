@@ -11,9 +11,11 @@ start_early()
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from app.output.layout_picture import (
     write_layout_text,
 )
 from app.output.logs import quiet_file_errors
+from app.output.pictures import PictureService
 from app.output.summary import format_summary
 from rlcomm import LayoutPlan, RlcommError, format_plan
 
@@ -87,14 +90,17 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     timeline.export()  # for the ranks (app/output/timeline.py)
     # One picture per run, from one process, after the checks (every rank of a bad job fails
     # alike, and at once), drawn beside the ranks' start, not before it.
-    picture = _draw_layout(plan, run_dir) if env.rank == 0 else None
+    picture = _draw_layout(plan, run_dir, serve=not env.joins) if env.rank == 0 else None
     if picture is None and env.rank == 0:
         write_layout_files(plan, run_dir)
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     try:
         if not env.joins:
             log.info("starting %d local ranks; run dir %s", plan.world_size, run_dir)
-            result: dict[str, Any] | None = launch_local(config, plan, run_dir)
+            # The ranks find the launcher's picture service through their environment.
+            served = picture.environ() if isinstance(picture, PictureService) else {}
+            with _environment(served):
+                result: dict[str, Any] | None = launch_local(config, plan, run_dir)
         else:
             from app.launch.rank import run_rank
 
@@ -117,15 +123,36 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     return result
 
 
-def _draw_layout(plan: LayoutPlan, run_dir: Path, nice: int = 10) -> forkserver.SideJob | None:
+def _draw_layout(plan: LayoutPlan, run_dir: Path, serve: bool = False,
+                 nice: int = 10) -> PictureService | forkserver.SideJob | None:
     """``layout.txt`` now (a write error ends the run before any rank starts), ``layout.png``
-    drawn in a process of its own (app/launch/forkserver.py: SideJob), at a low priority unless
-    the user waits for it; None where that cannot be had (then the caller draws it)."""
+    drawn beside the ranks' start: where this process launches them (``serve``), by its picture
+    service, which goes on to draw for them (app/output/pictures.py); else (a joined job's
+    rank 0, ``plan_only``) in a process of its own (app/launch/forkserver.py: SideJob), at a low
+    priority unless the user waits for it. None where neither can be had (then the caller draws
+    it)."""
     if not sys.platform.startswith("linux"):
         return None
     write_layout_text(plan, run_dir)
-    return forkserver.SideJob("layout", draw_layout_file, describe_layout(plan),
-                              run_dir / "layout.png", nice=nice)
+    picture, png = describe_layout(plan), run_dir / "layout.png"
+    if serve:
+        return PictureService(functools.partial(draw_layout_file, picture, png))
+    return forkserver.SideJob("layout", draw_layout_file, picture, png, nice=nice)
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` set in this process's environment for the ``with`` block."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -22,10 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.launch.environment import without_launcher_variables
-
 from .core import Settings
-from .procs import REPO_ROOT
+from .procs import REPO_ROOT, users_environment
 
 # The phases of app/output/timeline.py, as the rows name them.
 STARTUP_PHASES = {
@@ -97,7 +95,7 @@ def run_app(overrides: Sequence[str], run_dir: Path, timeout_s: float) -> AppRun
     out, err = run_dir.with_name(f"{run_dir.name}.stdout"), run_dir.with_name(f"{run_dir.name}.stderr")
     with out.open("w") as stdout, err.open("w") as stderr:
         started = time.time()
-        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=without_launcher_variables(os.environ),
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=users_environment(),
                                 stdout=stdout, stderr=stderr, start_new_session=True)
         try:
             code: int | None = proc.wait(timeout_s)
@@ -140,7 +138,7 @@ def run_to_target(argv: Sequence[str], cwd: Path, target: float, window: int, ti
     started = time.time()
     proc = subprocess.Popen(list(argv), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True,
-                            env=without_launcher_variables(os.environ))
+                            env=users_environment())
 
     def stop() -> None:
         with contextlib.suppress(ProcessLookupError):  # the process group may be gone already

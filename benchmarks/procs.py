@@ -59,6 +59,15 @@ class CommandTimeoutError(RuntimeError):
         self.stderr = stderr
 
 
+def users_environment() -> dict[str, str]:
+    """This process's environment as a user's shell has it: no launcher's variables, and
+    Python's default of caching compiled modules (a machine that turns that off for itself,
+    with PYTHONDONTWRITEBYTECODE, would time the app's compilation on every start)."""
+    env = without_launcher_variables(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def timed_command(
     argv: Sequence[str], timeout: float, cwd: Path = REPO_ROOT
 ) -> tuple[float, subprocess.CompletedProcess[str]]:
@@ -67,7 +76,7 @@ def timed_command(
     The command runs in its own session, so that on timeout the ranks it launched are killed
     with it (by its process group) instead of being left running.
     """
-    env = without_launcher_variables(os.environ)
+    env = users_environment()
     start = time.perf_counter()
     proc = subprocess.Popen(
         list(argv),

@@ -293,6 +293,12 @@ BAD_OVERRIDES = [
     (["comm.backend=mpi"], "comm.backend"),
     (["launcher.max_restarts=-1"], "launcher.max_restarts: must be >= 0, got -1"),
     (["launcher.rollout_restarts=-1"], "launcher.rollout_restarts: must be >= 0, got -1"),
+    (["launcher.monitor_interval=0"],
+     "launcher.monitor_interval: must be a positive number of seconds, got 0.0"),
+    (["launcher.shutdown_timeout=-1"],
+     "launcher.shutdown_timeout: must be a positive number of seconds, got -1.0"),
+    (["launcher.shutdown_timeout=inf"],
+     "launcher.shutdown_timeout: must be a positive number of seconds, got inf"),
     # PPO's settings are typed and range-checked before any rank starts.
     (["loop=ppo", "loop.hparams.num_envs=0"], "loop.hparams.num_envs: must be a positive integer, got 0"),
     (["loop=ppo", "loop.hparams.num_envs=abc"], "loop.hparams.num_envs"),

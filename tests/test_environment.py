@@ -6,10 +6,11 @@ import socket
 
 import pytest
 
+from app.api import RankEnv
 from app.launch.environment import (
     LAUNCHER_VARIABLES,
-    RankEnv,
     is_launcher_variable,
+    launched_by,
     resolve_rank_env,
     without_launcher_variables,
 )
@@ -67,3 +68,25 @@ def test_one_list_of_launcher_variables(name: str) -> None:
     assert is_launcher_variable(name)
     assert without_launcher_variables({name: "1", "HOME": "/root"}) == {"HOME": "/root"}
     assert not is_launcher_variable("PYTHONPATH") and "PYTHONPATH" not in LAUNCHER_VARIABLES
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("env", "launcher"), [
+    ({}, "local"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2"}, "torchrun"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
+     "slurm"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+     "local"),  # srun -n1 python -m app
+    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "local"),  # batch script
+    ({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NTASKS": "2",
+      "SUBMITIT_LOCAL_JOB_ID": "9"}, "submitit"),
+    ({"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "0", "SUBMITIT_LOCAL_NTASKS": "1",
+      "SUBMITIT_LOCAL_JOB_ID": "9"}, "local"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "env"),
+])
+def test_who_launched_this_process_is_told_alike_before_and_after_the_apps_imports(
+    env: dict[str, str], launcher: str
+) -> None:
+    # launched_by decides whether python -m app starts a forkserver before its own imports.
+    assert launched_by(env) == resolve_rank_env(env).launcher == launcher

@@ -4,8 +4,9 @@ critical path, and a finished run that always exits, with real processes.
 - Ranks are forked from the launcher's forkserver, which imported torch and the app once: they
   keep their log files, the launcher's environment as it was at launch, and their lifeline (a
   SIGKILLed launcher takes the forkserver and every rank along).
-- The layout picture and the learning curve are drawn off the critical path, yet exist when the
-  run reports success (result.json, the closing summary).
+- The layout picture and the learning curve are drawn off the critical path, by the launcher's
+  picture service (no rank imports matplotlib), yet exist when the run reports success
+  (result.json, the closing summary).
 - A rank that finished but does not exit is named in the log and ended: by itself within
   ``launcher.shutdown_timeout``, or, stuck with the interpreter lock held, by the launcher; the
   run still succeeds.
@@ -18,6 +19,9 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from app.launch.forkserver import early_profile
-from app.output import background, timeline
+from app.output import background, pictures, timeline
 from tests.helpers.apprun import HANG_S, AppProcess, read_result, running
 from tests.helpers.userpkg import user_package
 
@@ -61,6 +65,7 @@ from pathlib import Path
 import torch
 
 import app.launch.forkserver
+from app.output import pictures
 from rlcomm import collectives
 
 
@@ -78,6 +83,9 @@ class Probe:
             "forked_by_forkserver": app.launch.forkserver._server_env is not None,
             # What DDP's constructor imports, loaded before this rank existed.
             "dynamo_preloaded": "torch._dynamo" in sys.modules,
+            # Pictures are the launcher's: no rank pays for matplotlib.
+            "matplotlib_loaded": "matplotlib" in sys.modules,
+            "drawn_by": pictures.draw(os.getpid) if job.rank == 0 else None,
             "rank_variable": os.environ.get("RANK"),
             # Set by the launcher after its forkserver had started: only the launcher's
             # environment at launch has them.
@@ -105,6 +113,7 @@ def test_ranks_from_the_preloaded_forkserver_keep_their_logs_environment_and_lif
     for rank, probe in probes.items():
         assert probe["forked_by_forkserver"], probes
         assert probe["dynamo_preloaded"], probes
+        assert not probe["matplotlib_loaded"], probes
         assert probe["rank_variable"] == str(rank), probes  # the agent's own variables kept
         assert probe["job_start"] and probe["timeline"], probes  # the launcher's at launch
         assert "groups:" in app.log(rank), app.describe()  # each rank its own log file
@@ -115,6 +124,7 @@ def test_ranks_from_the_preloaded_forkserver_keep_their_logs_environment_and_lif
     assert sorted(ranks) == [0, 1] and {p.pid for p in ranks.values()} == \
         {probe["pid"] for probe in probes.values()}, app.describe()
     assert all(p.ppid() == servers[0].pid for p in ranks.values()), app.describe()
+    assert probes[0]["drawn_by"] == app.pid, probes  # by the launcher's picture service
 
     started = app.processes()[1:]
     os.kill(app.pid, signal.SIGKILL)
@@ -248,6 +258,21 @@ def test_a_finished_rank_stuck_holding_the_interpreter_lock_is_named_and_killed(
 
 
 @pytest.mark.unit
+def test_a_process_start_is_read_to_the_kernels_tick() -> None:
+    # compose_validate_s starts here: a whole second's error once came from /proc/stat's btime.
+    before = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    after = time.time()
+    try:
+        started = timeline.process_start_time(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - 2 * tick <= started <= after + 2 * tick, (before, started, after)
+
+
+@pytest.mark.unit
 def test_the_phases_follow_one_another_from_the_recorded_marks() -> None:
     marks = {
         "start": 100.0, "validated": 102.0, "result": 130.0,
@@ -297,3 +322,57 @@ def test_background_work_is_waited_for_and_its_error_raised_in_the_waiter(tmp_pa
     background.in_background(time.sleep, 1, name="slow file")
     with pytest.raises(TimeoutError, match="slow file still being written after 0.1 s"):
         background.wait_for_background(0.1)
+
+
+PICTURE_CLIENT = """
+import json, os
+from app.output import pictures
+
+try:
+    pictures.draw(os.open, "/nonexistent/dir/curve.png", os.O_RDONLY)
+    missing = None
+except FileNotFoundError as err:
+    missing = err.filename
+print(json.dumps({"pid": os.getpid(), "drawn_by": pictures.draw(os.getpid), "missing": missing}))
+"""
+
+
+@pytest.mark.unit
+def test_the_launchers_picture_service_draws_for_another_process_and_raises_there(
+    tmp_path: Path,
+) -> None:
+    layout = tmp_path / "layout.png"
+    service = pictures.PictureService(lambda: (layout.write_text("drawn"), layout)[1])
+    variables = service.environ()
+    assert list(variables) == [pictures.ENV]
+    env = {**os.environ, **variables}
+    proc = subprocess.run([sys.executable, "-c", PICTURE_CLIENT], env=env, capture_output=True,
+                          text=True, timeout=HANG_S)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout)
+    assert seen["drawn_by"] == os.getpid() != seen["pid"], seen  # drawn here, asked there
+    assert seen["missing"] == "/nonexistent/dir/curve.png", seen  # its error, raised there
+    assert service.wait(HANG_S) == layout and layout.read_text() == "drawn"
+    # Without a service to ask (torchrun, SLURM), a rank draws in line.
+    env.pop(pictures.ENV)
+    proc = subprocess.run([sys.executable, "-c", PICTURE_CLIENT], env=env, capture_output=True,
+                          text=True, timeout=HANG_S)
+    seen = json.loads(proc.stdout)
+    assert seen["drawn_by"] == seen["pid"], (seen, proc.stderr)
+
+
+@pytest.mark.unit
+def test_the_layout_pictures_error_and_a_drawing_that_hangs_are_raised_by_wait() -> None:
+    def fail() -> Path:
+        raise OSError(28, "No space left on device", "/run/layout.png")
+
+    with pytest.raises(OSError) as raised:
+        pictures.PictureService(fail).wait(HANG_S)
+    assert raised.value.filename == "/run/layout.png"
+
+    release = threading.Event()
+    hung = pictures.PictureService(lambda: (release.wait(HANG_S), Path("layout.png"))[1])
+    with pytest.raises(TimeoutError, match=r"^layout picture: not done after 0.2 s$"):
+        hung.wait(0.2)
+    release.set()
+    assert hung.wait(HANG_S) == Path("layout.png")

@@ -88,7 +88,8 @@ class LauncherConfig:
     """How local ranks are started (torch's elastic agent)."""
 
     max_restarts: int = setting(0, "restart every rank this many times after a failure")
-    monitor_interval: float = setting(0.2, "seconds between the agent's health checks")
+    # torch's default: a finished run's exit is noticed within this.
+    monitor_interval: float = setting(0.1, "seconds between the agent's health checks")
     shutdown_timeout: float = setting(5.0, "seconds from SIGTERM to SIGKILL for surviving ranks")
     rollout_restarts: int = setting(
         0, "restart a lost rollout rank (elastic layouts) this many times; it rejoins without "

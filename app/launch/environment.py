@@ -21,8 +21,9 @@ import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from app.api import RankEnv
+from app.output.pictures import ENV as PICTURES_ENV
 from rlcomm.net.env import (
     GLOO_SOCKET_IFNAME,
     LOCAL_RANK,
@@ -37,6 +38,9 @@ from rlcomm.net.env import (
     USE_AGENT_STORE,
     WORLD_SIZE,
 )
+
+if TYPE_CHECKING:
+    from app.api import RankEnv  # imported where needed: ``launched_by`` must stay cheap
 
 # SLURM gives the batch script, the extern step, the interactive step and pending steps ids near
 # 2**32 (22.05: 0xfffffffa-0xfffffffd; older releases 0xfffffffe-0xffffffff).
@@ -56,6 +60,7 @@ RUN_ID_VARIABLE = "RLCOMM_RUN_ID"  # the run directory's name every rank of a jo
 JOB_START_VARIABLE = "RLCOMM_JOB_START"  # time.time() when the job started
 TIMELINE_VARIABLE = "RLCOMM_TIMELINE"  # the launcher's marks (app/output/timeline.py)
 FORKSERVER_VARIABLE = "RLCOMM_FORKSERVER"  # the launcher's forkserver (app/launch/forkserver.py)
+PICTURES_VARIABLE = PICTURES_ENV  # the launcher's picture service (app/output/pictures.py)
 _PROCESS_START = time.time()  # roughly this process's start: the app imports this module early
 
 # Every variable through which a launcher describes a rank: tests and benchmarks scrub these to
@@ -63,7 +68,8 @@ _PROCESS_START = time.time()  # roughly this process's start: the app imports th
 # RANK_VARIABLES from the jobs it submits: see app/launch/slurm.py.)
 LAUNCHER_VARIABLES = (
     *RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", RUN_ID_VARIABLE, JOB_START_VARIABLE,
-    TIMELINE_VARIABLE, FORKSERVER_VARIABLE, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME,
+    TIMELINE_VARIABLE, FORKSERVER_VARIABLE, PICTURES_VARIABLE, GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME,
 )
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_")
 
@@ -77,21 +83,38 @@ def without_launcher_variables(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not is_launcher_variable(k)}
 
 
+def launched_by(env: Mapping[str, str] | None = None) -> str:
+    """:attr:`RankEnv.launcher` alone, from ``env`` (default: the process environment): cheap
+    enough for ``python -m app`` to ask before its own imports (app/launch/forkserver.py)."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env and RANK in env:
+        return "torchrun"
+    if slurm_step(env) is not None:
+        return "slurm" if int(env["SLURM_NTASKS"]) > 1 else "local"
+    if (env.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in env
+            and int(env.get("SUBMITIT_LOCAL_NTASKS", "1")) > 1):
+        return "submitit"
+    if RANK in env and WORLD_SIZE in env:
+        return "env"
+    return "local"
+
+
 def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
     """This process's :class:`RankEnv`, from ``env`` (default: the process environment)."""
+    from app.api import RankEnv
+
     env = os.environ if env is None else env
     node = socket.gethostname()
     restarts = int(env.get(RESTART_COUNT) or 0)
-    if "TORCHELASTIC_RUN_ID" in env and RANK in env:
+    launcher = launched_by(env)
+    if launcher == "torchrun":
         return _from_torch_variables("torchrun", env, node, restarts, _torchrun_name(env))
     step = slurm_step(env)
-    if step is not None:
-        ntasks = int(env["SLURM_NTASKS"])
-        if ntasks <= 1:
-            return RankEnv("local", node=node)  # e.g. srun --pty bash; srun -n1 python -m app
+    if launcher == "slurm" and step is not None:
         node_id = int(env.get("SLURM_NODEID", "0"))
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        ntasks = int(env["SLURM_NTASKS"])
         job = str(step[0])
         if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
             job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
@@ -109,24 +132,25 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
             restart_count=restarts + int(env.get("SLURM_RESTART_COUNT") or 0),
             run_name=env.get(RUN_ID_VARIABLE) or f"slurm-{job}.{step[1]}",
         )
-    if env.get("SUBMITIT_EXECUTOR") == "local" and "SUBMITIT_LOCAL_GLOBALID" in env:
+    if step is not None:
+        return RankEnv("local", node=node)  # e.g. srun --pty bash; srun -n1 python -m app
+    if launcher == "submitit":
         ntasks = int(env.get("SUBMITIT_LOCAL_NTASKS", "1"))
-        if ntasks > 1:
-            rank = int(env["SUBMITIT_LOCAL_GLOBALID"])
-            job_id = int(env["SUBMITIT_LOCAL_JOB_ID"])
-            return RankEnv(
-                "submitit",
-                rank=rank,
-                world_size=ntasks,
-                local_rank=int(env.get("SUBMITIT_LOCAL_LOCALID", str(rank))),
-                local_world_size=ntasks,
-                node=node,
-                master_addr="127.0.0.1",
-                master_port=int(env.get(MASTER_PORT) or master_port(job_id)),
-                restart_count=restarts,
-                run_name=env.get(RUN_ID_VARIABLE),
-            )
-    if RANK in env and WORLD_SIZE in env:
+        rank = int(env["SUBMITIT_LOCAL_GLOBALID"])
+        job_id = int(env["SUBMITIT_LOCAL_JOB_ID"])
+        return RankEnv(
+            "submitit",
+            rank=rank,
+            world_size=ntasks,
+            local_rank=int(env.get("SUBMITIT_LOCAL_LOCALID", str(rank))),
+            local_world_size=ntasks,
+            node=node,
+            master_addr="127.0.0.1",
+            master_port=int(env.get(MASTER_PORT) or master_port(job_id)),
+            restart_count=restarts,
+            run_name=env.get(RUN_ID_VARIABLE),
+        )
+    if launcher == "env":
         name = f"join-{env.get(MASTER_ADDR, 'local')}-{env[MASTER_PORT]}" if MASTER_PORT in env else None
         return _from_torch_variables("env", env, node, restarts, name)
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
@@ -142,6 +166,8 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
 def _from_torch_variables(
     launcher: str, env: Mapping[str, str], node: str, restarts: int, run_name: str | None
 ) -> RankEnv:
+    from app.api import RankEnv
+
     rank, world = int(env[RANK]), int(env[WORLD_SIZE])
     port, limit = env.get(MASTER_PORT), env.get(MAX_RESTARTS)
     local_world = int(env.get(LOCAL_WORLD_SIZE) or world)

@@ -1,5 +1,5 @@
-"""The ranks' forkserver: one process that imports torch, gymnasium, Hydra, matplotlib and the
-app once, from which every local rank is forked (torch elastic's ``start_method="forkserver"``).
+"""The ranks' forkserver: one process that imports torch, gymnasium, Hydra and the app once,
+from which every local rank is forked (torch elastic's ``start_method="forkserver"``).
 
 Spawned ranks each imported all of that again: 4 ranks on 2 cores paid for it 4 times after the
 launcher had paid once. ``python -m app`` starts the forkserver first thing (:func:`start_early`,
@@ -18,8 +18,10 @@ What a spawned rank had, a forked one keeps:
   launcher's dispositions back; a rank is in the launcher's process group as before, so Ctrl-C
   reaches every rank.
 
-The forkserver also forks the launcher's side jobs (:class:`SideJob`): the layout picture is
-drawn in a process of its own at low priority, while the ranks start, instead of before them.
+The layout picture of ``plan_only=true`` is drawn in a side job (:class:`SideJob`) forked from
+a forkserver that preloads only what pictures need (the ``picture`` profile). A local run's
+pictures are drawn by its launcher (app/output/pictures.py), and the ranks' forkserver leaves
+matplotlib out.
 
 A forked rank ends with ``os._exit`` once its function returned (multiprocessing's forkserver
 children do not tear the interpreter down): a finished rank exits in milliseconds, not in the
@@ -37,6 +39,8 @@ import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from app.output.pictures import MODULES as PICTURE_MODULES
 
 START_METHOD = "forkserver"
 # "<launcher pid>:<profile>", in the launcher's environment: the forkserver it starts preloads
@@ -64,15 +68,8 @@ RANK_MODULES = (
     "app.runtime.run",
     "app.loops",  # then every loop package under it: see _preload
 )
-# What the layout picture and rank 0's learning curve draw with.
-PICTURE_MODULES = (
-    "matplotlib",
-    "matplotlib.figure",
-    "matplotlib.backends.backend_agg",
-    "matplotlib.pyplot",
-    "app.output.layout_picture",
-)
-PROFILES = {"ranks": RANK_MODULES + PICTURE_MODULES, "picture": PICTURE_MODULES}
+# Without matplotlib: half a second sooner to the first fork.
+PROFILES = {"ranks": RANK_MODULES, "picture": PICTURE_MODULES}
 
 # Command-line flags of Hydra's that start no rank (help, config printing, completion).
 _NOT_LAUNCHING = frozenset({
@@ -94,9 +91,9 @@ def start_early(argv: Sequence[str] | None = None) -> str | None:
         return None
     if multiprocessing.current_process().name != "MainProcess" or multiprocessing.parent_process():
         return None
-    from app.launch.environment import resolve_rank_env
+    from app.launch.environment import launched_by
 
-    profile = early_profile(sys.argv[1:] if argv is None else argv, resolve_rank_env().joins)
+    profile = early_profile(sys.argv[1:] if argv is None else argv, launched_by() != "local")
     if profile is not None:
         start(profile)
     return profile

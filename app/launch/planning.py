@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -52,6 +53,10 @@ def validate(cfg: DictConfig) -> LayoutPlan:
         raise ConfigError(
             f"launcher.rollout_restarts: must be >= 0, got {cfg.launcher.rollout_restarts}"
         )
+    for key in ("monitor_interval", "shutdown_timeout"):
+        seconds = cfg.launcher[key]
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ConfigError(f"launcher.{key}: must be a positive number of seconds, got {seconds}")
     _check_target(cfg.loop)
     if cfg.sweep.rank_by is not None:  # the configured loop's declared metrics, or the app's
         check_metric_name(cfg.sweep.rank_by, str(cfg.loop._target_))

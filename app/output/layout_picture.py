@@ -197,8 +197,8 @@ def write_layout_text(plan: LayoutPlan, run_dir: Path) -> Path:
 
 def draw_layout_file(picture: LayoutPicture, png: Path) -> Path:
     """:func:`draw_layout` into ``png`` (a full disk: the error names it); returns ``png``.
-    What the launcher hands to a process of its own (app/__main__.py): a picture is small to
-    pass, whatever the plan's size."""
+    What the launcher hands to its picture service or to a process of its own (app/__main__.py):
+    a picture is small to pass, whatever the plan's size."""
     from app.errors import naming
 
     with naming(png):

@@ -1,6 +1,7 @@
 """What a run records: one metrics row per update (``metrics.csv``, TensorBoard, the
 progress line), the figures that compare jobs (``result["metrics"]``, declared on
-``PPOLoop.metrics``) and ``learning_curve.png``.
+``PPOLoop.metrics``); ``learning_curve.png`` is drawn from ``metrics.csv``
+(app/output/learning_curve.py).
 
 Rates are this attempt's: after a resume, the env steps taken since it over the time since it.
 """
@@ -180,34 +181,3 @@ class MetricsFile:
             err.filename = str(self.path)
             raise
         self._size += len(data)
-
-
-def plot_learning_curve(metrics_csv: Path, png: Path, target: float | None, title: str) -> None:
-    """The stop rule's quantity (mean return of the last ``window`` episodes) against env steps
-    and against wall time, with each update's mean return faint behind it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with metrics_csv.open() as handle:
-        rows = [r for r in csv.DictReader(handle) if r["mean_return"] not in ("", "nan")]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, x_key, label in zip(axes, ("env_steps", "wall_s"), ("env steps", "wall time (s)")):
-        x = [float(r[x_key]) for r in rows]
-        ax.plot(x, [float(r["mean_return"]) for r in rows], alpha=0.3, label="update mean")
-        ax.plot(x, [float(r["return_window"]) for r in rows], label="mean of last window")
-        if target is not None:
-            ax.axhline(target, linestyle="--", color="grey")
-        ax.set_xlabel(label)
-    axes[0].set_ylabel("episodic return")
-    axes[0].legend(loc="lower right")
-    fig.suptitle(title)
-    fig.tight_layout()
-    try:
-        fig.savefig(png)
-    except OSError as err:
-        err.filename = err.filename or str(png)  # matplotlib writes through an open file
-        raise
-    finally:
-        plt.close(fig)

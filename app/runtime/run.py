@@ -18,8 +18,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from app.api import JobInfo
-from app.output import timeline
+from app.output import pictures, timeline
 from app.output.background import in_background
+from app.output.learning_curve import plot_learning_curve
 from app.output.progress import RunProgress, Snapshot
 from app.output.tensorboard import ScalarLog
 from app.runtime.algorithm import Segment, UpdateInfo
@@ -27,7 +28,7 @@ from app.runtime.checkpoints import resume_source, run_settings, save_checkpoint
 from app.runtime.envs import probe_spaces
 from app.runtime.exchange import Exchange
 from app.runtime.membership import LeaderExchange, MemberExchange
-from app.runtime.records import MetricsFile, job_metrics, plot_learning_curve, update_row
+from app.runtime.records import MetricsFile, job_metrics, update_row
 from app.runtime.segments import with_episodes
 from app.runtime.worker import Agent, Episode, RolloutWorker, as_segment, segment_layout
 from rlcomm import CommContext, ParallelMode, collectives
@@ -168,7 +169,7 @@ class RuntimeRun:
         if self.metrics_file is not None:
             self.metrics_file.close()
             if self.metrics:
-                in_background(plot_learning_curve, self.metrics_file.path,
+                in_background(pictures.draw, plot_learning_curve, self.metrics_file.path,
                               self.job.run_dir / "learning_curve.png", target,
                               f"{self._name()} {self.loop.env.id}", name="learning curve")
         if self.worker is not None:
