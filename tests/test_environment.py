@@ -90,3 +90,14 @@ def test_who_launched_this_process_is_told_alike_before_and_after_the_apps_impor
 ) -> None:
     # launched_by decides whether python -m app starts a forkserver before its own imports.
     assert launched_by(env) == resolve_rank_env(env).launcher == launcher
+
+
+def test_the_benchmarks_time_the_app_in_a_users_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.procs import users_environment
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # this machine's own setting
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("MY_SETTING", "kept")
+    env = users_environment()
+    assert "PYTHONDONTWRITEBYTECODE" not in env and "RANK" not in env, sorted(env)
+    assert env["MY_SETTING"] == "kept"
