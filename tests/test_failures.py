@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from app.launch.failures import (
     FailureRecord,
@@ -14,6 +16,7 @@ from app.launch.failures import (
     record_path,
     recording_failures,
 )
+from app.launch.local import _describe_failures
 from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError
 
 pytestmark = pytest.mark.unit
@@ -74,3 +77,35 @@ def test_records_of_the_newest_attempt_are_read_and_unreadable_ones_skipped(
     assert sorted(records) == [1, 2]
     assert isinstance(records[1], FailureRecord) and records[1].line == "ValueError: rank 1"
     assert read_records(tmp_path / "nowhere") == {}
+
+
+def _record(logs: Path, rank: int, err: Exception) -> None:
+    with pytest.raises(type(err)), recording_failures(logs, rank, 0, "h"):
+        raise err
+
+
+def _failed(**exitcodes: int) -> ChildFailedError:
+    return ChildFailedError("app", {
+        int(rank[1:]): ProcessFailure(int(rank[1:]), 1000, code, "/no-error-file")
+        for rank, code in exitcodes.items()
+    })
+
+
+def test_ranks_the_agent_stopped_after_another_failed_are_not_the_cause(tmp_path: Path) -> None:
+    # A hang seen in CI: ranks 0 and 3 raised the diagnosis and wrote their records; the agent,
+    # seeing rank 0 gone, SIGTERMed ranks 1 and 2 before they wrote theirs.
+    hang = "hang in TRAIN_DATA_PARALLEL[0,1] all_reduce #1: rank 1 never entered it"
+    for rank in (0, 3):
+        _record(tmp_path / "logs", rank, HangError(hang))
+    sigterm = -signal.SIGTERM
+    assert _describe_failures(_failed(r0=1, r1=sigterm, r2=sigterm), tmp_path) == (
+        f"{hang} (logs: {tmp_path / 'logs'})")
+    # A crash still wins over the hang its peers then report.
+    assert _describe_failures(_failed(r0=1, r1=-signal.SIGKILL), tmp_path) == (
+        f"rank 1 killed by SIGKILL (log: {tmp_path / 'logs' / 'rank1.log'})")
+
+
+def test_a_rank_sigtermed_while_its_peers_only_lost_it_is_the_cause(tmp_path: Path) -> None:
+    _record(tmp_path / "logs", 0, RuntimeError("[pair.cc:534] Connection closed by peer [::1]:5"))
+    assert _describe_failures(_failed(r0=1, r1=-signal.SIGTERM), tmp_path) == (
+        f"rank 1 killed by SIGTERM (log: {tmp_path / 'logs' / 'rank1.log'})")

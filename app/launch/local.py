@@ -433,12 +433,19 @@ def _describe_failures(
     why: dict[int, str] = {}
     kinds: dict[int, Kind] = {}
     writes: dict[int, str] = {}  # ranks that failed writing a file: the whole of their line
+    # SIGTERM is how the agent stops the others once one rank failed: a rank that had failed on
+    # its own by then (its record says why) or whose peers had (they left records, it did not
+    # yet) was stopped, not crashed.
+    stopped = {r for r, f in err.failures.items() if f.exitcode == -signal.SIGTERM}
+    others_failed = any(record.kind != "peer_lost" for record in records.values())
     for rank, failure in err.failures.items():
-        if failure.exitcode < 0:
+        if failure.exitcode < 0 and not (rank in stopped and (rank in records or others_failed)):
             why[rank], kinds[rank] = f"killed by {failure.signal_name()}", "error"
+    for rank in stopped - set(records) - set(why):
+        why[rank], kinds[rank] = "stopped by the launcher after another rank failed", "peer_lost"
     for rank, record in records.items():
         if rank not in why:
-            code = err.failures[rank].exitcode if rank in err.failures else 1
+            code = err.failures[rank].exitcode if rank in err.failures.keys() - stopped else 1
             why[rank], kinds[rank] = f"exit code {code}: {_last_line(record.line)}", record.kind
             if record.write_error and record.kind != "peer_lost":
                 writes[rank] = record.write_error
