@@ -15,7 +15,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -27,6 +29,7 @@ from rlcomm.net.rendezvous import serves_store
 from rlcomm.plan.layout import LayoutPlan, place_on_hosts
 from rlcomm.utils import format_ranks
 
+_T = TypeVar("_T")
 _PEER_ADDRESS = re.compile(r"\[(\d+\.\d+\.\d+\.\d+)\]:\d+")  # how gloo names a peer
 
 
@@ -66,7 +69,7 @@ def lost_hosts(ctx: CommContext, hosts: Hosts, error: BaseException) -> list[str
     heard = [h for h in _heard if h != hosts.names[me]]
     if heard:
         return heard
-    silent = _silent_ranks(ctx.store, len(hosts.names))
+    silent = _within(10 * _BEAT_S, _silent_ranks, None, ctx.store, len(hosts.names))
     if silent is None:
         return [hosts.names[0]] if hosts.names[0] != hosts.names[me] else None
     gone = [h for h in dict.fromkeys(hosts.names)
@@ -85,13 +88,17 @@ def announce_lost(ctx: CommContext, hosts: Hosts, lost: list[str]) -> None:
     """
     gone = {r for h in lost for r in hosts.ranks_on(h)}
     readers = len(hosts.names) - len(gone) - 1
-    with contextlib.suppress(Exception):  # the store may be what was lost
-        ctx.store.set(_VERDICT, " ".join(lost))
-        if not serves_store():
-            return
-        deadline = time.monotonic() + 3 * _BEAT_S
-        while ctx.store.add(_VERDICT_READ, 0) < readers and time.monotonic() < deadline:
-            time.sleep(0.1)
+
+    def publish() -> None:
+        with contextlib.suppress(Exception):  # the store may be what was lost
+            ctx.store.set(_VERDICT, " ".join(lost))
+            if not serves_store():
+                return
+            deadline = time.monotonic() + 3 * _BEAT_S
+            while ctx.store.add(_VERDICT_READ, 0) < readers and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    _within(5 * _BEAT_S, publish, None)
 
 
 def _causes(error: BaseException) -> list[BaseException]:
@@ -109,6 +116,22 @@ _LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "
 _BEAT_S = 1.0  # heartbeat period; a host is silent after 3 periods without a beat
 _VERDICT, _VERDICT_READ = "lost", "lost/read"  # store keys of announce_lost
 _heard: list[str] = []  # the lost hosts another rank announced, as this rank's heartbeat read them
+
+
+def _within(seconds: float, fn: Callable[..., _T], default: _T, *args: Any) -> _T:
+    """``fn(*args)``, or ``default`` when it does not return within ``seconds``.
+
+    For the store calls of a rank that lost a host. A link that went down drops packets
+    instead of closing the connection, and the heartbeat's and the watchdog's calls on the same
+    client, made with the store's long timeout, hold it first: a call with its own short
+    timeout still waited behind them (30 s and more, seen across network namespaces). The call
+    left behind runs on a daemon thread, which ends with the process."""
+    outcome: list[_T] = []
+    worker = threading.Thread(target=lambda: outcome.append(fn(*args)), daemon=True,
+                              name="rlcomm-bounded-store-call")
+    worker.start()
+    worker.join(seconds)
+    return outcome[0] if outcome else default
 
 
 def _silent_ranks(store: dist.Store, world: int) -> list[int] | None:
