@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.output.pictures import ENV as PICTURES_ENV
+from app.output.pictures import ENV as PICTURES_VARIABLE  # the launcher's picture service
 from rlcomm.net.env import (
     GLOO_SOCKET_IFNAME,
     LOCAL_RANK,
@@ -60,7 +60,6 @@ RUN_ID_VARIABLE = "RLCOMM_RUN_ID"  # the run directory's name every rank of a jo
 JOB_START_VARIABLE = "RLCOMM_JOB_START"  # time.time() when the job started
 TIMELINE_VARIABLE = "RLCOMM_TIMELINE"  # the launcher's marks (app/output/timeline.py)
 FORKSERVER_VARIABLE = "RLCOMM_FORKSERVER"  # the launcher's forkserver (app/launch/forkserver.py)
-PICTURES_VARIABLE = PICTURES_ENV  # the launcher's picture service (app/output/pictures.py)
 _PROCESS_START = time.time()  # roughly this process's start: the app imports this module early
 
 # Every variable through which a launcher describes a rank: tests and benchmarks scrub these to

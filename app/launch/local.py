@@ -433,15 +433,14 @@ def _describe_failures(
     why: dict[int, str] = {}
     kinds: dict[int, Kind] = {}
     writes: dict[int, str] = {}  # ranks that failed writing a file: the whole of their line
-    # SIGTERM is how the agent stops the others once one rank failed: a rank that had failed on
-    # its own by then (its record says why) or whose peers had (they left records, it did not
-    # yet) was stopped, not crashed.
-    stopped = {r for r, f in err.failures.items() if f.exitcode == -signal.SIGTERM}
-    others_failed = any(record.kind != "peer_lost" for record in records.values())
+    # SIGTERM is how the agent stops the others once a rank failed on its own (left its record).
+    failed_alone = any(record.kind != "peer_lost" for record in records.values())
+    stopped = {r for r, f in err.failures.items()
+               if f.exitcode == -signal.SIGTERM and (r in records or failed_alone)}
     for rank, failure in err.failures.items():
-        if failure.exitcode < 0 and not (rank in stopped and (rank in records or others_failed)):
+        if failure.exitcode < 0 and rank not in stopped:
             why[rank], kinds[rank] = f"killed by {failure.signal_name()}", "error"
-    for rank in stopped - set(records) - set(why):
+    for rank in stopped - set(records):
         why[rank], kinds[rank] = "stopped by the launcher after another rank failed", "peer_lost"
     for rank, record in records.items():
         if rank not in why:
