@@ -100,6 +100,9 @@ def test_ranks_the_agent_stopped_after_another_failed_are_not_the_cause(tmp_path
     sigterm = -signal.SIGTERM
     assert _describe_failures(_failed(r0=1, r1=sigterm, r2=sigterm), tmp_path) == (
         f"{hang} (logs: {tmp_path / 'logs'})")
+    # SIGTERMed as DeathWatch saw it (a rank the agent did not report) is no cause either.
+    assert _describe_failures(_failed(r0=1), tmp_path, killed={2: "SIGTERM"}) == (
+        f"{hang} (logs: {tmp_path / 'logs'})")
     # A crash still wins over the hang its peers then report.
     assert _describe_failures(_failed(r0=1, r1=-signal.SIGKILL), tmp_path) == (
         f"rank 1 killed by SIGKILL (log: {tmp_path / 'logs' / 'rank1.log'})")

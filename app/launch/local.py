@@ -433,10 +433,10 @@ def _describe_failures(
     why: dict[int, str] = {}
     kinds: dict[int, Kind] = {}
     writes: dict[int, str] = {}  # ranks that failed writing a file: the whole of their line
-    # SIGTERM is how the agent stops the others once a rank failed on its own (left its record).
     failed_alone = any(record.kind != "peer_lost" for record in records.values())
-    stopped = {r for r, f in err.failures.items()
-               if f.exitcode == -signal.SIGTERM and (r in records or failed_alone)}
+    sigterms = {r for r, f in err.failures.items() if f.exitcode == -signal.SIGTERM}
+    sigterms |= {r for r, name in (killed or {}).items() if name == "SIGTERM"}
+    stopped = {r for r in sigterms if r in records or failed_alone}  # by the agent: not a cause
     for rank, failure in err.failures.items():
         if failure.exitcode < 0 and rank not in stopped:
             why[rank], kinds[rank] = f"killed by {failure.signal_name()}", "error"
@@ -454,7 +454,7 @@ def _describe_failures(
                          f"{_disk_state(run_dir, 'it left no failure record')}")
             kinds[rank] = "error"
     for rank, name in (killed or {}).items():
-        if rank not in why or kinds[rank] == "peer_lost":
+        if rank not in stopped and (rank not in why or kinds[rank] == "peer_lost"):
             why[rank], kinds[rank] = f"killed by {name}", "error"
             writes.pop(rank, None)
     causes = {r: w for r, w in why.items() if kinds[r] != "peer_lost"} or why
