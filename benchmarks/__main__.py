@@ -29,6 +29,7 @@ SECTIONS = (
     "flight",
     "mujoco",
     "elastic",
+    "sharding",
 )
 NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes

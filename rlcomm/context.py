@@ -381,13 +381,17 @@ class CommContext(metaclass=SingletonMeta):
                 raise ModeNotRegisteredError(f"device_mesh: the layout plans no {name} groups")
             planned.append({tuple(sorted(g)) for g in spec.rank_lists})
         shape = [len(next(iter(groups))) for groups in planned]
-        world = self._plan.world_size
-        mesh = torch.arange(world).reshape(shape) if math.prod(shape) == world else None
+        # The grid covers the ranks of its groups (the trainers, for the planned grid).
+        covered = sorted({r for group in planned[0] for r in group})
+        mesh = torch.tensor(covered).reshape(shape) if math.prod(shape) == len(covered) else None
         if mesh is None or any(_slices(mesh, d) != planned[d] for d in range(len(names))):
             raise LayoutError(
                 f"device_mesh: the {', '.join(names)} groups of this layout do not form one "
-                f"row-major grid of the {world} ranks (sizes {shape})"
+                f"row-major grid of the ranks {format_ranks(covered)} (sizes {shape})"
             )
+        if self.get_global_rank() not in covered:
+            raise LayoutError(f"device_mesh: rank {self.get_global_rank()} is in none of the "
+                              f"{', '.join(names)} groups")
         device = self.get_device(names[0]).type
         return DeviceMesh.from_group(
             [self.get_group(name) for name in names], device, mesh=mesh, mesh_dim_names=tuple(names)

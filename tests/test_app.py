@@ -337,6 +337,25 @@ BAD_OVERRIDES = [
     (["loop=vtrace", "loop.hparams.rho_bar=0"], "loop.hparams.rho_bar: must be > 0, got 0"),
     (["loop=ppo", "+experiment=image", "loop.env.normalize_obs=true"],
      "loop.env.normalize_obs: RlcommImage-v0 has image observations, which the CNN scales to [0, 1] itself; got true"),
+    # The trainer grid against the policy (docs/sharding.md).
+    (["loop=ppo", "layout.tensor_parallel_size=3"],
+     "layout.tensor_parallel_size x sequence_parallel_size: 3 x 1 does not divide the 2 trainers [0,1]"),
+    (["loop=ppo", "layout=tp2dp2", "layout.data_parallel_size=4"],
+     "layout.data_parallel_size: 4 but the 4 trainers / (tensor 2 x sequence 1) = 2"),
+    (["loop=ppo", "layout=tp2dp2"],
+     "layout.tensor_parallel_size: 2, but ActorCritic (loop.model.kind=mlp) has no tensor-parallel plan"),
+    (["loop=ppo", "layout=tp2dp2", "loop.model.kind=transformer", "loop.model.heads=3",
+      "loop.model.width=48"],
+     "loop.model.heads: 3 is not divisible by tensor_parallel_size 2"),
+    (["loop=ppo", "layout=tp2dp2", "layout.tensor_parallel_size=1", "layout.sequence_parallel_size=2",
+      "loop.model.kind=transformer"],
+     "layout.sequence_parallel_size: the runtime trains over DATA and TENSOR_PARALLEL only"),
+    (["loop=ppo", "loop.model.kind=transformer", "loop.model.width=30", "loop.model.heads=4"],
+     "loop.model.width: must be divisible by heads (4), got 30"),
+    (["loop=ppo", "loop.model.kind=rnn"], "loop.model.kind: must be one of mlp, transformer, got 'rnn'"),
+    (["loop=ppo", "loop.data_parallel=zero3"], "loop.data_parallel: must be one of ddp, fsdp, got 'zero3'"),
+    (["loop=ppo", "+experiment=image", "loop.model.kind=transformer"],
+     "loop.env.id: RlcommImage-v0: "),
 ]
 
 

@@ -115,11 +115,11 @@ BAD = [
     ),
     (
         dict(world_size=4, trainers=[0, 1, 2, 3], tensor_parallel_size=3),
-        "3 x 1 does not divide world_size 4",
+        "3 x 1 does not divide the 4 trainers [0,1,2,3]",
     ),
     (
         dict(world_size=4, trainers=[0, 1, 2, 3], tensor_parallel_size=2, data_parallel_size=4),
-        "layout.data_parallel_size: 4 but",
+        "layout.data_parallel_size: 4 but the 4 trainers",
     ),
     (dict(world_size=4, trainers=[0, 1, 2, 3], groups={"NOPE": [[0]]}), "unknown mode 'NOPE'"),
     (

@@ -142,6 +142,14 @@ def _hydra_config_loader() -> None:
     assert callable(Singleton.get_state)
 
 
+def _composable_replicate() -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    # Data parallelism over DTensor (tensor-parallel) parameters; its numbers are checked
+    # against DDP's by tests/test_sharding.py.
+    assert "mesh" in inspect.signature(replicate).parameters
+
+
 PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("torch.testing._internal.distributed.fake_pg.FakeStore", "rlcomm/net/rendezvous.py, benchmarks/scale.py: the fake backend", _fake_store),
     ("torch._foreach_copy_", "rlcomm/weights/buffers.py: packing many tensors in one call", _foreach_copy),
@@ -153,6 +161,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/launch/slurm.py: waiting for and reading task results", _submitit_job_internals),
     ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/config/help.py", _hydra_config_loader),
     ("torch elastic _get_fq_hostname (api, LocalElasticAgent)", "app/launch/local.py: _no_name_lookups", _elastic_hostname),
+    ("torch.distributed._composable.replicate_with_fsdp.replicate", "app/runtime/sharding.py: DDP over a tensor-parallel policy", _composable_replicate),
 ]
 
 

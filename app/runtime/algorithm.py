@@ -134,6 +134,8 @@ class Algorithm(Generic[S]):
         self, model: nn.Module, module: nn.Module, segments: list[Segment], info: UpdateInfo
     ) -> dict[str, float]:
         """Train on ``segments``: losses through ``model`` (``module`` wrapped by DDP, so the
-        gradients are averaged over the trainers), anything without gradients through
-        ``module``. Returns the figures named in :attr:`losses`."""
+        gradients are averaged over the trainers; on a sharded trainer, docs/sharding.md, a
+        copy of it split over the trainer grid, whose parameters are DTensors), anything
+        without gradients through ``module`` (on a sharded trainer: the whole weights as this
+        update started). Returns the figures named in :attr:`losses`."""
         raise NotImplementedError

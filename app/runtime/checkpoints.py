@@ -87,8 +87,9 @@ def describe_space(space: Any) -> str:
 def run_settings(loop: Any, spaces: Any) -> dict[str, Any]:
     """Everything a resumed run must share with the checkpoint, by the name a user knows it:
     the algorithm (the loop's class, i.e. ``loop._target_``), the environment (its id, factory,
-    spaces and which normalisers it has) and every algorithm setting (the model's shape and
-    what an update does). Everything else (layout, budget, target, window, checkpoint_every,
+    spaces and which normalisers it has), every algorithm setting (the model's shape and what an
+    update does) and the policy's (``loop.model``). Everything else (layout and trainer grid,
+    ``loop.data_parallel``, budget, target, window, checkpoint_every,
     staleness, logging, seed, the vector env kind) may change."""
     target = type(loop)
     env = loop.env
@@ -101,6 +102,7 @@ def run_settings(loop: Any, spaces: Any) -> dict[str, Any]:
         "env.normalize_obs": env.normalize_obs,
         "env.normalize_reward": env.normalize_reward,
         **{f"loop.hparams.{name}": value for name, value in asdict(loop.hp).items()},
+        **{f"loop.model.{name}": value for name, value in asdict(loop.model).items()},
     }
 
 
@@ -274,8 +276,8 @@ def last_checkpoint_note(folder: Path) -> str:
 
 def save_checkpoint(
     run_dir: Path,
-    policy: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    policy: torch.nn.Module | Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | Mapping[str, Any],
     update: int,
     env_steps: int,
     episodes: list[tuple[float, int]],
@@ -286,14 +288,19 @@ def save_checkpoint(
 ) -> Path:
     """Writes ``ckpt_<update>.pt`` with its checksum and ``settings`` (:func:`run_settings`).
     Never half-written: written aside (``.tmp``), synced, then renamed; a failed write removes
-    its ``.tmp`` and re-raises, an OSError noting the last complete checkpoint."""
+    its ``.tmp`` and re-raises, an OSError noting the last complete checkpoint. ``policy`` and
+    ``optimizer``: the modules, or their whole state dicts (a sharded trainer's, gathered)."""
     folder = run_dir / CHECKPOINT_DIR
+    if isinstance(policy, torch.nn.Module):
+        policy = policy.state_dict()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.state_dict()
     state: dict[str, Any] = {
         # Clones: the parameters are views of the (larger) send buffer.
-        "policy": {k: v.clone() for k, v in policy.state_dict().items()},
+        "policy": {k: v.clone() for k, v in policy.items()},
         # The observation and reward statistics (bound to the send buffer too: cloned).
         "normalizers": {k: v.clone() for k, v in (normalizers or {}).items()},
-        "optimizer": optimizer.state_dict(),
+        "optimizer": dict(optimizer),
         "update": update,
         "env_steps": env_steps,
         "epoch": epoch,  # the membership epoch of an elastic run (rlcomm.elastic), else None

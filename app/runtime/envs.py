@@ -32,6 +32,7 @@ from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 from app.api import ConfigError, setting
 from app.runtime.algorithm import Spaces
+from app.runtime.memory_envs import register_memory_envs
 
 __all__ = [
     "VECTOR_KINDS",
@@ -88,7 +89,9 @@ class EnvError(RuntimeError):
 
 def ensure_registered(env_id: str) -> None:
     """Register the ids of the package ``env_id`` needs, where Gymnasium does not by itself:
-    ``ALE/...`` ids exist once ``ale_py`` is imported (raises ModuleNotFoundError without it)."""
+    ``ALE/...`` ids exist once ``ale_py`` is imported (raises ModuleNotFoundError without it);
+    the runtime's own memory tasks (``MaskedCartPole-v1``) once registered here."""
+    register_memory_envs()
     if env_id.startswith(_ATARI_PREFIX) and env_id not in gym.registry:
         import ale_py
 
@@ -252,11 +255,10 @@ def missing_package_line(env_id: str, err: BaseException) -> str:
 
 def _make_registered(env_id: str, kwargs: Mapping[str, Any]) -> gym.Env[Any, Any]:
     """``gym.make(env_id, **kwargs)``, each failure as the one line naming its setting."""
-    if env_id.startswith(_ATARI_PREFIX):
-        try:
-            ensure_registered(env_id)
-        except ImportError as err:
-            raise ConfigError(missing_package_line(env_id, err)) from None
+    try:
+        ensure_registered(env_id)
+    except ImportError as err:
+        raise ConfigError(missing_package_line(env_id, err)) from None
     if ":" in env_id:  # gym.make's "module:Name-v0": import module, then look up Name-v0
         module, _, name = env_id.partition(":")
         try:

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from app.api import ConfigError, JobInfo, LoopMetrics, setting
 from app.output.logs import write_console
@@ -34,7 +35,13 @@ from app.runtime.checkpoints import (
     run_settings,
 )
 from app.runtime.envs import EnvConfig, ensure_registered, probe_spaces
-from app.runtime.models import is_image
+from app.runtime.models import ModelConfig, is_image
+from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
+from app.runtime.transformer import (
+    TransformerActorCritic,
+    ffn_hidden,
+    transformer_space_problem,
+)
 from rlcomm import CommContext, LayoutPlan
 
 
@@ -65,6 +72,12 @@ class RLLoop:
     verify_weights_every: int = setting(
         10, "every N-th weights version, rollouts check what they loaded against the "
         "trainer's bytes (0: never)"
+    )
+    model: ModelConfig = setting(doc="the policy: the algorithm's own or a transformer",
+                                 factory=ModelConfig)
+    data_parallel: str = setting(
+        "ddp", "how trainers share the work: ddp (every trainer holds the whole model) or fsdp "
+        "(parameters, gradients and optimizer state sharded over DATA_PARALLEL); docs/sharding.md"
     )
     min_rollouts: int = setting(
         1, "elastic layouts: live rollout ranks a trainer needs to go on; below it waits for "
@@ -103,6 +116,8 @@ class RLLoop:
             self.hparams = settings_type(**_plain(self.hparams))
         if not isinstance(self.env, EnvConfig):
             self.env = EnvConfig(**_plain(self.env))
+        if not isinstance(self.model, ModelConfig):
+            self.model = ModelConfig(**_plain(self.model))
         self.env.kwargs = _plain(self.env.kwargs)
 
     @property
@@ -118,9 +133,15 @@ class RLLoop:
         """Range checks and the environment's, run by the launcher before any rank starts."""
         collectors = len(plan.rollouts) if plan.rollouts else len(plan.trainers)
         per_update = collectors * self.hp.num_envs * self.hp.num_steps
-        batch_per_trainer = per_update // len(plan.trainers)
+        # The ranks of a TENSOR_PARALLEL group train one replica on their segments together.
+        replicas, _, _ = plan.grid_sizes
+        batch_per_trainer = per_update // replicas
         errors = [f"hparams.{e}" for e in self.hp.range_errors(batch_per_trainer)]
         errors += self.env.range_errors()
+        errors += [f"model.{e}" for e in self.model.range_errors()]
+        if self.data_parallel not in DATA_PARALLEL_KINDS:
+            errors.append(f"data_parallel: must be one of {', '.join(DATA_PARALLEL_KINDS)}, "
+                          f"got {self.data_parallel!r}")
         if self.window < 1:
             errors.append(f"window: must be a positive integer, got {self.window}")
         if self.checkpoint_every < 0:
@@ -147,12 +168,57 @@ class RLLoop:
         if problem:
             name = self.algorithm.__name__
             raise ConfigError(f"loop.env.id: {self.env.id}: {problem} ({name} cannot act in it)")
+        if self.model.kind == "transformer":
+            problem = transformer_space_problem(self.spaces)
+            if problem:
+                raise ConfigError(f"loop.env.id: {self.env.id}: {problem} (loop.model.kind="
+                                  "transformer cannot act in it)")
+        self.check_grid(plan)
         self.check_resume()
         if self.tensorboard:
             check_tensorboard()
 
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
         return self.algorithm(self.hp, spaces)
+
+    def build_policy(self, algorithm: Algorithm[Any], spaces: Spaces) -> nn.Module:
+        """The module the run trains and acts with: the algorithm's own, or the transformer
+        ``loop.model`` describes."""
+        if self.model.kind != "transformer":
+            return algorithm.build()
+        model = self.model
+        return TransformerActorCritic(spaces, model.width, model.layers, model.heads,
+                                      model.context)
+
+    def check_grid(self, plan: LayoutPlan) -> None:
+        """The trainer grid against the policy: its sizes must split the model
+        (docs/sharding.md)."""
+        _, sequence, tensor = plan.grid_sizes
+        if sequence > 1:
+            raise ConfigError(
+                f"layout.sequence_parallel_size: the runtime trains over DATA and "
+                f"TENSOR_PARALLEL only (loop=commcheck uses SEQUENCE_PARALLEL), got {sequence}")
+        if tensor == 1:
+            return
+        if self.model.kind == "transformer":
+            hidden = ffn_hidden(self.model.width)
+            if self.model.heads % tensor:
+                raise ConfigError(f"loop.model.heads: {self.model.heads} is not divisible by "
+                                  f"tensor_parallel_size {tensor}")
+            if hidden % tensor:
+                raise ConfigError(f"loop.model.width: {self.model.width} gives a feed-forward "
+                                  f"width of {hidden}, not divisible by tensor_parallel_size "
+                                  f"{tensor}")
+            return
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            policy = self.build_policy(self.build_algorithm(self.spaces), self.spaces)
+        if not has_tensor_parallel_plan(policy):
+            raise ConfigError(
+                f"layout.tensor_parallel_size: {tensor}, but {type(policy).__name__} (loop.model."
+                f"kind={self.model.kind}) has no tensor-parallel plan; use loop.model.kind="
+                "transformer or a module with tensor_parallel_plan()")
 
     def check_resume(self) -> None:
         """``loop.resume``, resolved and checked in the launcher before any rank starts: the
@@ -168,7 +234,7 @@ class RLLoop:
         for note in picked.notes():
             write_console(f"warning: {note}")
         with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
-            policy = self.build_algorithm(self.spaces).build()
+            policy = self.build_policy(self.build_algorithm(self.spaces), self.spaces)
         problem = resume_mismatch(picked.state, run_settings(self, self.spaces),
                                   policy_shapes(policy))
         if problem:

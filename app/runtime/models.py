@@ -16,6 +16,8 @@ compute the same numbers as recorded ones (tests/test_models.py keeps a copy to 
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,14 +26,18 @@ from gymnasium import spaces as gym_spaces
 from torch import Tensor, nn
 from torch.distributions import Categorical, Distribution, Normal
 
+from app.api import setting
 from app.runtime.algorithm import Spaces
 
 __all__ = [
+    "MODEL_KINDS",
     "ActorCritic",
+    "ModelConfig",
     "action_dtype",
     "action_shape",
     "is_image",
     "obs_shape",
+    "sample",
     "space_problem",
 ]
 
@@ -130,6 +136,53 @@ def _nature_cnn(height: int, width: int, channels: int) -> nn.Sequential:
     )
 
 
+def _grads_in_param_strides(module: nn.Module) -> None:
+    """Give every parameter of ``module`` with a size-1 dimension its gradient in its own strides.
+
+    The Nature CNN's first convolution on a 1-channel image (weight [32, 1, 8, 8]) gets its
+    weight gradient from oneDNN in channels_last strides, because its input (``_features``'
+    permuted HWC view) has channels_last strides: (64, 1, 8, 1), not the weight's (64, 64, 8,
+    1). The two differ only in the size-1 dimension, whose stride addresses nothing, so autograd
+    keeps the gradient as is (its layout contract ignores size-1 dimensions), but DDP's reducer
+    compares strides exactly and warns "Grad strides do not match bucket view strides" on every
+    trainer. This hook hands such a gradient on as a view with the parameter's strides: the same
+    memory and values (no copy), so DDP and the optimizer see the parameter's layout. Gradients
+    whose strides differ in a dimension of size > 1 pass untouched (autograd copies those into
+    the parameter's layout itself). Parameters without a size-1 dimension get no hook.
+    """
+    for param in module.parameters():
+        if param.requires_grad and param.dim() > 1 and 1 in param.shape:
+            param.register_hook(_restride_hook(weakref.ref(param)))
+
+
+def _restride_hook(param_ref: weakref.ref[nn.Parameter]) -> Any:
+    """The gradient hook of :func:`_grads_in_param_strides` (a weak reference: no cycle)."""
+
+    def restride(grad: Tensor) -> Tensor:
+        param = param_ref()
+        if param is None or grad.shape != param.shape or grad.stride() == param.stride():
+            return grad
+        if any(n != 1 and g != p for n, g, p in zip(grad.shape, grad.stride(), param.stride())):
+            return grad
+        return grad.as_strided(grad.shape, param.stride())
+
+    return restride
+
+
+def sample(dist: Distribution, generator: torch.Generator,
+           action_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """(action, logprob) drawn from a policy's distribution with ``generator`` only (never the
+    global RNG): an index of a Categorical, or an unclipped Gaussian sample shaped
+    [N, *action_shape] whose logprob sums over the action's dimensions."""
+    if isinstance(dist, Categorical):
+        # Categorical.sample() takes no generator; multinomial does (the pre-runtime op).
+        action = torch.multinomial(dist.probs, 1, generator=generator).squeeze(-1)
+        return action, dist.log_prob(action)
+    assert isinstance(dist, Normal)
+    flat = torch.normal(dist.loc, dist.scale, generator=generator)
+    return flat.reshape(*flat.shape[:-1], *action_shape), dist.log_prob(flat).sum(-1)
+
+
 class ActorCritic(nn.Module):
     """A policy and a state value for one pair of spaces (see the module docstring).
 
@@ -152,6 +205,7 @@ class ActorCritic(nn.Module):
         if self.image:
             height, width, channels = self.obs_shape
             self.torso = _nature_cnn(height, width, channels)
+            _grads_in_param_strides(self.torso)  # 1-channel images: see there (DDP's warning)
             self.critic: nn.Module = _layer_init(nn.Linear(_NATURE_HIDDEN, 1), std=1.0)
             self.actor: nn.Module = _layer_init(nn.Linear(_NATURE_HIDDEN, out_dim), std=0.01)
         else:
@@ -206,15 +260,7 @@ class ActorCritic(nn.Module):
         only (never the global RNG). Box actions are unclipped, shaped [N, *action_shape]."""
         actor_in, critic_in = self._features(obs)
         dist = self._dist(actor_in)
-        if isinstance(dist, Categorical):
-            # Categorical.sample() takes no generator; multinomial does (the pre-runtime op).
-            action = torch.multinomial(dist.probs, 1, generator=generator).squeeze(-1)
-            logprob = dist.log_prob(action)
-        else:
-            assert isinstance(dist, Normal)
-            flat = torch.normal(dist.loc, dist.scale, generator=generator)
-            logprob = dist.log_prob(flat).sum(-1)
-            action = flat.reshape(*flat.shape[:-1], *self.action_shape)
+        action, logprob = sample(dist, generator, self.action_shape)
         return action, logprob, self.critic(critic_in).squeeze(-1)
 
     def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -231,3 +277,39 @@ class ActorCritic(nn.Module):
     def forward(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`evaluate`: the training path through DDP."""
         return self.evaluate(obs, action)
+
+
+MODEL_KINDS = ("mlp", "transformer")
+
+
+@dataclass
+class ModelConfig:
+    """``loop.model``: which policy the runtime trains (the algorithm's own, or a transformer
+    that attends over each env's recent observations)."""
+
+    kind: str = setting(
+        "mlp", "mlp: the algorithm's own module (tanh MLPs; the Nature CNN for images); "
+        "transformer: attends over the last `context` steps (vector observations)"
+    )
+    width: int = setting(64, "transformer: model width (divisible by heads)")
+    layers: int = setting(2, "transformer: blocks")
+    heads: int = setting(4, "transformer: attention heads (divisible by tensor_parallel_size)")
+    context: int = setting(8, "transformer: past steps the policy attends to, this one included")
+
+    @property
+    def history(self) -> int:
+        """Steps of observations a collector keeps per env for the policy (0: just the last)."""
+        return self.context if self.kind == "transformer" else 0
+
+    def range_errors(self) -> list[str]:
+        """``field: must be ..., got value`` for each setting out of range."""
+        if self.kind not in MODEL_KINDS:
+            return [f"kind: must be one of {', '.join(MODEL_KINDS)}, got {self.kind!r}"]
+        if self.kind != "transformer":
+            return []
+        errors = [f"{name}: must be a positive integer, got {getattr(self, name)}"
+                  for name in ("width", "layers", "heads", "context") if getattr(self, name) < 1]
+        if not errors and self.width % self.heads:
+            errors.append(f"width: must be divisible by heads ({self.heads}), got {self.width}")
+        return errors
+

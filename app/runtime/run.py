@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from app.api import JobInfo
 from app.output import pictures, timeline
@@ -30,6 +29,7 @@ from app.runtime.exchange import Exchange
 from app.runtime.membership import LeaderExchange, MemberExchange
 from app.runtime.records import MetricsFile, job_metrics, update_row
 from app.runtime.segments import with_episodes
+from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
 from app.runtime.worker import Agent, Episode, RolloutWorker, as_segment, segment_layout
 from rlcomm import CommContext, ParallelMode, collectives
 
@@ -60,14 +60,16 @@ class RuntimeRun:
         torch.manual_seed(job.seed)  # same initial weights on every rank
         self.spaces = probe_spaces(loop.env)  # one env, built and closed
         self.algorithm = loop.build_algorithm(self.spaces)
-        # What the rollouts act with, and what the weights carry: the algorithm's module and
-        # the normalisers' statistics.
-        self.agent = Agent(self.algorithm.build(), self.spaces, loop.env)
+        # What the rollouts act with, and what the weights carry: the policy (the algorithm's
+        # module, or loop.model's) and the normalisers' statistics.
+        self.agent = Agent(loop.build_policy(self.algorithm, self.spaces), self.spaces,
+                           loop.env, context=loop.model.history)
         self.worker = (RolloutWorker(self.algorithm, self.spaces, loop.env, self.agent,
                                      seed=job.seed * 10_000 + self.rank)
                        if self.collects else None)
         self.layout = segment_layout(self.algorithm, self.spaces, self.agent,
                                      self.hp.num_steps, self.hp.num_envs)
+        self.grid = TrainerGrid.of(plan)
         # What a checkpoint records for a resume to be compared with (checkpoints.py).
         self.settings = run_settings(loop, self.spaces)
         self.generator = torch.Generator()
@@ -94,13 +96,16 @@ class RuntimeRun:
                 ctx, plan, self.agent, self.layout, episode_cap=episode_cap,
                 max_staleness=loop.max_staleness, verify_every=loop.verify_weights_every,
             )
-        self.model: torch.nn.Module = self.agent.net
+        self.trained: TrainedModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        # The ranks of one TENSOR_PARALLEL group train one replica on the same batch, in the
+        # same minibatch order: they seed it from the group's first rank.
+        self.replica_rank = self.rank
         if self.is_trainer:
-            self.model = DistributedDataParallel(
-                self.agent.net, process_group=ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL)
-            )
-            self.optimizer = self.algorithm.optimizer(self.agent.net)
+            self.trained = TrainedModule(ctx, plan, self.agent.net, loop.data_parallel)
+            self.optimizer = self.algorithm.optimizer(self.trained.trained)
+            if self.grid.tensor > 1:
+                self.replica_rank = min(plan.groups_of(self.rank)[ParallelMode.TENSOR_PARALLEL.value])
 
         self.update = 0
         self.env_steps = 0
@@ -369,17 +374,22 @@ class RuntimeRun:
         }
 
     def _train(self, segments: list[Segment]) -> dict[str, float]:
-        assert self.optimizer is not None
+        assert self.optimizer is not None and self.trained is not None
         tick = time.perf_counter()
         self.exchange.before_optimizer_step()  # the bound agent is about to change
-        self._fold_moments(segments)
+        self._fold_moments(segments)  # each segment's moments once, before they are shared
+        if self.grid.tensor > 1:
+            segments = share_segments(self.ctx, segments)
+            self.lag = max(s.lag for s in segments)
         self.split_s["comm"] += time.perf_counter() - tick
-        # Minibatch order is a function of (seed, rank, update): a resumed run shuffles as the
-        # uninterrupted one would, with no generator state to carry.
-        self.generator.manual_seed((self.job.seed * 10_000 + self.rank) * 1_000_003 + self.update)
+        # Minibatch order is a function of (seed, replica, update): a resumed run shuffles as
+        # the uninterrupted one would, with no generator state to carry.
+        self.generator.manual_seed(
+            (self.job.seed * 10_000 + self.replica_rank) * 1_000_003 + self.update)
         info = UpdateInfo(self.optimizer, self.generator, self.env_steps, self.update, self.lag)
         tick = time.perf_counter()
-        losses = self.algorithm.update(self.model, self.agent.net, segments, info)
+        losses = self.algorithm.update(self.trained.model, self.agent.net, segments, info)
+        self.trained.publish()  # a sharded trainer's new weights, whole, into the agent
         self.split_s["update"] += time.perf_counter() - tick
         return losses
 
@@ -441,9 +451,12 @@ class RuntimeRun:
         return bool(self.loop.checkpoint_every) and self.update % self.loop.checkpoint_every == 0
 
     def _save_checkpoint(self) -> None:
-        if self.rank != 0 or not self.is_trainer or self.optimizer is None:
+        if not self.is_trainer or self.optimizer is None or self.trained is None:
             return
-        save_checkpoint(self.job.run_dir, self.agent.net, self.optimizer, self.update,
+        policy, optimizer = self.trained.state_dicts(self.optimizer)  # every trainer takes part
+        if self.rank != 0:
+            return
+        save_checkpoint(self.job.run_dir, policy, optimizer, self.update,
                         self.env_steps, self.episodes, self.metrics, self.settings,
                         self.agent.normalizers(),
                         epoch=(int(self.metrics[-1].get("epoch", 0)) if self.elastic and
@@ -456,11 +469,12 @@ class RuntimeRun:
         if picked is None:
             return
         source, state = picked.path, picked.state
-        self.agent.net.load_state_dict(state["policy"])
+        if self.trained is not None and self.optimizer is not None:
+            self.trained.load(state["policy"], state["optimizer"], self.optimizer)
+        else:
+            self.agent.net.load_state_dict(state["policy"])
         for name, value in state.get("normalizers", {}).items():
             self.agent.state_dict()[name].copy_(value)  # in place: the tensors are bound
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
         self.update, self.env_steps = state["update"], state["env_steps"]
         self.episodes = [(float(r), int(n)) for r, n in state["episodes"]]
         if state.get("epoch") is not None:  # a new epoch from whoever is there

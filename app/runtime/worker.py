@@ -7,6 +7,7 @@ observed, so the trainers (who own the statistics) can fold them in.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import Tensor, nn
 
 from app.runtime.algorithm import Algorithm, Segment, Spaces
 from app.runtime.envs import EnvConfig, EnvError, make_vector_env
+from app.runtime.history import ObsHistory
 from app.runtime.models import action_dtype, action_shape, obs_shape
 from app.runtime.normalize import ReturnTracker, RunningNorm
 from app.runtime.segments import Field, Layout
@@ -29,11 +31,13 @@ MOMENTS = ("obs_moments", "return_moments")
 class Agent(nn.Module):
     """What a trainer sends its rollouts: the acting module (``net``) and, when enabled, the
     observation and reward normalisers' statistics (buffers, so they travel and are verified
-    with the weights, and are checkpointed)."""
+    with the weights, and are checkpointed). ``context`` > 0: the policy sees each env's last
+    ``context`` observations (app/runtime/history.py), not just the newest."""
 
-    def __init__(self, net: nn.Module, spaces: Spaces, env: EnvConfig) -> None:
+    def __init__(self, net: nn.Module, spaces: Spaces, env: EnvConfig, context: int = 0) -> None:
         super().__init__()
         self.net = net
+        self.context = context
         self.obs_norm = RunningNorm(obs_shape(spaces)) if env.normalize_obs else None
         self.reward_norm = RunningNorm(()) if env.normalize_reward else None
         self.clip_obs, self.clip_reward = env.clip_obs, env.clip_reward
@@ -44,6 +48,17 @@ class Agent(nn.Module):
             return raw
         return self.obs_norm.normalize(raw, self.clip_obs)
 
+    def observe_window(self, window: Tensor) -> Tensor:
+        """What the policy sees of a history window [N, context, *obs, 1] (raw observations and
+        the validity flag last): the observations normalised, padding left at zero."""
+        valid = window[..., -1:]
+        return torch.cat([self.observe(window[..., :-1]) * valid, valid], dim=-1)
+
+    def policy_obs_shape(self, spaces: Spaces) -> tuple[int, ...]:
+        """One env's observation as the policy takes it."""
+        shape = obs_shape(spaces)
+        return (self.context, math.prod(shape) + 1) if self.context else shape
+
     def normalizers(self) -> dict[str, Tensor]:
         """The statistics a checkpoint keeps besides the policy (empty when none is enabled)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("net.")}
@@ -53,7 +68,7 @@ def segment_layout(algorithm: Algorithm[Any], spaces: Spaces, agent: Agent, num_
                    num_envs: int) -> Layout:
     """Where each field of one packed segment lives (app/runtime/segments.py)."""
     T, N = num_steps, num_envs
-    obs, obs_dtype = obs_shape(spaces), _obs_dtype(spaces, agent)
+    obs, obs_dtype = agent.policy_obs_shape(spaces), _obs_dtype(spaces, agent)
     fields = {
         "version": Field((1,), torch.int64),
         "obs": Field((T, N, *obs), obs_dtype),
@@ -73,7 +88,7 @@ def segment_layout(algorithm: Algorithm[Any], spaces: Spaces, agent: Agent, num_
 
 def _obs_dtype(spaces: Spaces, agent: Agent) -> torch.dtype:
     # Images stay bytes on the wire; everything else is what the policy sees, as float32.
-    if agent.obs_norm is None and np.dtype(spaces.observation.dtype) == np.uint8:
+    if agent.obs_norm is None and not agent.context and np.dtype(spaces.observation.dtype) == np.uint8:
         return torch.uint8
     return torch.float32
 
@@ -92,12 +107,17 @@ class RolloutWorker:
         self.buffer = self.layout.empty()  # the segment being collected, packed
         self.obs_dtype = self.layout.fields["obs"].dtype
         self.obs_shape = obs_shape(spaces)
+        # A policy with a context sees each env's recent observations (raw: normalised as read).
+        self.history = (ObsHistory(hp.num_envs, agent.context, math.prod(self.obs_shape))
+                        if agent.context else None)
         # Seeded separately from the envs so action sampling is reproducible.
         self.generator = torch.Generator().manual_seed(seed)
         # make_vector_env already reset with the seed; reset again with the same seed to get
         # the initial observations (same result, deterministic).
         raw, _ = self.envs.reset(seed=seed)
         self.raw_obs = self._tensor(raw)
+        if self.history is not None:
+            self.history.reset(self._flat(self.raw_obs))
         self.next_done = torch.zeros(hp.num_envs)
         self.returns = ReturnTracker(hp.num_envs, hp.gamma) if agent.reward_norm is not None else None
         box = hasattr(spaces.action, "low")  # Box actions are clipped to their bounds
@@ -120,7 +140,7 @@ class RolloutWorker:
         seg["version"][0] = version
         net, episodes, seen = agent.net, [], []
         for t in range(self.num_steps):
-            obs = agent.observe(self.raw_obs)
+            obs = self._seen_by_policy(agent)
             seen.append(self.raw_obs)
             seg["obs"][t] = obs
             seg["dones"][t] = self.next_done
@@ -144,17 +164,28 @@ class RolloutWorker:
             seg["rewards"][t] = reward_t
             self.raw_obs = self._tensor(raw)
             self.next_done = torch.as_tensor(np.logical_or(term, trunc), dtype=torch.float32)
+            if self.history is not None:
+                self.history.push(self._flat(self.raw_obs), self.next_done)
             if "_episode" in info:
                 for i in np.flatnonzero(info["_episode"]):
                     episodes.append((float(info["episode"]["r"][i]), int(info["episode"]["l"][i])))
 
-        seg["next_obs"].copy_(agent.observe(self.raw_obs))
+        seg["next_obs"].copy_(self._seen_by_policy(agent))
         seg["next_done"].copy_(self.next_done)
         if "obs_moments" in seg:
             seg["obs_moments"].copy_(RunningNorm.batch_moments(torch.stack(seen), self.obs_shape))
         if "return_moments" in seg and self.returns is not None:
             seg["return_moments"].copy_(self.returns.take_moments())
         return self.buffer, episodes
+
+    def _seen_by_policy(self, agent: Agent) -> Tensor:
+        """The policy's input now: the newest observations, or each env's history window."""
+        if self.history is None:
+            return agent.observe(self.raw_obs)
+        return agent.observe_window(self.history.window())
+
+    def _flat(self, obs: Tensor) -> Tensor:
+        return obs.reshape(self.num_envs, -1).float()
 
     def _step(self, action: Tensor) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         try:
@@ -181,7 +212,12 @@ class RolloutWorker:
         extra = torch.zeros(self.num_envs)
         idx = np.flatnonzero(trunc & ~term)
         if idx.size:
-            final = agent.observe(self._tensor(np.stack(list(info["final_obs"][idx]))))
+            raw_final = self._tensor(np.stack(list(info["final_obs"][idx])))
+            if self.history is None:
+                final = agent.observe(raw_final)
+            else:  # the cut episode's window, ending with its last observation
+                rows = raw_final.reshape(len(idx), -1).float()
+                final = agent.observe_window(self.history.window_with(rows, idx))
             value = self.algorithm.value(agent.net, final)
             if value is not None:
                 extra[idx] = self.gamma * value

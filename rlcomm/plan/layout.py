@@ -102,6 +102,19 @@ class LayoutPlan:
     def _rollout_set(self) -> frozenset[int]:
         return frozenset(self.rollouts)
 
+    @property
+    def grid_sizes(self) -> tuple[int, int, int]:
+        """The trainer grid's (data, sequence, tensor) parallel sizes; a layout without one is a
+        plain data-parallel grid: (trainers, 1, 1)."""
+        sizes = []
+        for mode in (ParallelMode.DATA_PARALLEL, ParallelMode.SEQUENCE_PARALLEL,
+                     ParallelMode.TENSOR_PARALLEL):
+            spec = self.group(mode)
+            sizes.append(len(spec.rank_lists[0]) if spec is not None else None)
+        if sizes[0] is None:
+            return (len(self.trainers), 1, 1)
+        return (sizes[0], sizes[1] or 1, sizes[2] or 1)
+
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Mode -> the declared ranks of the group ``rank`` belongs to."""
         found = {}
@@ -141,7 +154,7 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     }
     if rollouts:
         derived[ParallelMode.WEIGHT_TRANSFER] = _pair_trainers(trainers, rollouts)
-    derived.update(_size_groups(spec, world))
+    derived.update(_size_groups(spec, trainers))
 
     ordered = [m.value for m in _DERIVED_ORDER] + [m for m in explicit if m not in _DERIVED_ORDER]
     groups = tuple(
@@ -238,6 +251,10 @@ def format_plan(plan: LayoutPlan, max_ranks: int = 64) -> str:
         f"world_size={plan.world_size} nodes={plan.nodes} ranks_per_node={plan.ranks_per_node}"
         f" | {summary}",
     )
+    if plan.group(ParallelMode.DATA_PARALLEL) is not None:
+        data, sequence, tensor = plan.grid_sizes
+        lines.insert(1, f"trainer grid: data {data} x sequence {sequence} x tensor {tensor} "
+                        f"over the trainers {format_ranks(sorted(plan.trainers))}")
     return "\n".join(lines)
 
 
@@ -269,24 +286,27 @@ def _pair_trainers(trainers: tuple[int, ...], rollouts: tuple[int, ...]) -> Rank
     return tuple(groups)
 
 
-def _size_groups(spec: LayoutSpec, world: int) -> dict[str, RankLists]:
+def _size_groups(spec: LayoutSpec, trainers: tuple[int, ...]) -> dict[str, RankLists]:
+    """The DATA/SEQUENCE/TENSOR_PARALLEL grid, laid over the trainer ranks (in rank order):
+    rollout ranks are in none of its groups."""
     sizes = (spec.tensor_parallel_size, spec.sequence_parallel_size, spec.data_parallel_size)
     if all(s is None for s in sizes):
         return {}
     tp = _check_positive_int("layout.tensor_parallel_size", spec.tensor_parallel_size or 1)
     sp = _check_positive_int("layout.sequence_parallel_size", spec.sequence_parallel_size or 1)
-    if world % (tp * sp):
+    ranks = sorted(trainers)
+    count = len(ranks)
+    if count % (tp * sp):
         raise LayoutError(
             f"layout.tensor_parallel_size x sequence_parallel_size: {tp} x {sp} does not divide "
-            f"world_size {world}"
+            f"the {count} trainers {format_ranks(ranks)}"
         )
-    dp = world // (tp * sp)
+    dp = count // (tp * sp)
     if spec.data_parallel_size is not None and spec.data_parallel_size != dp:
         raise LayoutError(
-            f"layout.data_parallel_size: {spec.data_parallel_size} but world_size {world} / "
+            f"layout.data_parallel_size: {spec.data_parallel_size} but the {count} trainers / "
             f"(tensor {tp} x sequence {sp}) = {dp}"
         )
-    ranks = range(world)
     return {
         ParallelMode.TENSOR_PARALLEL: grid_groups(ranks, ParallelMode.TENSOR_PARALLEL, tp),
         ParallelMode.SEQUENCE_PARALLEL: grid_groups(ranks, ParallelMode.SEQUENCE_PARALLEL, sp, tp),

@@ -48,13 +48,13 @@ class LayoutSpec:
         metadata=_doc("explicit rank lists per mode; override what is derived"),
     )
     tensor_parallel_size: int | None = field(
-        default=None, metadata=_doc("TENSOR_PARALLEL group size (Megatron grid)")
+        default=None, metadata=_doc("TENSOR_PARALLEL group size (a Megatron grid over the trainer ranks)")
     )
     sequence_parallel_size: int | None = field(
-        default=None, metadata=_doc("SEQUENCE_PARALLEL group size")
+        default=None, metadata=_doc("SEQUENCE_PARALLEL group size (over the trainer ranks)")
     )
     data_parallel_size: int | None = field(
-        default=None, metadata=_doc("DATA_PARALLEL size (checked against the grid)")
+        default=None, metadata=_doc("DATA_PARALLEL size: trainers / (tensor x sequence), checked")
     )
     elastic_rollouts: bool = field(
         default=True,

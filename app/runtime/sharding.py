@@ -1,0 +1,264 @@
+"""Sharded trainers: the plan's trainer grid applied to the module a trainer trains.
+
+The layout lays DATA x TENSOR parallel groups over the trainer ranks (rlcomm.plan). A trainer's
+module is trained in one of these ways, picked by the grid and ``loop.data_parallel``:
+
+- ``ddp`` without tensor parallelism: ``DistributedDataParallel`` over the trainers, on the
+  acting module itself (the runtime's behaviour before sharding, number for number);
+- ``ddp`` with tensor parallelism: the module's tensor-parallel plan over TENSOR_PARALLEL, then
+  torch's composable ``replicate`` over DATA_PARALLEL;
+- ``fsdp``: the tensor-parallel plan if any, then ``fully_shard`` over DATA_PARALLEL (each block
+  first, then the root: torchtitan's order).
+
+The ranks of one TENSOR_PARALLEL group hold one data-parallel replica: they train on the same
+batch (their segments, shared between them, :func:`share_segments`) with the same minibatch
+order. A sharded module is a copy of the acting module; after each update the trainer writes its
+full weights back into the acting module (:meth:`TrainedModule.publish`), which is what acts and
+what the hand-off sends.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.nn.parallel import DistributedDataParallel
+
+from app.runtime.algorithm import Segment
+from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
+
+DATA_PARALLEL_KINDS = ("ddp", "fsdp")
+DP, TP, TDP = (ParallelMode.DATA_PARALLEL, ParallelMode.TENSOR_PARALLEL,
+               ParallelMode.TRAIN_DATA_PARALLEL)
+
+
+@dataclass(frozen=True)
+class TrainerGrid:
+    """The trainer grid's sizes: ``data`` replicas of ``tensor`` x ``sequence`` ranks each."""
+
+    data: int
+    sequence: int
+    tensor: int
+
+    @classmethod
+    def of(cls, plan: LayoutPlan) -> TrainerGrid:
+        return cls(*plan.grid_sizes)
+
+    @property
+    def replica_size(self) -> int:
+        """Trainer ranks that hold one data-parallel replica (and train on the same batch)."""
+        return self.tensor * self.sequence
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module's parameters replicated over the tensor-parallel mesh, with plain tensors in and
+    out: the style of a plan's small parts (embeddings, norms, heads) beside the split
+    projections. Every parameter of a tensor-parallel model is then a DTensor on one mesh, which
+    ``fully_shard``, ``replicate`` and ``clip_grad_norm_`` need."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(module, device_mesh, input_fn=_replicated_inputs,
+                                 output_fn=_local_outputs)
+
+
+def _replicated_inputs(module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                 if isinstance(x, Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def has_tensor_parallel_plan(module: nn.Module) -> bool:
+    """Whether ``module`` says how to split it over TENSOR_PARALLEL: a method
+    ``tensor_parallel_plan() -> dict[str, ParallelStyle]`` for ``parallelize_module``."""
+    return callable(getattr(module, "tensor_parallel_plan", None))
+
+
+class TrainedModule:
+    """What a trainer trains: ``model`` (what an update's losses go through) and the parameters
+    its optimizer steps (``parameters()``), over the acting module ``net``."""
+
+    def __init__(self, ctx: CommContext, plan: LayoutPlan, net: nn.Module,
+                 data_parallel: str) -> None:
+        if data_parallel not in DATA_PARALLEL_KINDS:
+            raise ValueError(f"data_parallel: must be one of {DATA_PARALLEL_KINDS}, got "
+                             f"{data_parallel!r}")
+        self.net = net
+        self.grid = TrainerGrid.of(plan)
+        self.sharded = data_parallel == "fsdp" or self.grid.tensor > 1
+        self.model: nn.Module
+        if not self.sharded:
+            # DDP's group: the trainers (the same ranks as a planned DATA_PARALLEL grid).
+            self.model = DistributedDataParallel(net, process_group=ctx.get_group(TDP))
+            self.trained: nn.Module = net
+            return
+        self.trained = copy.deepcopy(net)
+        planned = plan.group(DP) is not None
+        mesh = ctx.device_mesh([DP, TP] if planned else [TDP])
+        data_mesh = mesh[DP.value] if planned else mesh
+        if self.grid.tensor > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(self.trained, mesh[TP.value],
+                               self.trained.tensor_parallel_plan())  # type: ignore[operator]
+        if data_parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            # Before FSDP's own hook, which warns of outputs that are views (an in-place op on
+            # one would skip its backward all-gather): the policy's are (``squeeze``).
+            self.trained.register_forward_hook(_outputs_not_views)
+            for block in _blocks(self.trained):
+                fully_shard(block, mesh=data_mesh)
+            fully_shard(self.trained, mesh=data_mesh)
+        else:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(self.trained, mesh=data_mesh)
+        self.model = self.trained
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the acting module's own (DDP) or the sharded copy's."""
+        return list(self.trained.parameters())
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The trained weights, whole, into the acting module (every trainer of the grid takes
+        part: a sharded parameter is gathered). A no-op under plain DDP, which trains ``net``."""
+        if not self.sharded:
+            return
+        targets = dict(self.net.named_parameters())
+        for name, param in self.trained.named_parameters():
+            targets[name].copy_(_full(param))
+
+    def state_dicts(self, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The policy's and the optimizer's state, whole (every trainer takes part), as a
+        checkpoint keeps them: a sharded trainer's optimizer state is keyed by parameter name."""
+        if not self.sharded:
+            return self.net.state_dict(), optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        return self.net.state_dict(), get_optimizer_state_dict(self.trained, optimizer,
+                                                               options=options)
+
+    def load(self, policy: Mapping[str, Tensor], optimizer_state: dict[str, Any],
+             optimizer: torch.optim.Optimizer) -> None:
+        """A checkpoint's whole state into the acting module, the trained one and the
+        optimizer, whichever grid wrote it (optimizer state keyed by parameter index, as DDP's
+        optimizer writes it, or by name, as a sharded trainer's does)."""
+        self.net.load_state_dict(policy)
+        names = [name for name, _ in self.net.named_parameters()]
+        if not self.sharded and not _keyed_by_name(optimizer_state):
+            optimizer.load_state_dict(optimizer_state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        if self.sharded:
+            set_model_state_dict(self.trained, dict(policy), options=options)
+        by_name = optimizer_state if _keyed_by_name(optimizer_state) else \
+            _by_name(optimizer_state, names)
+        set_optimizer_state_dict(self.trained, optimizer, by_name, options=options)
+
+
+def _outputs_not_views(module: nn.Module, inputs: Any, outputs: Any) -> Any:
+    if isinstance(outputs, tuple):
+        return tuple(o.clone() if isinstance(o, Tensor) and o._base is not None else o
+                     for o in outputs)
+    return outputs.clone() if isinstance(outputs, Tensor) and outputs._base is not None else outputs
+
+
+def _full(param: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The units FSDP shards one at a time before the root: a module's ``layers`` (a
+    transformer's blocks), if it has them."""
+    layers = getattr(module, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def _keyed_by_name(optimizer_state: Mapping[str, Any]) -> bool:
+    return any(isinstance(key, str) for key in optimizer_state.get("state", {}))
+
+
+def _by_name(optimizer_state: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter index (``Optimizer.state_dict``) keyed by the
+    parameters' names instead, as torch's distributed state-dict API takes it."""
+    state = {names[index]: value for index, value in optimizer_state["state"].items()}
+    groups = [{**group, "params": [names[i] for i in group["params"]]}
+              for group in optimizer_state["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def share_segments(ctx: CommContext, segments: list[Segment]) -> list[Segment]:
+    """Every segment of this rank's TENSOR_PARALLEL group, in group-rank order: the batch of the
+    data-parallel replica the group holds, the same on each of its ranks."""
+    if not segments:
+        raise ValueError("share_segments: a trainer needs at least one segment")
+    counts = collectives.all_gather(ctx, TP, torch.tensor([len(segments)]))
+    most = int(counts.max())
+    template = segments[0]
+    parts = _parts(template)
+    shared: list[list[Segment]] = [[] for _ in range(len(counts))]
+    for index in range(most):
+        mine = segments[index] if index < len(segments) else template
+        gathered = collectives.all_gather(ctx, TP, _flatten(_parts(mine)).unsqueeze(0))
+        for member, row in enumerate(gathered):
+            if index < int(counts[member]):
+                shared[member].append(_segment(_unflatten(row, parts)))
+    return [segment for member in shared for segment in member]
+
+
+def _parts(segment: Segment) -> dict[str, Tensor]:
+    """A segment's tensors, with its version, lag and moments, under one flat naming."""
+    return {
+        **{f"field/{k}": v for k, v in segment.items()},
+        **{f"moments/{k}": v for k, v in segment.moments.items()},
+        "meta/version_lag": torch.tensor([segment.version, segment.lag]),
+    }
+
+
+def _flatten(parts: Mapping[str, Tensor]) -> Tensor:
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in parts.values()])
+
+
+def _unflatten(flat: Tensor, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    out, offset = {}, 0
+    for name, tensor in like.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        out[name] = flat[offset : offset + nbytes].view(tensor.dtype).reshape(tensor.shape)
+        offset += nbytes
+    return out
+
+
+def _segment(parts: Mapping[str, Tensor]) -> Segment:
+    segment = Segment({k.split("/", 1)[1]: v for k, v in parts.items() if k.startswith("field/")})
+    segment.moments = {k.split("/", 1)[1]: v for k, v in parts.items()
+                       if k.startswith("moments/")}
+    segment.version, segment.lag = (int(x) for x in parts["meta/version_lag"].tolist())
+    return segment

@@ -1,0 +1,328 @@
+"""A transformer actor-critic over a window of recent observations, with its tensor-parallel plan.
+
+The policy sees the last ``context`` observations of one env, oldest first, each with a validity
+flag (what :class:`app.runtime.history.ObsHistory` keeps): ``[*B, context, obs_dim + 1]``.
+Pre-norm blocks with SwiGLU feed-forwards (named as torchtitan's Llama, so the plan reads alike)
+attend over the valid steps only; the actor and critic heads read the newest position. Its
+public methods are :class:`app.runtime.models.ActorCritic`'s.
+
+:func:`tensor_parallel_plan` shards the blocks' projections over a tensor-parallel mesh
+(Megatron-style), optionally with sequence parallelism in the blocks' norms; the embedding, the
+position table, the norms, the heads and the log-std stay replicated (as DTensors too in the
+runtime's plan, :meth:`TransformerActorCritic.tensor_parallel_plan`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from gymnasium import spaces as gym_spaces
+from torch import Tensor, nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributions import Categorical, Distribution, Normal
+
+from app.runtime.algorithm import Spaces
+from app.runtime.models import action_shape, sample, space_problem
+from app.runtime.sharding import ReplicateParallel
+
+__all__ = [
+    "TransformerActorCritic",
+    "check_tensor_parallel",
+    "ffn_hidden",
+    "tensor_parallel_plan",
+    "transformer_space_problem",
+]
+
+_INIT_STD = 0.02  # GPT-2's std for the blocks' projections and the position table
+_HIDDEN_MULTIPLE = 8  # the feed-forward width is a multiple of this: any tp size dividing it fits
+_SEQ_DIM = 1  # the blocks run on [B, context, width]
+
+
+def transformer_space_problem(spaces: Spaces) -> str | None:
+    """Why :class:`TransformerActorCritic` cannot handle ``spaces``, or None; one line, as
+    :func:`app.runtime.models.space_problem`."""
+    obs = spaces.observation
+    if not isinstance(obs, gym_spaces.Box) or len(obs.shape) != 1:
+        return (f"observation space {obs} is not supported by the transformer policy "
+                f"(supported: 1-D Box vectors)")
+    return space_problem(spaces)  # the observation passes there: this is about the action
+
+
+def ffn_hidden(width: int) -> int:
+    """The SwiGLU feed-forward's hidden width for ``width``: Llama's 8/3 * width (as many
+    weights as a 4x MLP), rounded up to a multiple of 8."""
+    return _HIDDEN_MULTIPLE * math.ceil(8 * width / 3 / _HIDDEN_MULTIPLE)
+
+
+def check_tensor_parallel(width: int, heads: int, hidden: int, tp: int, *,
+                          context: int | None = None) -> str | None:
+    """Which size does not split over ``tp`` ranks, as one line, or None. ``context``: the
+    window, checked only when given (sequence parallelism shards it)."""
+    if tp < 1:
+        return f"tensor_parallel_size must be at least 1, got {tp}"
+    if heads < 1 or width % heads:
+        return f"width {width} is not divisible by heads {heads}"
+    sizes = [("heads", heads), ("hidden", hidden)]
+    if context is not None:
+        # Sharded activations are rebuilt from local shards assuming equal parts.
+        sizes.append(("context", context))
+    for name, size in sizes:
+        if size % tp:
+            return f"{name} {size} is not divisible by tensor_parallel_size {tp}"
+    return None
+
+
+def _layer_init(layer: nn.Linear, std: float) -> nn.Linear:
+    """Orthogonal weights and zero bias, as ActorCritic's heads (CleanRL)."""
+    nn.init.orthogonal_(layer.weight, std)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
+    return layer
+
+
+def _projection(in_dim: int, out_dim: int, std: float) -> nn.Linear:
+    layer = nn.Linear(in_dim, out_dim, bias=False)
+    nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
+    return layer
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention over the window, never attending to padding."""
+
+    def __init__(self, width: int, heads: int, out_std: float) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.wq = _projection(width, width, _INIT_STD)
+        self.wk = _projection(width, width, _INIT_STD)
+        self.wv = _projection(width, width, _INIT_STD)
+        self.wo = _projection(width, width, out_std)
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        """``x`` [B, S, width], ``keep`` [B, S] (the keys that may be attended) -> [B, S, width]."""
+        batch, seq = x.shape[0], x.shape[1]
+        # -1 heads: under tensor parallelism wq/wk/wv return this rank's heads only.
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, width: int, hidden: int, out_std: float) -> None:
+        super().__init__()
+        self.w1 = _projection(width, hidden, _INIT_STD)
+        self.w2 = _projection(hidden, width, out_std)
+        self.w3 = _projection(width, hidden, _INIT_STD)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block."""
+
+    def __init__(self, width: int, heads: int, hidden: int, out_std: float) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(width)
+        self.attention = Attention(width, heads, out_std)
+        self.ffn_norm = nn.LayerNorm(width)
+        self.feed_forward = FeedForward(width, hidden, out_std)
+
+    def forward(self, x: Tensor, keep: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), keep)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Positions(nn.Module):
+    """A learned embedding of each window position, added to the steps' features."""
+
+    def __init__(self, context: int, width: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.empty(context, width))
+        nn.init.trunc_normal_(self.table, std=_INIT_STD, a=-2 * _INIT_STD, b=2 * _INIT_STD)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h + self.table
+
+
+class LogStd(nn.Module):
+    """A Gaussian policy's state-independent log standard deviation [1, act_dim]."""
+
+    def __init__(self, act_dim: int) -> None:
+        super().__init__()
+        self.log_std = nn.Parameter(torch.zeros(1, act_dim))
+
+    def forward(self, mean: Tensor) -> Tensor:
+        """The standard deviation, shaped as ``mean``."""
+        return self.log_std.expand_as(mean).exp()
+
+
+class TransformerActorCritic(nn.Module):
+    """A policy and a state value from a window of observations (see the module docstring).
+
+    Observations are ``[*B, context, obs_dim + 1]`` (:attr:`history_shape`), oldest first, the
+    last feature 1.0 for a real step and 0.0 for padding. Actions as
+    :class:`app.runtime.models.ActorCritic`: Discrete is categorical, Box a diagonal Gaussian
+    with a state-independent ``actor_logstd`` [1, act_dim], sampled unclipped.
+    ``forward(obs, action)`` is :meth:`evaluate`. Every parameter is drawn from the global RNG
+    in construction order, so ranks that seed alike build the same weights.
+    """
+
+    def __init__(self, spaces: Spaces, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        problem = transformer_space_problem(spaces)
+        if problem is not None:
+            raise ValueError(problem)
+        problem = check_tensor_parallel(width, heads, ffn_hidden(width), 1)
+        if problem is None and (layers < 1 or context < 1):
+            problem = f"layers {layers} and context {context} must both be at least 1"
+        if problem is not None:
+            raise ValueError(problem)
+        self.discrete = isinstance(spaces.action, gym_spaces.Discrete)
+        self.action_shape = action_shape(spaces)
+        obs_dim = int(math.prod(spaces.observation.shape))
+        self.history_shape = (context, obs_dim + 1)
+        self.width, self.heads, self.hidden = width, heads, ffn_hidden(width)
+        out_dim = int(spaces.action.n) if self.discrete else math.prod(self.action_shape)
+
+        self.embed = nn.Linear(obs_dim + 1, width)  # PyTorch's init: raw observations in
+        self.pos = Positions(context, width)
+        # GPT-2: the projections into the residual stream shrink with depth.
+        out_std = _INIT_STD / math.sqrt(2 * layers)
+        self.layers = nn.ModuleList(
+            Block(width, heads, self.hidden, out_std) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        # Critic first, then actor, as ActorCritic; the actor's small std gives a near-uniform
+        # (or near-zero mean) initial policy.
+        self.critic = _layer_init(nn.Linear(width, 1), std=1.0)
+        self.actor = _layer_init(nn.Linear(width, out_dim), std=0.01)
+        if not self.discrete:
+            self.actor_std = LogStd(out_dim)
+
+    def _features(self, obs: Tensor) -> Tensor:
+        """The newest position's features [*B, width] for windows [*B, context, obs_dim + 1]."""
+        if tuple(obs.shape[-2:]) != self.history_shape:
+            raise ValueError(f"observations must be [*B, {self.history_shape[0]}, "
+                             f"{self.history_shape[1]}], got {list(obs.shape)}")
+        lead = obs.shape[:-2]
+        # One batch dim: the blocks (and sequence parallelism) take the window as dim 1.
+        x = obs.reshape(-1, *self.history_shape).float()
+        keep = x[..., -1] > 0.5
+        keep[:, -1] = True  # the newest step is real: every query has a key
+        h = self.pos(self.embed(x))
+        for layer in self.layers:
+            h = layer(h, keep)
+        # A layer norm is per position: normalising the newest alone is the same.
+        return self.norm(h[:, -1]).reshape(*lead, self.width)
+
+    def _dist(self, features: Tensor) -> Distribution:
+        if self.discrete:
+            return Categorical(logits=self.actor(features), validate_args=False)
+        mean = self.actor(features)
+        return Normal(mean, self.actor_std(mean), validate_args=False)
+
+    def value(self, obs: Tensor) -> Tensor:
+        """State values [*B]."""
+        return self.critic(self._features(obs)).squeeze(-1)
+
+    def act(self, obs: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+        """(action, logprob, value) for windows [N, context, obs_dim + 1], sampled with
+        ``generator`` only. Box actions are unclipped, shaped [N, *action_shape]."""
+        features = self._features(obs)
+        dist = self._dist(features)
+        action, logprob = sample(dist, generator, self.action_shape)
+        return action, logprob, self.critic(features).squeeze(-1)
+
+    def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(logprob, entropy, value) of ``action`` [*B, *action_shape] at ``obs``, each [*B]."""
+        features = self._features(obs)
+        dist = self._dist(features)
+        if self.discrete:
+            logprob, entropy = dist.log_prob(action), dist.entropy()
+        else:
+            flat = action.reshape(*action.shape[: action.dim() - len(self.action_shape)], -1)
+            logprob, entropy = dist.log_prob(flat).sum(-1), dist.entropy().sum(-1)
+        return logprob, entropy, self.critic(features).squeeze(-1)
+
+    def forward(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`evaluate`: the training path."""
+        return self.evaluate(obs, action)
+
+    def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
+        """The runtime's plan for this policy (app/runtime/sharding.py): the blocks split as
+        :func:`tensor_parallel_plan` does, every other part replicated."""
+        return tensor_parallel_plan(self, replicate_rest=True)
+
+
+def tensor_parallel_plan(model: TransformerActorCritic, sequence_parallel: bool = False,
+                         replicate_rest: bool = False) -> dict[str, ParallelStyle]:
+    """torchtitan's Llama plan for ``model``, for ``parallelize_module(model, tp_mesh, plan)``.
+
+    Per block, ``wq``/``wk``/``wv`` and ``w1``/``w3`` are column-sharded (each rank keeps whole
+    heads) and ``wo``/``w2`` row-sharded, so a block costs one all-reduce per sublayer. With
+    ``sequence_parallel`` the blocks' norms run on window shards (``SequenceParallel``), each
+    sublayer gathers the window first and reduce-scatters it after, and the residual stream
+    between blocks stays sharded: it is split on entering the first block and gathered on
+    leaving the last, since the embedding before and the heads after are replicated.
+    ``replicate_rest``: the parts outside the split projections get a :class:`ReplicateParallel`
+    entry too, so every parameter is a DTensor on the mesh (what ``fully_shard`` over a second
+    mesh dimension and torch's ``clip_grad_norm_`` need).
+    """
+    seq = Shard(_SEQ_DIM)
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(len(model.layers)):
+        block = f"layers.{i}"
+        # The sublayers' outputs: whole (all-reduce), or window shards (reduce-scatter).
+        out = seq if sequence_parallel else Replicate()
+        plan.update({
+            f"{block}.attention.wq": ColwiseParallel(),
+            f"{block}.attention.wk": ColwiseParallel(),
+            f"{block}.attention.wv": ColwiseParallel(),
+            f"{block}.attention.wo": RowwiseParallel(output_layouts=out),
+            f"{block}.feed_forward.w1": ColwiseParallel(),
+            f"{block}.feed_forward.w3": ColwiseParallel(),
+            f"{block}.feed_forward.w2": RowwiseParallel(output_layouts=out),
+        })
+        if sequence_parallel:
+            plan.update({
+                f"{block}.attention_norm": SequenceParallel(sequence_dim=_SEQ_DIM),
+                # (x, keep): the mask is whole on every rank already.
+                f"{block}.attention": PrepareModuleInput(
+                    input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
+                f"{block}.ffn_norm": SequenceParallel(sequence_dim=_SEQ_DIM),
+                f"{block}.feed_forward": PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            })
+    if sequence_parallel:
+        first, last = "layers.0", f"layers.{len(model.layers) - 1}"
+        whole, split = (Replicate(), None), (seq, None)  # (x, keep) in; x out
+        if first == last:
+            plan[first] = PrepareModuleInputOutput(
+                input_layouts=whole, desired_input_layouts=split, use_local_input=True,
+                output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=True)
+        else:
+            plan[first] = PrepareModuleInput(
+                input_layouts=whole, desired_input_layouts=split, use_local_output=True)
+            plan[last] = PrepareModuleOutput(
+                output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=True)
+    if replicate_rest:
+        rest = ["embed", "pos", "norm", "critic", "actor"]
+        rest += [] if model.discrete else ["actor_std"]
+        if not sequence_parallel:
+            rest += [f"layers.{i}.{norm}" for i in range(len(model.layers))
+                     for norm in ("attention_norm", "ffn_norm")]
+        plan.update({name: ReplicateParallel() for name in rest})
+    return plan

@@ -1,0 +1,143 @@
+"""Sharded trainers (app/runtime/sharding.py): the same PPO updates, to float precision, whether
+the trainers replicate the model (DDP), shard it (FSDP2), split it (tensor parallel), or both;
+and a dropped shard gradient is caught."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from app.loops.ppo.core import PPO, PPOHyperParams
+from app.runtime import Segment, UpdateInfo
+from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
+from app.runtime.transformer import TransformerActorCritic
+from app.runtime.worker import Agent, RolloutWorker, as_segment
+from rlcomm import CommContext, LayoutSpec, ParallelMode, plan_layout
+from rlcomm.testing import run_ranks
+
+UPDATES = 20
+# Every configuration trains each replica on the segments of its pair of ranks (2k, 2k + 1):
+# a tensor-parallel pair shares them (share_segments); elsewhere both ranks hold both.
+ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
+HP = PPOHyperParams(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, lr=3e-3)
+MODEL = {"width": 32, "layers": 2, "heads": 4, "context": 4}
+CONFIGS = {"ddp4": ("ddp", None), "fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2),
+           "tp2-fsdp2": ("fsdp", 2)}
+
+
+def _segments(agent: Agent, algorithm: PPO, seed: int) -> list[Segment]:
+    """``UPDATES`` segments collected with the initial policy (so every configuration trains on
+    exactly the same data)."""
+    spaces = probe_spaces(ENV)
+    worker = RolloutWorker(algorithm, spaces, ENV, agent, seed)
+    segments = [as_segment(worker.layout, worker.collect(agent, 0)[0].clone())
+                for _ in range(UPDATES)]
+    worker.close()
+    return segments
+
+
+def _train(rank: int, world: int, data_parallel: str, tensor: int | None,
+           drop_shard_grad: bool = False) -> dict[str, Any]:
+    plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(world)),
+                                  tensor_parallel_size=tensor))
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=120)
+    ctx.init_groups(plan)
+    try:
+        spaces = probe_spaces(ENV)
+        torch.manual_seed(0)
+        net = TransformerActorCritic(spaces, **MODEL)
+        agent = Agent(net, spaces, ENV, context=MODEL["context"])
+        algorithm = PPO(HP, spaces)
+        pair = rank // 2
+        own = {seed: _segments(agent, algorithm, seed) for seed in (2 * pair, 2 * pair + 1)}
+        trained = TrainedModule(ctx, plan, net, data_parallel)
+        optimizer = algorithm.optimizer(trained.trained)
+        if drop_shard_grad and rank == 1:
+            sharded = dict(trained.trained.named_parameters())["layers.1.feed_forward.w2.weight"]
+
+            def drop(*_: Any) -> None:  # this rank's shard of one gradient, lost
+                sharded.grad.to_local().zero_()  # type: ignore[union-attr]
+
+            optimizer.register_step_pre_hook(drop)
+        grid = TrainerGrid.of(plan)
+        generator = torch.Generator()
+        losses = []
+        for update in range(UPDATES):
+            if grid.tensor > 1:
+                segments = share_segments(ctx, [own[rank][update]])
+            else:
+                segments = [own[seed][update] for seed in sorted(own)]
+            generator.manual_seed(1_000 * pair + update)
+            info = UpdateInfo(optimizer, generator, update * 256, update, 0)
+            losses.append(algorithm.update(trained.model, net, segments, info))
+            trained.publish()
+        return {"losses": losses,
+                "checksum": float(sum(p.detach().double().sum() for p in net.parameters())),
+                "sharded": [type(p).__name__ for p in trained.trained.parameters()][:1]}
+    finally:
+        ctx.destroy()
+
+
+def _mean_losses(results: dict[int, Any]) -> list[dict[str, float]]:
+    """Per update, each figure averaged over the trainers (as metrics.csv reports it)."""
+    ranks = sorted(results)
+    return [{name: sum(results[r]["losses"][u][name] for r in ranks) / len(ranks)
+             for name in results[0]["losses"][u]} for u in range(UPDATES)]
+
+
+def _largest_gap(a: list[dict[str, float]], b: list[dict[str, float]]) -> tuple[float, str]:
+    # Relative, against at least 0.01: the policy loss crosses zero.
+    gaps = [(abs(x[k] - y[k]) / max(abs(x[k]), 1e-2), f"update {u} {k}")
+            for u, (x, y) in enumerate(zip(a, b)) for k in ("pg_loss", "v_loss", "entropy")]
+    return max(gaps)
+
+
+# Float reassociation (reduce-scatter vs all-reduce, split matmuls) moves these by about 1e-6
+# relative; a change of the update (a quarter of one gradient dropped) by about 1e-2.
+TOLERANCE = 1e-4
+
+
+@pytest.mark.integration
+def test_ddp_fsdp_tensor_parallel_and_both_train_alike_and_a_dropped_shard_gradient_does_not() -> None:
+    runs = {name: run_ranks(_train, 4, dp, tp, timeout=300) for name, (dp, tp) in CONFIGS.items()}
+    reference = _mean_losses(runs["ddp4"])
+    for name, results in runs.items():
+        gap, where = _largest_gap(reference, _mean_losses(results))
+        assert gap < TOLERANCE, f"{name}: {where} differs from ddp4 by {gap:.2e} (relative)"
+        checksums = {round(r["checksum"], 3) for r in results.values()}
+        assert len(checksums) == 1, f"{name}: the published weights differ between ranks"
+    assert runs["tp2-fsdp2"][0]["sharded"] == ["DTensor"]
+    dropped = run_ranks(_train, 4, "fsdp", 2, True, timeout=300)
+    gap, where = _largest_gap(reference, _mean_losses(dropped))
+    assert gap > 10 * TOLERANCE, f"a dropped shard gradient moved the losses by only {gap:.2e}"
+
+
+def _shared(rank: int, world: int) -> list[tuple[int, float]]:
+    plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(world)),
+                                  tensor_parallel_size=2))
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=60)
+    ctx.init_groups(plan)
+    try:
+        mine = []
+        for i in range(1 + rank % 2):  # ranks 1 and 3 bring two segments, 0 and 2 one
+            segment = Segment({"obs": torch.full((3, 2), float(10 * rank + i))})
+            segment.version, segment.lag = rank, i
+            segment.moments = {"obs_moments": torch.tensor([rank], dtype=torch.float64)}
+            mine.append(segment)
+        return [(s.version, float(s["obs"][0, 0])) for s in share_segments(ctx, mine)]
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.integration
+def test_a_tensor_parallel_pair_trains_on_both_ranks_segments_in_group_order() -> None:
+    results = run_ranks(_shared, 4)
+    assert results[0] == results[1] == [(0, 0.0), (1, 10.0), (1, 11.0)]
+    assert results[2] == results[3] == [(2, 20.0), (3, 30.0), (3, 31.0)]
+    assert ParallelMode.TENSOR_PARALLEL.value in plan_layout(
+        LayoutSpec(world_size=4, trainers=[0, 1, 2, 3], tensor_parallel_size=2)).groups_of(0)
