@@ -358,7 +358,7 @@ def test_probe_of_an_env_whose_package_is_missing() -> None:
 def test_unknown_id_suggests_close_matches() -> None:
     assert _probe_error(EnvConfig(id="CartPol-v1")) == (
         "loop.env.id: 'CartPol-v1' is not a registered Gymnasium environment; did you mean "
-        "'CartPole-v1' or 'CartPole-v0' or 'phys2d/CartPole-v1'?")
+        "'CartPole-v1' or 'CartPole-v0' or 'MaskedCartPole-v1'?")
     assert _probe_error(EnvConfig(id="Zzzzqqq-v9")) == (
         "loop.env.id: 'Zzzzqqq-v9' is not a registered Gymnasium environment")
     assert _probe_error(EnvConfig(id="no_such_module:Foo-v0")).startswith(

@@ -20,7 +20,8 @@ from app.runtime.checkpoints import newest_valid_checkpoint
 from tests.helpers.apprun import REPO, describe, metrics, read_result, run_app
 
 EXPERIMENTS = {"hopper": "Hopper-v5", "halfcheetah": "HalfCheetah-v5", "walker2d": "Walker2d-v5"}
-LAYOUTS = sorted(p.stem for p in (REPO / "conf" / "layout").glob("*.yaml"))
+# tp2dp2 splits the policy over TENSOR_PARALLEL: the MLP has no plan for it (docs/sharding.md).
+LAYOUTS = sorted(p.stem for p in (REPO / "conf" / "layout").glob("*.yaml") if p.stem != "tp2dp2")
 # A short run: the experiment's settings with a shorter rollout (64 steps per env and update,
 # so every layout makes 8-32 updates) and a budget of 16,384 env steps.
 SHORT = ("+experiment=hopper", "loop.hparams.num_steps=64", "loop.total_env_steps=16384",
