@@ -96,6 +96,9 @@ class JobInfo:
     # has no GLOBAL group and is admitted by its trainer.
     joining: bool = False
     hosts: Mapping[int, str] = field(default_factory=dict)  # rank -> host, as the ranks started
+    # How often the app's local launcher starts a lost rollout rank again; None: a replacement
+    # may be started by hand (torchrun, srun, RANK/WORLD_SIZE), so one can always come.
+    rollout_restarts: int | None = None
 
 
 Direction = Literal["min", "max"]  # lower or higher is better

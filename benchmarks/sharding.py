@@ -10,6 +10,13 @@ batches under each way the runtime wraps it: DDP over 4, FSDP2 over 4, tensor pa
   after each update) is not in these bytes; its row says how large it is.
 - **Step time:** one forward, backward, gradient clip and Adam step on a batch of ``BATCH``
   windows, median over repetitions. No goal on CPU.
+- **Hand-off** (app/runtime/handoff/sharded.py): two trainers under FSDP2 hand a model of
+  ``HAND_OFF_PARAMS`` to 1 and 3 rollout ranks: each sends its own shard and every rollout rank
+  assembles the whole weights, against the flat hand-off's broadcast of the same bytes from one
+  trainer (bound buffers, in-place receives: today's static path). A sample starts at a barrier
+  and ends when the last rollout rank holds the whole weights. Goal: at most 1.1 x the flat
+  broadcast. The largest send buffer on a trainer is reported beside it (the sharded path's is
+  its shard: no trainer holds a full-model send buffer).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ NAME = "sharding"
 WIDTH, LAYERS, HEADS, CONTEXT, BATCH = 256, 4, 8, 8, 256
 GRIDS = {"ddp4": ("ddp", None), "fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2),
          "tp2-fsdp2": ("fsdp", 2)}
+HAND_OFF_PARAMS = {"1M": (1, 1000), "25M": (4, 2500), "100M": (4, 5000)}  # layers x width^2
+HAND_OFF_TRAINERS = 2
 
 
 def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
@@ -80,6 +89,96 @@ def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
         ctx.destroy()
 
 
+def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    from app.runtime.handoff.base import HandOffSettings
+    from app.runtime.handoff.sharded import ShardedHandOff
+    from app.runtime.segments import Field, Layout
+    from app.runtime.sharding import TrainedModule
+    from rlcomm import CommContext, LayoutSpec, plan_layout, register_initializer
+    from rlcomm.group_initializer import WeightTransferGroupInitializer
+    from rlcomm.weights import WeightReceiver, WeightSender
+
+    trainers = list(range(HAND_OFF_TRAINERS))
+    plan = plan_layout(LayoutSpec(world_size=world, trainers=trainers))
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=600)
+    ctx.init_groups(plan)
+    try:
+        torch.manual_seed(0)
+        agent = nn.Module()
+        agent.net = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+        trained = TrainedModule(ctx, plan, agent.net, "fsdp") if rank in trainers else None
+        settings = HandOffSettings(max_staleness=0, verify_every=0, min_rollouts=1,
+                                   timeout_s=600, episode_cap=1, sharded=True)
+        layout = Layout({"version": Field((1,), torch.int64)})
+        sharded = ShardedHandOff(ctx, plan, agent, layout, trained, settings)
+        register_initializer("FLAT_HAND_OFF", WeightTransferGroupInitializer)
+        ctx.init_group([0, *plan.rollouts], mode="FLAT_HAND_OFF", backend="gloo")
+        flat_sender = flat_receiver = None
+        if rank == 0:
+            flat_sender = WeightSender(ctx, "FLAT_HAND_OFF")
+            flat_sender.bind(agent)
+        elif rank in plan.rollouts:
+            flat_receiver = WeightReceiver(ctx, "FLAT_HAND_OFF", expected=agent.state_dict())
+            flat_receiver.bind(agent)
+
+        def sharded_once() -> None:
+            sharded.sync_weights(first=False)
+            sharded.before_optimizer_step()
+
+        def flat_once() -> None:
+            if flat_sender is not None:
+                flat_sender.send(agent, wait=True)
+            elif flat_receiver is not None:
+                flat_receiver.receive_into(agent)
+
+        times: dict[str, list[float]] = {"sharded": [], "flat": []}
+        sharded.sync_weights(first=True)  # the layouts and the indices travel once
+        flat_once()
+        for _ in range(reps):
+            for name, once in (("sharded", sharded_once), ("flat", flat_once)):
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                once()
+                times[name].append(time.perf_counter() - start)
+        whole = sum(t.nbytes for t in agent.state_dict().values())
+        send_bytes = {"sharded": sharded.weight_bytes if rank in sharded.owners else 0,
+                      "flat": whole if rank == 0 else 0}
+        return {"times": times, "send_bytes": send_bytes, "whole": whole}
+    finally:
+        ctx.destroy()
+
+
+def _hand_off_rows(settings: Settings) -> list[Row]:
+    from rlcomm.testing import run_ranks
+
+    rows = []
+    for size, (layers, width) in HAND_OFF_PARAMS.items():
+        for rollouts in (1, 3):
+            world = HAND_OFF_TRAINERS + rollouts
+            found = run_ranks(_hand_off, world, layers, width,
+                              settings.reps(5 if size == "100M" else 10, 3), timeout=1200)
+            # A sample ends when the slowest rank is done with it.
+            samples = {name: [max(r["times"][name][i] for r in found.values())
+                              for i in range(len(found[0]["times"][name]))]
+                       for name in ("sharded", "flat")}
+            ratio = statistics.median(samples["sharded"]) / statistics.median(samples["flat"])
+            largest = {name: max(r["send_bytes"][name] for r in found.values())
+                       for name in ("sharded", "flat")}
+            rows.append(Row(
+                NAME, f"hand-off {size} params to {rollouts} rollout rank(s): sharded "
+                      f"({HAND_OFF_TRAINERS} owners) vs flat broadcast", unit=SECONDS,
+                rlcomm=Stat.of(samples["sharded"]), reference=Stat.of(samples["flat"]),
+                ratio=Stat.single(ratio), reference_name="flat broadcast",
+                goal=Goal("<=", 1.1),
+                note=(f"largest send buffer on a trainer: {largest['sharded']:,} B sharded, "
+                      f"{largest['flat']:,} B flat (whole: {found[0]['whole']:,} B)")))
+    return rows
+
+
 def run(settings: Settings) -> list[Row]:
     from rlcomm.testing import run_ranks
 
@@ -105,4 +204,4 @@ def run(settings: Settings) -> list[Row]:
                         rlcomm=Stat.of(steps), reference=Stat.of(ddp_step),
                         ratio=Stat.single(statistics.median(steps) / statistics.median(ddp_step)),
                         reference_name="ddp4"))
-    return rows
+    return rows + _hand_off_rows(settings)

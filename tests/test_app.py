@@ -314,6 +314,7 @@ BAD_OVERRIDES = [
     (["loop=ppo", "loop.checkpoint_every=-1"], "loop.checkpoint_every: must be >= 0, got -1"),
     (["loop=ppo", "loop.max_staleness=-1"], "loop.max_staleness: must be >= 0, got -1"),
     (["loop=ppo", "loop.min_rollouts=0"], "loop.min_rollouts: must be >= 1, got 0"),
+    (["loop=ppo", "loop.min_rollouts=3"], "loop.min_rollouts: 3, but the layout has 2 rollout ranks"),
     (["loop=ppo", "loop.verify_weights_every=-2"], "loop.verify_weights_every: must be >= 0, got -2"),
     (["loop=ppo", "loop.resume=/nonexistent/run"], "loop.resume: '/nonexistent/run' does not exist"),
     (["loop.latency_iters=0"], "loop.latency_iters: must be a positive integer, got 0"),

@@ -77,23 +77,34 @@ def test_a_tp2_x_fsdp2_checkpoint_resumes_on_other_grids(tp2_fsdp2_run: Path,
                      (back / "logs" / "rank0.log").read_text())
 
 
+@pytest.mark.parametrize("hand_off", ["sharded", "elastic"])
 def test_rollout_ranks_fed_by_tp2_x_fsdp2_trainers_act_with_the_whole_models_exact_weights(
-    tmp_path: Path,
+    tmp_path: Path, hand_off: str,
 ) -> None:
     run_dir = tmp_path / "split"
-    result = run_ppo(run_dir, *SMALL, *TP2_FSDP2_SPLIT, "loop.total_env_steps=3072",
+    static = ("layout.elastic_rollouts=false",) if hand_off == "sharded" else ()
+    result = run_ppo(run_dir, *SMALL, *TP2_FSDP2_SPLIT, *static, "loop.total_env_steps=3072",
                      "loop.verify_weights_every=1")
     reports = _reports(result)
     assert [reports[r]["role"] for r in range(8)] == ["trainer"] * 4 + ["rollout"] * 4
+    assert {reports[r]["hand_off"] for r in range(8)} == {hand_off}
     version = reports[0]["weights_version"]
     # Every version was checked against the trainer's bytes on arrival (verify_weights_every=1).
     # The last one, sent after update version - 1, is what the checkpoint of that update holds:
-    # the whole model, gathered from the shards, bit for bit.
+    # the whole model, bit for bit (sharded: assembled by each rollout rank from four owners).
     state = load_checkpoint(run_dir / "checkpoints" / f"ckpt_{version - 1:06d}.pt")
     whole = float(sum(t.double().sum() for t in state["policy"].values()))
     for rank in range(4, 8):
         assert reports[rank]["weights_version"] == version, reports[rank]
         assert reports[rank]["param_checksum"] == whole, rank
+    if hand_off == "sharded":
+        # Each element left one trainer: together they sent the whole weights once per
+        # version to each of the 4 rollout ranks, and none sent more than half of them.
+        whole_bytes = sum(t.nbytes for t in [*state["policy"].values(),
+                                              *state["normalizers"].values()])
+        sent = [reports[r]["weight_bytes_sent"] for r in range(4)]
+        assert sum(sent) == version * 4 * whole_bytes, (sent, whole_bytes)
+        assert max(sent) < version * 4 * whole_bytes / 2, sent
 
 
 def test_a_killed_rollout_rank_of_a_sharded_grid_rejoins_with_verified_weights(

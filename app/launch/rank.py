@@ -112,7 +112,9 @@ def _run(
     timeline.mark("loop")
     try:
         result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank, env=env,
-                                   hosts=dict(enumerate(hosts.names))))
+                                   hosts=dict(enumerate(hosts.names)),
+                                   rollout_restarts=(cfg.launcher.rollout_restarts
+                                                     if launched_here else None)))
     except MembersLostError:
         raise  # its own line names who was lost
     except Exception as err:

@@ -7,9 +7,11 @@ of the run. An algorithm plugs in four things (:mod:`app.runtime.algorithm`) and
 by subclassing :class:`RLLoop` (docs/custom-algorithm.md).
 
 Modules, in the order a run uses them: ``loop.py`` (the settings, checked before any rank
-starts), ``envs.py``, ``models.py``, ``normalize.py``, ``worker.py`` (collecting),
-``segments.py`` (a segment's bytes), ``exchange.py`` (what moves between ranks), ``run.py`` (one
-rank's loop), ``records.py`` and ``checkpoints.py``.
+starts), ``envs.py``, ``models.py`` and ``transformer.py`` (the policies), ``history.py``,
+``normalize.py``, ``worker.py`` (collecting), ``segments.py`` (a segment's bytes),
+``sharding.py`` (what a trainer trains), ``handoff/`` (what moves between trainers and rollout
+ranks: one interface, the implementation the plan picks), ``run.py`` (one rank's loop),
+``records.py`` and ``checkpoints.py``.
 """
 
 from app.runtime.algorithm import (

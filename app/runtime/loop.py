@@ -80,8 +80,9 @@ class RLLoop:
         "(parameters, gradients and optimizer state sharded over DATA_PARALLEL); docs/sharding.md"
     )
     min_rollouts: int = setting(
-        1, "elastic layouts: live rollout ranks a trainer needs to go on; below it waits for "
-        "joiners (0.8 x the hang timeout), then ends the run naming who was lost"
+        1, "elastic layouts: live rollout ranks the job needs to go on (they serve every "
+        "trainer); below it the trainers wait for joiners (0.8 x the hang timeout) if one can "
+        "come, then end the run naming who was lost"
     )
 
     algorithm: ClassVar[type[Algorithm[Any]]]
@@ -173,6 +174,9 @@ class RLLoop:
             if problem:
                 raise ConfigError(f"loop.env.id: {self.env.id}: {problem} (loop.model.kind="
                                   "transformer cannot act in it)")
+        if plan.elastic_rollouts and plan.rollouts and self.min_rollouts > len(plan.rollouts):
+            raise ConfigError(f"loop.min_rollouts: {self.min_rollouts}, but the layout has "
+                              f"{len(plan.rollouts)} rollout ranks")
         self.check_grid(plan)
         self.check_resume()
         if self.tensorboard:

@@ -1,10 +1,11 @@
 """One rank's run: collect, hand off, train, record, until the stop rule fires.
 
 Every rank runs the same loop; its role decides which steps do work (rollouts collect, trainers
-train, colocated ranks do both) and every rank takes part in the same collectives in the same
-order (app/runtime/exchange.py). The stop decision is taken from the episodes every rank shares,
-so all ranks leave the loop at the same update. The algorithm only acts (in the worker) and
-updates (here, on trainers); everything else is this module's.
+train, colocated ranks do both). What moves between trainers and rollout ranks goes through one
+hand-off (app/runtime/handoff/), the kind the plan calls for. The stop decision is taken from
+the episodes the deciding ranks share, so they all leave the loop at the same update; an
+elastic run's rollout ranks learn it from their trainer. The algorithm only acts (in the
+worker) and updates (here, on trainers); everything else is this module's.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from app.output.tensorboard import ScalarLog
 from app.runtime.algorithm import Segment, UpdateInfo
 from app.runtime.checkpoints import resume_source, run_settings, save_checkpoint
 from app.runtime.envs import probe_spaces
-from app.runtime.exchange import Exchange
-from app.runtime.membership import LeaderExchange, MemberExchange
+from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, update_row
 from app.runtime.segments import with_episodes
-from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
-from app.runtime.worker import Agent, Episode, RolloutWorker, as_segment, segment_layout
+from app.runtime.sharding import TrainedModule, TrainerGrid, is_sharded, share_segments
+from app.runtime.worker import Agent, Episode, RolloutWorker, segment_layout
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:
@@ -49,14 +49,13 @@ class RuntimeRun:
         self.is_trainer = self.rank in plan.trainers
         self.collects = plan.colocated or self.rank in plan.rollouts
         self.split = not plan.colocated
-        self.collectors = len(plan.trainers) if plan.colocated else len(plan.rollouts)
-        # Rollout ranks may leave and join (app/runtime/membership.py).
+        # Rollout ranks may leave and join (app/runtime/handoff/elastic.py); such a rank follows
+        # its trainer, which tells it when the run stops.
         self.elastic = self.split and plan.elastic_rollouts
+        self.follows = self.elastic and not self.is_trainer
         self.epoch_base = 0  # a resumed run's epochs count on from its checkpoint's
 
-        # Small models gain nothing from intra-op threads, and on shared cores they spin
-        # against each other (layout=single under load: 459 s to the target with 2, 25 s with 1).
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # small models gain nothing from intra-op threads on shared cores
         torch.manual_seed(job.seed)  # same initial weights on every rank
         self.spaces = probe_spaces(loop.env)  # one env, built and closed
         self.algorithm = loop.build_algorithm(self.spaces)
@@ -64,48 +63,35 @@ class RuntimeRun:
         # module, or loop.model's) and the normalisers' statistics.
         self.agent = Agent(loop.build_policy(self.algorithm, self.spaces), self.spaces,
                            loop.env, context=loop.model.history)
+        episode_cap = self.hp.num_envs * (self.hp.num_steps // 8 + 1)
+        self.layout = segment_layout(self.algorithm, self.spaces, self.agent,
+                                     self.hp.num_steps, self.hp.num_envs)
+        if self.elastic:  # a member's episodes travel in its segment
+            self.layout = with_episodes(self.layout, episode_cap)
         self.worker = (RolloutWorker(self.algorithm, self.spaces, loop.env, self.agent,
                                      seed=job.seed * 10_000 + self.rank)
                        if self.collects else None)
-        self.layout = segment_layout(self.algorithm, self.spaces, self.agent,
-                                     self.hp.num_steps, self.hp.num_envs)
+        if self.worker is not None:
+            self.worker.use_layout(self.layout)
         self.grid = TrainerGrid.of(plan)
-        # What a checkpoint records for a resume to be compared with (checkpoints.py).
-        self.settings = run_settings(loop, self.spaces)
+        self.settings = run_settings(loop, self.spaces)  # what a checkpoint records
         self.generator = torch.Generator()
-        # Before DDP wraps the module: the exchange binds the agent to the weights' send or
-        # receive buffer.
-        self.exchange: Any
-        episode_cap = self.hp.num_envs * (self.hp.num_steps // 8 + 1)
-        if self.elastic:
-            self.layout = with_episodes(self.layout, episode_cap)
-            if self.worker is not None:
-                self.worker.use_layout(self.layout)
-            timeout_s = ctx.timeout.total_seconds()
-            if self.is_trainer:
-                self.exchange = LeaderExchange(
-                    ctx, self.agent, self.layout, loop.max_staleness, loop.verify_weights_every,
-                    loop.min_rollouts, timeout_s, dict(job.hosts))
-            else:
-                self.exchange = MemberExchange(
-                    ctx, self.agent, self.layout,
-                    plan.groups_of(self.rank)[ParallelMode.WEIGHT_TRANSFER.value][0],
-                    loop.max_staleness, timeout_s, joining=job.joining)
-        else:
-            self.exchange = Exchange(
-                ctx, plan, self.agent, self.layout, episode_cap=episode_cap,
-                max_staleness=loop.max_staleness, verify_every=loop.verify_weights_every,
-            )
-        self.trained: TrainedModule | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
+        # A sharded trainer's copy comes first: a sharded hand-off sends its shards. DDP wraps
+        # the acting module itself, only once a flat or elastic hand-off bound it to its send
+        # buffer (the parameters then live there).
+        sharded = is_sharded(plan, loop.data_parallel)
+        self.trained = self._trained_module() if sharded else None
+        self.hand_off = build_hand_off(ctx, job, self.agent, self.layout, self.trained,
+                                       self._hand_off_settings(episode_cap, sharded))
+        if not sharded:
+            self.trained = self._trained_module()
+        self.optimizer = (self.algorithm.optimizer(self.trained.trained)
+                          if self.trained is not None else None)
         # The ranks of one TENSOR_PARALLEL group train one replica on the same batch, in the
         # same minibatch order: they seed it from the group's first rank.
         self.replica_rank = self.rank
-        if self.is_trainer:
-            self.trained = TrainedModule(ctx, plan, self.agent.net, loop.data_parallel)
-            self.optimizer = self.algorithm.optimizer(self.trained.trained)
-            if self.grid.tensor > 1:
-                self.replica_rank = min(plan.groups_of(self.rank)[ParallelMode.TENSOR_PARALLEL.value])
+        if self.is_trainer and self.grid.tensor > 1:
+            self.replica_rank = min(plan.groups_of(self.rank)[ParallelMode.TENSOR_PARALLEL.value])
 
         self.update = 0
         self.env_steps = 0
@@ -118,51 +104,19 @@ class RuntimeRun:
         self.split_s = {"collect": 0.0, "update": 0.0, "comm": 0.0}
 
     def run(self) -> dict[str, Any]:
-        if self.elastic and not self.is_trainer:
-            return self._run_member()
         self._maybe_resume()
         if self.rank == 0 and self.is_trainer:
             self.metrics_file = MetricsFile(self.job.run_dir / "metrics.csv", self.metrics)
         first_update, first_steps = self.update, self.env_steps  # this attempt's start
         start, cpu_start = time.perf_counter(), time.process_time()
-        reached_at: tuple[float, int] | None = None
         rule = self.loop.stop_rule()
-        target = self.loop.target()  # with loop.stop_at_target=false: noted, not the end
         view = RunProgress(rule, self._name()) if self._writes_outputs(self.loop.progress) else None
         scalars = (ScalarLog(self.job.run_dir, self._name())
                    if self._writes_outputs(self.loop.tensorboard) else None)
-        if view is not None and isinstance(self.exchange, LeaderExchange):
-            self.exchange.on_wait = view.waiting
-        if self.env_steps < self.loop.total_env_steps:
-            self._sync_weights(first=True)
-        while self.env_steps < self.loop.total_env_steps:
-            version = self.exchange.version(self.update)
-            segments, new_episodes, shared = self._collect(version)
-            self.episodes.extend(new_episodes)
-            collected = int(shared.pop("segments", self.collectors))
-            self.env_steps += collected * self.hp.num_envs * self.hp.num_steps
-            losses = self._train(segments) if self.is_trainer else {}
-            if isinstance(self.exchange, LeaderExchange):
-                self.exchange.update_done()
-            self.update += 1
-            row = self._record(version, new_episodes, losses, shared,
-                               self.env_steps - first_steps, time.perf_counter() - start)
-            timeline.mark("first_update")  # the first time counts (app/output/timeline.py)
-            if scalars is not None:
-                scalars.write({**row, "mean_return_window": self._recent_return()}, self.env_steps)
-            if view is not None:
-                view.update(self._snapshot(row, time.perf_counter() - start))
-            if self._should_checkpoint():
-                self._save_checkpoint()
-            if reached_at is None and target is not None and self._recent_return() >= target:
-                reached_at = (time.perf_counter() - start, self.env_steps)
-                if self.loop.stop_at_target:
-                    break
-            if self.env_steps < self.loop.total_env_steps:
-                self._sync_weights(first=False)
+        self.hand_off.on_wait = view.waiting if view is not None else None
+        reached_at = self._loop(start, first_steps, view, scalars)
         timeline.mark("stop")
-        if isinstance(self.exchange, LeaderExchange):
-            self.exchange.stop(self.update, self.env_steps)
+        self.hand_off.stop(self.update, self.env_steps)
         if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
             self._save_checkpoint()  # keep the final state too
         if view is not None:
@@ -171,111 +125,129 @@ class RuntimeRun:
             in_background(scalars.close, name="TensorBoard scalars")
         elapsed = time.perf_counter() - start
         cpu_s = time.process_time() - cpu_start
-        if self.metrics_file is not None:
-            self.metrics_file.close()
-            if self.metrics:
-                in_background(pictures.draw, plot_learning_curve, self.metrics_file.path,
-                              self.job.run_dir / "learning_curve.png", target,
-                              f"{self._name()} {self.loop.env.id}", name="learning curve")
+        self._draw_learning_curve()
         if self.worker is not None:
             self.worker.close()
-        steps = self.env_steps - first_steps
-        exchange = self.exchange
-        metrics = job_metrics(
-            self.ctx, self.is_trainer, elapsed=elapsed, transfer_s=exchange.transfer_s,
-            wait_s=exchange.wait_total_s, reached_at=reached_at,
-            updates=self.update - first_update, steps=steps, recent=self._recent_return(),
-            over=(ParallelMode.TRAIN_DATA_PARALLEL if self.elastic else ParallelMode.GLOBAL),
-        )
-        if self.elastic and elapsed:  # the rollout ranks' waits came with their segments
-            waited = sum(row["rollout_wait_s"] for row in self.metrics[first_update:])
-            metrics["rollout_wait_fraction"] = round(waited / elapsed, 4)
-        return {
+        return self._result(elapsed, cpu_s, self.update - first_update,
+                            self.env_steps - first_steps, reached_at)
+
+    def _loop(self, start: float, first_steps: int, view: RunProgress | None,
+              scalars: ScalarLog | None) -> tuple[float, int] | None:
+        """Updates until the stop rule fires (or, on a rollout rank that follows its trainer,
+        until the trainer says so); returns when and at how many env steps the target was
+        reached, if it was."""
+        reached_at: tuple[float, int] | None = None
+        target = self.loop.target()  # with loop.stop_at_target=false: noted, not the end
+        going = self._more_steps() and self._sync_weights(first=True)
+        while going:
+            version = self.hand_off.version(self.update)
+            handed = self._collect(version)
+            if handed is None:  # told by its trainer: the run stopped
+                break
+            self.episodes.extend(handed.episodes)
+            collected = int(handed.shared.pop("segments"))
+            self.env_steps += collected * self.hp.num_envs * self.hp.num_steps
+            losses = self._train(handed.segments) if self.is_trainer else {}
+            self.hand_off.update_done()
+            self.update += 1
+            timeline.mark("first_update")  # the first time counts (app/output/timeline.py)
+            if not self.follows:
+                elapsed = time.perf_counter() - start
+                row = self._record(version, handed.episodes, losses, handed.shared,
+                                   self.env_steps - first_steps, elapsed)
+                self._show(row, elapsed, view, scalars)
+                if self._should_checkpoint():
+                    self._save_checkpoint()
+                if reached_at is None and target is not None and self._recent_return() >= target:
+                    reached_at = (time.perf_counter() - start, self.env_steps)
+                    if self.loop.stop_at_target:
+                        break
+            going = self._more_steps() and self._sync_weights(first=False)
+        return reached_at
+
+    def _more_steps(self) -> bool:
+        """Whether the run goes on (a follower: until its trainer stops it)."""
+        return self.follows or self.env_steps < self.loop.total_env_steps
+
+    def _show(self, row: dict[str, float], elapsed: float, view: RunProgress | None,
+              scalars: ScalarLog | None) -> None:
+        if scalars is not None:
+            scalars.write({**row, "mean_return_window": self._recent_return()}, self.env_steps)
+        if view is not None:
+            view.update(self._snapshot(row, elapsed))
+
+    def _draw_learning_curve(self) -> None:
+        if self.metrics_file is None:
+            return
+        self.metrics_file.close()
+        if self.metrics:
+            in_background(pictures.draw, plot_learning_curve, self.metrics_file.path,
+                          self.job.run_dir / "learning_curve.png", self.loop.target(),
+                          f"{self._name()} {self.loop.env.id}", name="learning curve")
+
+    def _result(self, elapsed: float, cpu_s: float, updates: int, steps: int,
+                reached_at: tuple[float, int] | None) -> dict[str, Any]:
+        """This rank's entry in result.json."""
+        hand_off = self.hand_off
+        common = {
             "role": self.job.plan.role(self.rank),
             "updates": self.update,
             "env_steps": self.env_steps,
+            "wall_s": round(elapsed, 2),
+            "env_steps_per_s": round(steps / elapsed, 1) if elapsed else 0.0,
+            "weights_version": hand_off.version(self.update),
+            "hand_off": hand_off.kind,
+            "trajectory_bytes_sent": hand_off.trajectory_bytes_sent,
+            "wait_fraction": round(hand_off.wait_total_s / elapsed, 4) if elapsed else 0.0,
+            "time_split_s": self._time_split(elapsed),
+            "cpu_s": round(cpu_s, 3),  # this process's CPU time over the loop (all threads)
+            "param_checksum": float(sum(p.detach().double().sum()
+                                        for p in self.agent.net.parameters())),
+        }
+        if self.follows:  # the job's counts come from its trainer: this rank's own beside them
+            return {**common, **hand_off.result(), "env_steps_collected": steps}
+        metrics = job_metrics(
+            self.ctx, self.is_trainer, elapsed=elapsed, transfer_s=hand_off.transfer_s,
+            wait_s=hand_off.wait_total_s, reached_at=reached_at, updates=updates, steps=steps,
+            recent=self._recent_return(),
+            over=(ParallelMode.TRAIN_DATA_PARALLEL if self.elastic else ParallelMode.GLOBAL),
+        )
+        if self.elastic and elapsed:  # the rollout ranks' waits came with their segments
+            waited = sum(row["rollout_wait_s"] for row in self.metrics[-updates:]) \
+                if updates else 0.0
+            metrics["rollout_wait_fraction"] = round(waited / elapsed, 4)
+        membership = hand_off.result()
+        if "epoch" in membership:
+            membership["epoch"] += self.epoch_base
+        return {
+            **common,
             "episodes": len(self.episodes),
             "mean_return_last_window": round(self._recent_return(), 2),
             "reached_target": reached_at is not None,
             "time_to_target_s": round(reached_at[0], 2) if reached_at else None,
             "env_steps_to_target": reached_at[1] if reached_at else None,
-            "wall_s": round(elapsed, 2),
-            "env_steps_per_s": round(steps / elapsed, 1) if elapsed else 0.0,
-            "weights_version": exchange.version(self.update),
-            "weight_bytes_sent": exchange.weight_bytes_sent,
-            "trajectory_bytes_sent": exchange.trajectory_bytes_sent,
+            "weight_bytes_sent": hand_off.weight_bytes_sent,
             "max_staleness": self.loop.max_staleness,
-            "wait_fraction": round(exchange.wait_total_s / elapsed, 4) if elapsed else 0.0,
-            "time_split_s": self._time_split(elapsed),
-            "cpu_s": round(cpu_s, 3),  # this process's CPU time over the loop (all threads)
-            **({"staleness_histogram": {str(k): n for k, n in sorted(exchange.staleness.items())}}
+            **({"staleness_histogram": {str(k): n for k, n in sorted(hand_off.staleness.items())}}
                if self.is_trainer else {}),
-            "param_checksum": float(sum(p.detach().double().sum()
-                                        for p in self.agent.net.parameters())),
             "metrics": {**metrics, **self._declared_losses()},
-            **(self._membership_result() if isinstance(exchange, LeaderExchange) else {}),
+            **membership,
         }
 
-    def _membership_result(self) -> dict[str, Any]:
-        """Who left and joined this trainer's group, and what was lost with them."""
-        exchange = self.exchange
-        return {
-            "epoch": self.epoch_base + exchange.epoch,
-            "members": list(exchange.live),
-            "changes": [c.record() for c in exchange.changes],
-            "segments_discarded": exchange.discarded,
-        }
+    def _hand_off_settings(self, episode_cap: int, sharded: bool) -> HandOffSettings:
+        loop = self.loop
+        return HandOffSettings(max_staleness=loop.max_staleness,
+                               verify_every=loop.verify_weights_every,
+                               min_rollouts=loop.min_rollouts,
+                               timeout_s=self.ctx.timeout.total_seconds(),
+                               episode_cap=episode_cap, sharded=sharded,
+                               rollout_restarts=self.job.rollout_restarts)
 
-    def _run_member(self) -> dict[str, Any]:
-        """A rollout rank of an elastic run: collect, send, take the next weights, until its
-        trainer says the run stopped (app/runtime/membership.py)."""
-        assert self.worker is not None and isinstance(self.exchange, MemberExchange)
-        exchange = self.exchange
-        if not self.job.joining:  # where the run resumed, if it did (the weights come next)
-            picked = resume_source(self.ctx, self.job, self.loop.resume, over=None)
-            if picked is not None:
-                log.info("resumed from %s at update %d (%d env steps)", picked.path,
-                         picked.state["update"], picked.state["env_steps"])
-        start, cpu_start = time.perf_counter(), time.process_time()
-        segments = 0
-        going = exchange.sync_weights(first=True)
-        while going:
-            tick = time.perf_counter()
-            own, mine = self.worker.collect(self.agent, exchange.version(0))
-            self.split_s["collect"] += time.perf_counter() - tick
-            tick = time.perf_counter()
-            lost = exchange.send_segment(own, mine)
-            if lost is None:
-                segments += 1
-                going = exchange.sync_weights(first=False)
-            else:  # lost with its group: on a new epoch's weights already, or stopped
-                going = lost
-            self.split_s["comm"] += time.perf_counter() - tick
-            timeline.mark("first_update")
-        timeline.mark("stop")
-        self.worker.close()
-        elapsed = time.perf_counter() - start
-        steps = segments * self.hp.num_envs * self.hp.num_steps
-        return {
-            "role": self.job.plan.role(self.rank),
-            # The job's counts, as its trainer stopped at, like every rank reports them; then
-            # this rank's own: the segments it sent and the env steps it collected.
-            "updates": exchange.final.get("updates"),
-            "env_steps": exchange.final.get("env_steps"),
-            "segments_sent": segments,
-            "env_steps_collected": steps,
-            "weights_version": exchange.acting_version,
-            "epoch": exchange.epoch,
-            "joined": self.job.joining,
-            "trajectory_bytes_sent": exchange.trajectory_bytes_sent,
-            "wall_s": round(elapsed, 2),
-            "env_steps_per_s": round(steps / elapsed, 1) if elapsed else 0.0,
-            "wait_fraction": round(exchange.wait_total_s / elapsed, 4) if elapsed else 0.0,
-            "time_split_s": self._time_split(elapsed),
-            "cpu_s": round(time.process_time() - cpu_start, 3),
-            "param_checksum": float(sum(p.detach().double().sum()
-                                        for p in self.agent.net.parameters())),
-        }
+    def _trained_module(self) -> TrainedModule | None:
+        """What this rank trains (docs/sharding.md); None on a rollout rank."""
+        if not self.is_trainer:
+            return None
+        return TrainedModule(self.ctx, self.job.plan, self.agent.net, self.loop.data_parallel)
 
     def _declared_losses(self) -> dict[str, float | None]:
         """The last update's figures of the algorithm's that its loop declares as metrics
@@ -303,80 +275,37 @@ class RuntimeRun:
         parts["other"] = elapsed - sum(parts.values())
         return {name: round(value, 3) for name, value in {**parts, "loop": elapsed}.items()}
 
-    def _sync_weights(self, first: bool) -> None:
+    def _sync_weights(self, first: bool) -> bool:
         tick = time.perf_counter()
-        self.exchange.sync_weights(self.agent, first=first)
+        going = self.hand_off.sync_weights(first=first)
         self.split_s["comm"] += time.perf_counter() - tick
+        return going
 
     def _name(self) -> str:
         return type(self.algorithm).__name__.lower()
 
-    def _collect(self, version: int) -> tuple[list[Segment], list[Episode], dict[str, float]]:
-        """This update's segments (trainers) and every rank's finished episodes."""
+    def _collect(self, version: int) -> Round | None:
+        """This rank's segment collected (if it collects) and handed off: what the update
+        trains on and every finished episode; None once the run stopped."""
         own: torch.Tensor | None = None
         mine: list[Episode] = []
         if self.worker is not None:
             tick = time.perf_counter()
             own, mine = self.worker.collect(self.agent, version)
             self.split_s["collect"] += time.perf_counter() - tick
-        if isinstance(self.exchange, LeaderExchange):
-            tick = time.perf_counter()
-            segments, episodes, member_wait = self.exchange.gather_segments(self.update)
-            self.lag = max((s.lag for s in segments), default=0)
-            shared = self._share_among_trainers(segments, episodes, member_wait)
-            self.split_s["comm"] += time.perf_counter() - tick
-            return (segments, *shared)
-        segments = [as_segment(self.layout, own)] if (own is not None and not self.split) else []
         tick = time.perf_counter()
-        if self.split:
-            segments = self.exchange.gather_segments(own, self.update)
-        self.lag = max((s.lag for s in segments), default=0)
-        shared = self.exchange.share_episodes(mine, self.lag)
+        handed = self.hand_off.exchange(own, mine, self.update)
         self.split_s["comm"] += time.perf_counter() - tick
-        return (segments, *shared)
-
-    def _share_among_trainers(
-        self, segments: list[Segment], episodes: list[Episode], member_wait: float
-    ) -> tuple[list[Episode], dict[str, float]]:
-        """Elastic runs: the trainers learn every finished episode (their members' segments
-        carried them) and each other's membership, so all stop at the same update; nothing here
-        involves a rollout rank."""
-        exchange = self.exchange
-        cap = self.exchange.layout.fields["episodes"].shape[0] * max(1, len(exchange.members))
-        kept = episodes[-cap:]
-        row = torch.full((cap + 2, 3), float("nan"), dtype=torch.float64)
-        row[0] = torch.tensor([len(kept), len(segments), len(exchange.live)])
-        row[1] = torch.tensor([exchange.wait_s, member_wait, self.lag])
-        exchange.wait_total_s += exchange.wait_s
-        exchange.wait_s = 0.0
-        if kept:
-            row[2 : len(kept) + 2, :2] = torch.tensor(kept, dtype=torch.float64)
-        size = torch.tensor([float(cap)])
-        largest = int(collectives.all_reduce(self.ctx, ParallelMode.TRAIN_DATA_PARALLEL, size,
-                                             torch.distributed.ReduceOp.MAX).item())
-        if largest > cap:  # members joined elsewhere: everyone's block has the same shape
-            row = torch.cat([row, torch.full((largest - cap, 3), float("nan"),
-                                             dtype=torch.float64)])
-        epoch = torch.tensor([float(exchange.epoch)])
-        everyone = collectives.all_gather(self.ctx, ParallelMode.TRAIN_DATA_PARALLEL,
-                                          torch.cat([row, epoch.expand(1, 3).double()]).unsqueeze(0))
-        shared_episodes: list[Episode] = []
-        for block in everyone:
-            count = int(block[0, 0].item())
-            shared_episodes += [(float(r), int(n)) for r, n, _ in block[2 : count + 2].tolist()]
-        return shared_episodes, {
-            "segments": float(everyone[:, 0, 1].sum()),
-            "members": float(everyone[:, 0, 2].sum()),
-            "epoch": float(self.epoch_base + everyone[:, -1, 0].sum()),
-            "staleness": float(everyone[:, 1, 2].max()),
-            "trainer_wait_s": float(everyone[:, 1, 0].mean()),
-            "rollout_wait_s": float(everyone[:, 1, 1].mean()),
-        }
+        if handed is not None:
+            self.lag = max((s.lag for s in handed.segments), default=0)
+            if "epoch" in handed.shared:
+                handed.shared["epoch"] += self.epoch_base
+        return handed
 
     def _train(self, segments: list[Segment]) -> dict[str, float]:
         assert self.optimizer is not None and self.trained is not None
         tick = time.perf_counter()
-        self.exchange.before_optimizer_step()  # the bound agent is about to change
+        self.hand_off.before_optimizer_step()  # the bound agent is about to change
         self._fold_moments(segments)  # each segment's moments once, before they are shared
         if self.grid.tensor > 1:
             segments = share_segments(self.ctx, segments)
@@ -426,7 +355,7 @@ class RuntimeRun:
             self.metrics[-1] if self.metrics else None, self.algorithm.losses,
             update=self.update, env_steps=self.env_steps, attempt_steps=attempt_steps,
             elapsed=elapsed, version=version, new=new, recent=self._recent_return(),
-            transfer_s=self.exchange.transfer_s, shared=shared, losses=losses,
+            transfer_s=self.hand_off.transfer_s, shared=shared, losses=losses,
         )
         self.metrics.append(row)
         if self.metrics_file is not None:
@@ -463,6 +392,9 @@ class RuntimeRun:
                                self.metrics else None))
 
     def _maybe_resume(self) -> None:
+        if self.follows:  # the trainer's weights and statistics come with the first transfer
+            self._note_resume()
+            return
         picked = resume_source(  # verified on load
             self.ctx, self.job, self.loop.resume,
             ParallelMode.TRAIN_DATA_PARALLEL if self.elastic else ParallelMode.GLOBAL)
@@ -483,3 +415,13 @@ class RuntimeRun:
         if source.resolve().is_relative_to(self.job.run_dir.resolve()):
             self.metrics = list(state["metrics"])  # same run: metrics.csv keeps every row
         log.info("resumed from %s at update %d (%d env steps)", source, self.update, self.env_steps)
+
+    def _note_resume(self) -> None:
+        """A rollout rank that follows its trainer: where the run resumed, if it did, by this
+        rank's own restart count (a joiner replaces a lost rank of the running job: none)."""
+        if self.job.joining:
+            return
+        picked = resume_source(self.ctx, self.job, self.loop.resume, over=None)
+        if picked is not None:
+            log.info("resumed from %s at update %d (%d env steps)", picked.path,
+                     picked.state["update"], picked.state["env_steps"])

@@ -63,7 +63,7 @@ class Layout:
         return views
 
 
-# What an elastic run's segment also carries (app/runtime/membership.py).
+# What an elastic run's segment also carries (app/runtime/handoff/elastic.py).
 EPISODE_FIELDS = ("episodes", "episode_count", "wait_s")
 
 

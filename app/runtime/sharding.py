@@ -99,7 +99,7 @@ class TrainedModule:
                              f"{data_parallel!r}")
         self.net = net
         self.grid = TrainerGrid.of(plan)
-        self.sharded = data_parallel == "fsdp" or self.grid.tensor > 1
+        self.sharded = is_sharded(plan, data_parallel)
         self.model: nn.Module
         if not self.sharded:
             # DDP's group: the trainers (the same ranks as a planned DATA_PARALLEL grid).
@@ -215,19 +215,21 @@ def _by_name(optimizer_state: Mapping[str, Any], names: list[str]) -> dict[str, 
     return {"state": state, "param_groups": groups}
 
 
-def share_segments(ctx: CommContext, segments: list[Segment]) -> list[Segment]:
-    """Every segment of this rank's TENSOR_PARALLEL group, in group-rank order: the batch of the
-    data-parallel replica the group holds, the same on each of its ranks."""
-    if not segments:
-        raise ValueError("share_segments: a trainer needs at least one segment")
-    counts = collectives.all_gather(ctx, TP, torch.tensor([len(segments)]))
+def share_segments(ctx: CommContext, segments: list[Segment], mode: ParallelMode = TP,
+                   template: Segment | None = None) -> list[Segment]:
+    """Every segment of this rank's ``mode`` group, in group-rank order (TENSOR_PARALLEL: the
+    batch of the data-parallel replica the group holds, the same on each of its ranks).
+    ``template``: a segment of the same layout, for a rank that has none."""
+    template = segments[0] if segments else template
+    if template is None:
+        raise ValueError("share_segments: a rank without segments needs a template")
+    counts = collectives.all_gather(ctx, mode, torch.tensor([len(segments)]))
     most = int(counts.max())
-    template = segments[0]
     parts = _parts(template)
     shared: list[list[Segment]] = [[] for _ in range(len(counts))]
     for index in range(most):
         mine = segments[index] if index < len(segments) else template
-        gathered = collectives.all_gather(ctx, TP, _flatten(_parts(mine)).unsqueeze(0))
+        gathered = collectives.all_gather(ctx, mode, _flatten(_parts(mine)).unsqueeze(0))
         for member, row in enumerate(gathered):
             if index < int(counts[member]):
                 shared[member].append(_segment(_unflatten(row, parts)))
@@ -262,3 +264,9 @@ def _segment(parts: Mapping[str, Tensor]) -> Segment:
                        if k.startswith("moments/")}
     segment.version, segment.lag = (int(x) for x in parts["meta/version_lag"].tolist())
     return segment
+
+
+def is_sharded(plan: LayoutPlan, data_parallel: str) -> bool:
+    """Whether trainers train a sharded copy of the policy (FSDP, or a tensor-parallel grid)
+    rather than the acting module itself under DDP."""
+    return data_parallel == "fsdp" or TrainerGrid.of(plan).tensor > 1

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from app.api import setting
 from app.loops.ppo.core import PPO, PPOHyperParams
 from app.runtime import Algorithm, RLLoop
-from app.runtime.exchange import StaleDataError, check_staleness, policy_receiver
+from app.runtime.handoff.flat import StaleDataError, check_staleness, policy_receiver
 
 __all__ = ["PPOLoop", "StaleDataError", "check_staleness", "policy_receiver"]
 

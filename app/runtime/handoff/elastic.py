@@ -31,8 +31,10 @@ from typing import Any
 import torch
 
 from app.runtime.algorithm import Segment
-from app.runtime.exchange import check_staleness, policy_receiver
+from app.runtime.handoff.base import HandOffSettings, Round
+from app.runtime.handoff.flat import check_staleness, policy_receiver
 from app.runtime.segments import EPISODE_FIELDS, Layout, pack_episodes, unpack_episodes
+from app.runtime.sharding import share_segments
 from app.runtime.worker import Episode, as_segment
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.diagnostics.watchdog import default_hang_timeout
@@ -99,23 +101,26 @@ def _rounded(value: float | None) -> float | None:
     return round(value, 3) if value is not None else None
 
 
-class LeaderExchange:
+class ElasticLeader:
     """A trainer's side of an elastic hand-off (see the module's doc)."""
 
+    kind = "elastic"
+
     def __init__(self, ctx: CommContext, agent: torch.nn.Module, layout: Layout,
-                 max_staleness: int, verify_every: int, min_rollouts: int, timeout_s: float,
-                 hosts: dict[int, str]) -> None:
+                 settings: HandOffSettings, hosts: dict[int, str]) -> None:
         self.ctx, self.agent, self.layout = ctx, agent, layout
         self.rank = ctx.get_global_rank()
-        self.max_staleness, self.verify_every = max_staleness, verify_every
-        self.min_rollouts, self.timeout_s = min_rollouts, timeout_s
-        self.patience = epoch_timeout(ctx, timeout_s)
+        self.max_staleness, self.verify_every = settings.max_staleness, settings.verify_every
+        self.min_rollouts, self.timeout_s = settings.min_rollouts, settings.timeout_s
+        self.rollout_restarts = settings.rollout_restarts
+        self.counts: list[int] = []  # each trainer's live members this update
+        self.patience = epoch_timeout(ctx, self.timeout_s)
         self.patience_s = self.patience.total_seconds()
         self.hosts = dict(hosts)  # rank -> host, as last known
         planned = ctx.get_declared_ranks(WT)
         self.membership = Membership(ctx.store, self.rank, planned)
         self._register(self.membership.group(self.rank, self.patience))  # epoch 0
-        self.sender = WeightSender(ctx, WT, verify_every=verify_every)
+        self.sender = WeightSender(ctx, WT, verify_every=self.verify_every)
         self.sender.bind(agent)
         self.changes: list[Change] = []
         self.dropped: dict[int, str] = {}  # lost since the current epoch formed
@@ -149,16 +154,17 @@ class LeaderExchange:
 
     # ---- the update boundary ------------------------------------------------------------
 
-    def sync_weights(self, policy: torch.nn.Module, first: bool) -> None:
+    def sync_weights(self, first: bool) -> bool:
         """Admits joiners and drops the lost (a new epoch), then sends the next weights."""
         tick = time.perf_counter()
         joins = self.membership.pending_joins()
         if joins or self.dropped:
             self._next_epoch(joins)
         else:
-            self.sender.send(policy, wait=first)
+            self.sender.send(self.agent, wait=first)
             self.weight_bytes_sent += len(self.members) * self.weight_bytes
         self.transfer_s += time.perf_counter() - tick
+        return True
 
     def before_optimizer_step(self) -> None:
         tick = time.perf_counter()
@@ -232,38 +238,69 @@ class LeaderExchange:
 
     # ---- segments -----------------------------------------------------------------------
 
+    def exchange(self, own: torch.Tensor | None, mine: list[Episode], updates: int) -> Round:
+        """This update's segments from the live members; the trainers share every finished
+        episode (the members' segments carried them) and each other's membership, so all stop
+        at the same update. Nothing here involves another trainer's rollout ranks."""
+        segments, episodes, member_wait = self.gather_segments(updates)
+        lag = max((s.lag for s in segments), default=0)
+        shared_episodes, shared = self._share_among_trainers(segments, episodes, member_wait,
+                                                             lag)
+        if min(self.counts) == 0:  # a rollout rank serves the job, not one trainer
+            segments = self._deal(segments)
+        return Round(segments, shared_episodes, shared)
+
+    def result(self) -> dict[str, Any]:
+        """Who left and joined this trainer's group, and what was lost with them."""
+        return {
+            "epoch": self.epoch,
+            "members": list(self.live),
+            "changes": [c.record() for c in self.changes],
+            "segments_discarded": self.discarded,
+        }
+
+    def _share_among_trainers(
+        self, segments: list[Segment], episodes: list[Episode], member_wait: float, lag: int
+    ) -> tuple[list[Episode], dict[str, float]]:
+        """Every trainer's episodes, counts and waits, over TRAIN_DATA_PARALLEL."""
+        cap = self.layout.fields["episodes"].shape[0] * max(1, len(self.members))
+        kept = episodes[-cap:]
+        row = torch.full((cap + 2, 3), float("nan"), dtype=torch.float64)
+        row[0] = torch.tensor([len(kept), len(segments), len(self.live)])
+        row[1] = torch.tensor([self.wait_s, member_wait, lag])
+        self.wait_total_s += self.wait_s
+        self.wait_s = 0.0
+        if kept:
+            row[2 : len(kept) + 2, :2] = torch.tensor(kept, dtype=torch.float64)
+        size = torch.tensor([float(cap)])
+        largest = int(collectives.all_reduce(self.ctx, TDP, size,
+                                             torch.distributed.ReduceOp.MAX).item())
+        if largest > cap:  # members joined elsewhere: everyone's block has the same shape
+            row = torch.cat([row, torch.full((largest - cap, 3), float("nan"),
+                                             dtype=torch.float64)])
+        epoch = torch.tensor([float(self.epoch)])
+        everyone = collectives.all_gather(self.ctx, TDP,
+                                          torch.cat([row, epoch.expand(1, 3).double()]).unsqueeze(0))
+        shared_episodes: list[Episode] = []
+        for block in everyone:
+            count = int(block[0, 0].item())
+            shared_episodes += [(float(r), int(n)) for r, n, _ in block[2 : count + 2].tolist()]
+        return shared_episodes, {
+            "segments": float(everyone[:, 0, 1].sum()),
+            "members": float(everyone[:, 0, 2].sum()),
+            "epoch": float(everyone[:, -1, 0].sum()),
+            "staleness": float(everyone[:, 1, 2].max()),
+            "trainer_wait_s": float(everyone[:, 1, 0].mean()),
+            "rollout_wait_s": float(everyone[:, 1, 1].mean()),
+        }
+
     def gather_segments(self, updates: int) -> tuple[list[Segment], list[Episode], float]:
         """This update's segments from the live members, their episodes and mean waiting time;
-        below ``min_rollouts`` members, waits for joiners first (up to ``comm.timeout``)."""
+        when the job as a whole has fewer than ``min_rollouts`` live members, waits for joiners
+        first (up to the patience), or ends the run at once if none can come."""
         self.update = updates
         tick = time.perf_counter()
-        received = self._receive()
-        # Every trainer takes part, so none waits alone in a collective of theirs (where it
-        # would be diagnosed as hung): the short ones admit joiners, the others wait with them.
-        deadline: float | None = None
-        while self._short_anywhere(len(received) < self.min_rollouts):
-            if len(received) < self.min_rollouts:
-                lost = ", ".join(f"rank {c.rank} on {c.host} ({c.reason})"
-                                 for c in self.changes if c.event == "leave")
-                if deadline is None:
-                    deadline = time.monotonic() + self.patience_s
-                    text = (f"waiting up to {self.patience_s:g} s for rollout ranks to join: "
-                            f"{len(received)} live of loop.min_rollouts={self.min_rollouts}; "
-                            f"lost: {lost}")
-                    log.warning("rank %d %s", self.rank, text)
-                    if self.on_wait is not None:
-                        self.on_wait(text)
-                if time.monotonic() > deadline:
-                    raise MembersLostError(
-                        f"{len(received)} live rollout ranks of "
-                        f"loop.min_rollouts={self.min_rollouts} for {self.patience_s:g} s; "
-                        f"lost: {lost}")
-                joins = self.membership.pending_joins()
-                if joins:
-                    self._next_epoch(joins)
-                    received += self._receive()
-                    continue
-            time.sleep(0.05)
+        received = self._enough_members(self._receive())
         self.wait_s += time.perf_counter() - tick
         segments, episodes, waits = [], [], []
         versions = []
@@ -285,11 +322,79 @@ class LeaderExchange:
                     change.first_segment_lag = lag
         return segments, episodes, (sum(waits) / len(waits) if waits else 0.0)
 
-    def _short_anywhere(self, short: bool) -> bool:
-        """Whether any trainer has fewer live rollout ranks than ``loop.min_rollouts``."""
-        flag = torch.tensor([float(short)])
-        return bool(collectives.all_reduce(self.ctx, TDP, flag, torch.distributed.ReduceOp.MAX)
-                    .item())
+    def _enough_members(
+        self, received: list[tuple[int, torch.Tensor]]
+    ) -> list[tuple[int, torch.Tensor]]:
+        """``received``, once the job has ``min_rollouts`` live members. Every trainer takes
+        part (so none waits alone in a collective of theirs, where it would be diagnosed as
+        hung): those with joiners admit them, the others wait with them."""
+        deadline: float | None = None
+        while True:
+            counts, joinable = self._job_counts(len(received))
+            live = sum(counts)
+            if live >= self.min_rollouts:
+                self.counts = counts
+                return received
+            lost = ", ".join(f"rank {c.rank} on {c.host} ({c.reason})"
+                             for c in self.changes if c.event == "leave") or \
+                "by the other trainers' groups"
+            if not joinable:
+                raise MembersLostError(
+                    f"{live} live rollout ranks of loop.min_rollouts={self.min_rollouts}, and "
+                    f"none can join (launcher.rollout_restarts={self.rollout_restarts}); "
+                    f"lost: {lost}")
+            if deadline is None:
+                deadline = time.monotonic() + self.patience_s
+                text = (f"waiting up to {self.patience_s:g} s for rollout ranks to join: "
+                        f"{live} live of loop.min_rollouts={self.min_rollouts}; lost: {lost}")
+                log.warning("rank %d %s", self.rank, text)
+                if self.on_wait is not None:
+                    self.on_wait(text)
+            if time.monotonic() > deadline:
+                raise MembersLostError(
+                    f"{live} live rollout ranks of loop.min_rollouts={self.min_rollouts} for "
+                    f"{self.patience_s:g} s; lost: {lost}")
+            joins = self.membership.pending_joins()
+            if joins:
+                self._next_epoch(joins)
+                received += self._receive()
+                continue
+            time.sleep(0.05)
+
+    def _job_counts(self, received: int) -> tuple[list[int], bool]:
+        """Each trainer's live members this update, and whether a lost one can still come
+        back to any trainer (a restart left, or a join by hand)."""
+        row = torch.tensor([[float(received), float(self._can_rejoin())]])
+        everyone = collectives.all_gather(self.ctx, TDP, row).reshape(-1, 2)
+        return [int(n) for n in everyone[:, 0].tolist()], bool(everyone[:, 1].max() > 0)
+
+    def _can_rejoin(self) -> bool:
+        """Whether a rank this trainer lost can be replaced: always by hand (torchrun, srun);
+        under the local launcher while ``launcher.rollout_restarts`` are left for it."""
+        losses: dict[int, int] = {}
+        for change in self.changes:
+            if change.event == "leave" and change.reason != "replaced by a new process":
+                losses[change.rank] = losses.get(change.rank, 0) + 1
+        gone = [rank for rank in losses if rank not in self.live]
+        if self.rollout_restarts is None:
+            return bool(gone)
+        return any(losses[rank] <= self.rollout_restarts for rank in gone)
+
+    def _deal(self, segments: list[Segment]) -> list[Segment]:
+        """Some trainer got no segment this update but the job did: the job's segments are
+        dealt over the trainers (round robin; with fewer segments than trainers, a trainer
+        trains on a copy of one whose statistics another trainer folds in)."""
+        template = segment_fields(self.layout, self.layout.empty())
+        template.moments = {k: torch.zeros_like(v) for k, v in template.moments.items()}
+        everyone = share_segments(self.ctx, segments, TDP, template=template)
+        trainers = len(self.counts)
+        me = self.ctx.get_local_rank(TDP)
+        if len(everyone) >= trainers:
+            return everyone[me::trainers]
+        copy = everyone[me % len(everyone)]
+        if me >= len(everyone):
+            copy.moments = {k: torch.zeros_like(v) for k, v in copy.moments.items()}
+        return [copy]
 
     def _receive(self) -> list[tuple[int, torch.Tensor]]:
         live = [m for m in self.members if m not in self.dropped]
@@ -322,22 +427,32 @@ def epoch_timeout(ctx: CommContext, timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=patience_s(timeout_s, hang))
 
 
-class MemberExchange:
+class ElasticMember:
     """A rollout rank's side: send segments to its trainer, take the weights it sends, follow it
     to each new epoch; ``joining``: this process replaces a lost one and asks to be admitted."""
 
+    kind = "elastic"
+
     def __init__(self, ctx: CommContext, agent: torch.nn.Module, layout: Layout,
-                 leader: int, max_staleness: int, timeout_s: float, joining: bool) -> None:
+                 leader: int, settings: HandOffSettings, joining: bool) -> None:
         self.ctx, self.agent, self.layout = ctx, agent, layout
         self.rank = ctx.get_global_rank()
-        self.leader, self.max_staleness, self.timeout_s = leader, max_staleness, timeout_s
-        self.wait_s = self.wait_total_s = 0.0
-        self.trajectory_bytes_sent = 0
+        self.leader, self.max_staleness = leader, settings.max_staleness
+        self.timeout_s = settings.timeout_s
+        self.joining = joining
+        self.wait_s = self.wait_total_s = self.transfer_s = 0.0
+        self.trajectory_bytes_sent = self.weight_bytes_sent = 0
+        self.staleness: dict[int, int] = {}  # a member trains nothing
+        self.on_wait: Callable[[str], None] | None = None
         self.acting_version = 0
+        self.segments_sent = 0
+        # Lost with its group while sending, this rank followed its trainer to a new epoch and
+        # holds that epoch's first weights: the next sync has nothing to take.
+        self.followed = False
         self.epochs_followed = 0
-        self.final: dict[str, Any] = {}  # the job's counts at the stop (LeaderExchange.stop)
+        self.final: dict[str, Any] = {}  # the job's counts at the stop (ElasticLeader.stop)
         self.receiver: WeightReceiver
-        self.patience = epoch_timeout(ctx, timeout_s)
+        self.patience = epoch_timeout(ctx, self.timeout_s)
         if joining:
             self._join()
         else:  # epoch 0: the planned group's members
@@ -350,6 +465,32 @@ class MemberExchange:
 
     def version(self, updates: int) -> int:
         return self.acting_version
+
+    def exchange(self, own: torch.Tensor | None, mine: list[Episode], updates: int) -> Round | None:
+        """Sends this rank's segment to its trainer; None once the run stopped."""
+        assert own is not None
+        lost = self.send_segment(own, mine)
+        if lost is None:
+            self.segments_sent += 1
+            return Round(shared={"segments": 1.0})
+        self.followed = lost
+        return Round(shared={"segments": 0.0}) if lost else None
+
+    def before_optimizer_step(self) -> None:
+        """A member trains nothing."""
+
+    def update_done(self) -> None:
+        """A member times nothing: its trainer records the joins and leaves."""
+
+    def stop(self, updates: int, env_steps: int) -> None:
+        """The trainer stops the members, not the reverse."""
+
+    def result(self) -> dict[str, Any]:
+        """The job's counts, as its trainer stopped at, like every rank reports them; then this
+        rank's own: the segments it sent, its epoch, whether it joined a running job."""
+        return {"updates": self.final.get("updates"), "env_steps": self.final.get("env_steps"),
+                "segments_sent": self.segments_sent, "epoch": self.epoch,
+                "joined": self.joining}
 
     def _join(self) -> None:
         while True:
@@ -446,7 +587,10 @@ class MemberExchange:
         return None
 
     def sync_weights(self, first: bool) -> bool:
-        """Takes the next weights (as the static exchange does); False once the run stopped."""
+        """Takes the next weights (as the static hand-off does); False once the run stopped."""
+        if self.followed:  # a new epoch's first weights came with following it
+            self.followed = False
+            return True
         tick = time.perf_counter()
         try:
             if first:

@@ -1,4 +1,4 @@
-"""What moves between ranks in one update, and the time each rank spends blocked on it.
+"""The flat hand-off of a static layout: whole weights, one broadcast per trainer.
 
 Over WEIGHT_TRANSFER a trainer gathers one packed segment per rollout rank (bytes of a fixed
 layout, tagged with the weights version it was collected with: app/runtime/segments.py) and
@@ -10,15 +10,18 @@ update. With a colocated layout (no rollout ranks) only the episodes move.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from app.runtime.algorithm import Segment
+from app.runtime.handoff.base import HandOffSettings, Round
 from app.runtime.segments import Layout
 from app.runtime.worker import Episode, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
-from rlcomm.weights import WeightReceiver, WeightSender
+from rlcomm.weights import WeightReceiver, WeightSender, WeightTransferError
 
 WT, GLOBAL = ParallelMode.WEIGHT_TRANSFER, ParallelMode.GLOBAL
 
@@ -49,48 +52,49 @@ def policy_receiver(ctx: CommContext, policy: torch.nn.Module) -> WeightReceiver
     return WeightReceiver(ctx, WT, expected=policy.state_dict())
 
 
-class Exchange:
-    """One rank's side of the hand-off: segments, weights and episodes, with the time it spent
+class FlatHandOff:
+    """A static layout's hand-off (see the module's doc): segments gathered and whole weights
+    broadcast over WEIGHT_TRANSFER, episodes shared over GLOBAL, with the time each rank spent
     blocked and the bytes it sent.
 
-    Built before DDP wraps ``policy``: a trainer binds it to its send buffer (the parameters
-    then live there, and DDP and the optimizer hold the same Parameter objects as ever), a
-    rollout rank to its receiver (loads point the policy at the received bytes).
+    Built before DDP wraps ``agent``: a trainer binds it to its send buffer (the parameters then
+    live there, and DDP and the optimizer hold the same Parameter objects as ever), a rollout
+    rank to its receiver (loads point the policy at the received bytes).
     """
 
-    def __init__(
-        self,
-        ctx: CommContext,
-        plan: LayoutPlan,
-        policy: torch.nn.Module,
-        layout: Layout,  # of one packed segment
-        episode_cap: int,  # finished episodes one rank shares per update, at most
-        max_staleness: int,
-        verify_every: int,
-    ) -> None:
-        self.ctx = ctx
+    kind = "flat"
+
+    def __init__(self, ctx: CommContext, plan: LayoutPlan, agent: torch.nn.Module,
+                 layout: Layout, settings: HandOffSettings, weights: bool = True) -> None:
+        """``weights=False``: a subclass sends the weights its own way."""
+        self.ctx, self.agent = ctx, agent
         self.rank = ctx.get_global_rank()
         self.is_trainer = self.rank in plan.trainers
         self.split = not plan.colocated
-        self.layout, self.episode_cap, self.max_staleness = layout, episode_cap, max_staleness
-        self.sender: WeightSender | None = None
-        self.receiver: WeightReceiver | None = None
-        if self.split and self.is_trainer:
-            self.sender = WeightSender(ctx, WT, verify_every=verify_every)
-            self.sender.bind(policy)
-        elif self.split:
-            self.receiver = policy_receiver(ctx, policy)
-            self.receiver.bind(policy)
+        self.collectors = len(plan.trainers) if plan.colocated else len(plan.rollouts)
+        self.layout, self.max_staleness = layout, settings.max_staleness
+        self.episode_cap = settings.episode_cap
+        self.on_wait: Callable[[str], None] | None = None  # a static run never waits for joiners
         self.transfer_s = 0.0  # trainers: sending weights
         self.wait_s = 0.0  # this update's time blocked in the trainer <-> rollout hand-off
         self.wait_total_s = 0.0
         # Payload this rank sent to other ranks (weights by a trainer, trajectories by a rollout
         # rank), so a run can be checked against what the network carried.
-        self.weight_bytes = sum(t.nbytes for t in policy.state_dict().values())
+        self.weight_bytes = sum(t.nbytes for t in agent.state_dict().values())
         self.weight_bytes_sent = 0
         self.trajectory_bytes_sent = 0
         self.staleness: dict[int, int] = {}  # version lag -> segments trained on (trainers)
         self.acting_version = 0  # the weights version the policy holds (rollouts)
+        self.sender: WeightSender | None = None
+        self.receiver: WeightReceiver | None = None
+        if not weights:
+            return
+        if self.split and self.is_trainer:
+            self.sender = WeightSender(ctx, WT, verify_every=settings.verify_every)
+            self.sender.bind(agent)
+        elif self.split:
+            self.receiver = policy_receiver(ctx, agent)
+            self.receiver.bind(agent)
 
     def version(self, updates: int) -> int:
         """The weights version this rank acts (rollouts) or trains (trainers) with; colocated,
@@ -101,7 +105,7 @@ class Exchange:
             return self.acting_version
         return updates
 
-    def sync_weights(self, policy: torch.nn.Module, first: bool) -> None:
+    def sync_weights(self, first: bool) -> bool:
         """Trainers send the weights the next segment will be trained with; rollouts take the
         newest weights that have arrived, waiting only as long as ``max_staleness`` requires.
 
@@ -113,24 +117,15 @@ class Exchange:
         """
         tick = time.perf_counter()
         if self.sender is not None:
-            self.sender.send(policy, wait=first)  # bound: no state dict, no copy
+            self.sender.send(self.agent, wait=first)  # bound: no state dict, no copy
             self.transfer_s += time.perf_counter() - tick
             receivers = len(self.ctx.get_ranks_in_group(WT)) - 1
             self.weight_bytes_sent += receivers * self.weight_bytes
         elif self.receiver is not None:
-            if first or self.max_staleness == 0:
-                # Lockstep: the policy is idle until these weights arrive, so they land in the
-                # bytes it acts with (no second buffer, nothing to swap).
-                self.acting_version = self.receiver.receive_into(policy)
-            else:
-                self.receiver.post()
-                # The trainer will train the next segment with the version just posted.
-                newest = self.receiver.version + self.receiver.posted
-                while self.receiver.version < newest - self.max_staleness:
-                    self.receiver.receive()  # completes the oldest posted receive
-                # A segment boundary: swap in the newest version that has arrived.
-                self.acting_version = self.receiver.load(policy)
+            self.acting_version = receive_weights(
+                [(self.receiver, self.agent)], first, self.max_staleness)
             self.wait_s += time.perf_counter() - tick
+        return True
 
     def before_optimizer_step(self) -> None:
         """A trainer's last send must be complete: the optimizer rewrites the bytes being sent."""
@@ -139,10 +134,29 @@ class Exchange:
             self.sender.wait()
             self.transfer_s += time.perf_counter() - tick
 
-    def gather_segments(self, own: torch.Tensor | None, updates: int) -> list[Segment]:
-        """Split layouts: the segments the trainer trains on next, each with its version lag (a
-        rollout rank gets none). ``own``: this rollout rank's packed segment; ``updates``: the
-        number done so far."""
+    def exchange(self, own: torch.Tensor | None, mine: list[Episode], updates: int) -> Round:
+        """This update's segments (a split layout's trainer: its rollouts'; colocated: its own)
+        and every rank's finished episodes."""
+        if self.split:
+            segments = self._gather_segments(own, updates)
+        else:
+            segments = [as_segment(self.layout, own)] if own is not None else []
+        lag = max((s.lag for s in segments), default=0)
+        episodes, shared = self._share_episodes(mine, lag)
+        return Round(segments, episodes, {"segments": float(self.collectors), **shared})
+
+    def update_done(self) -> None:
+        """Nothing to time: a static run's membership does not change."""
+
+    def stop(self, updates: int, env_steps: int) -> None:
+        """Every rank left the loop at the same update: nobody waits for a last message."""
+
+    def result(self) -> dict[str, Any]:
+        return {}
+
+    def _gather_segments(self, own: torch.Tensor | None, updates: int) -> list[Segment]:
+        """The segments the trainer trains on next, each with its version lag (a rollout rank
+        gets none). ``own``: this rollout rank's packed segment; ``updates``: the number done."""
         packed = own if own is not None else self.layout.empty()
         trainer = self.ctx.get_declared_ranks(WT)[0]
         tick = time.perf_counter()
@@ -162,7 +176,7 @@ class Exchange:
             self.staleness[lag] = self.staleness.get(lag, 0) + 1
         return [segment for _, segment in segments]
 
-    def share_episodes(
+    def _share_episodes(
         self, mine: list[Episode], lag: int
     ) -> tuple[list[Episode], dict[str, float]]:
         """Everyone learns every finished episode, so all ranks stop at the same update; the
@@ -188,3 +202,37 @@ class Exchange:
             "rollout_wait_s": float(np.mean(waits[False])) if waits[False] else 0.0,
         }
         return episodes, shared
+
+
+def receive_weights(receivers: list[tuple[WeightReceiver, torch.nn.Module]], first: bool,
+                    max_staleness: int) -> int:
+    """A rollout rank takes its next weights from one receiver or several (a sharded hand-off's,
+    one per shard owner, each into its own module), all of one version; returns it.
+
+    From one sender, the first transfer and every one in lockstep (``max_staleness=0``) lands in
+    the bytes the policy acts with: it is idle until they arrive (no second buffer, nothing to
+    swap). Else the next version is posted (from several senders at once) and the newest arrived
+    version swapped in, waiting only for what ``max_staleness`` requires.
+    """
+    if first or (max_staleness == 0 and len(receivers) == 1):
+        versions = [receiver.receive_into(module) for receiver, module in receivers]
+    else:  # several senders: their transfers run side by side
+        for receiver, _ in receivers:
+            receiver.post()
+        for receiver, _ in receivers:
+            # The trainer will train the next segment with the version just posted.
+            newest = receiver.version + receiver.posted
+            while receiver.version < newest - max_staleness:
+                receiver.receive()  # completes the oldest posted receive
+        # A segment boundary: swap in the newest version that has arrived, the same from
+        # every sender (one may have delivered more than another: the others catch up).
+        versions = [receiver.load(module) for receiver, module in receivers]
+        while len(set(versions)) > 1:
+            top = max(versions)
+            for receiver, _ in receivers:
+                while receiver.version < top:
+                    receiver.receive()
+            versions = [receiver.load(module) for receiver, module in receivers]
+    if len(set(versions)) > 1:
+        raise WeightTransferError(f"the shard owners sent different weights versions {versions}")
+    return versions[0]

@@ -1,0 +1,52 @@
+"""The hand-off between trainers and rollout ranks: one interface, chosen by the plan.
+
+A trainer publishes weights through it and receives the segments it trains on; a rollout rank
+sends its segments and receives the weights it acts with. The run loop (app/runtime/run.py)
+sees only :class:`HandOff`; the plan picks the implementation (:func:`build_hand_off`):
+
+- :class:`~app.runtime.handoff.flat.FlatHandOff`: a static layout (``layout.elastic_rollouts
+  =false``) or a colocated one: a trainer broadcasts its whole weights over WEIGHT_TRANSFER;
+- :class:`~app.runtime.handoff.sharded.ShardedHandOff`: a static layout whose trainers are
+  sharded (docs/sharding.md): each shard owner sends its own slice to every rollout rank, which
+  assembles whole weights; no trainer gathers the model to send it;
+- :class:`~app.runtime.handoff.elastic.ElasticLeader` and
+  :class:`~app.runtime.handoff.elastic.ElasticMember`: rollout ranks that may leave and join
+  (``layout.elastic_rollouts``, the default), point to point over membership epochs.
+
+Checksums (``loop.verify_weights_every``), versions and ``loop.max_staleness`` behave alike on
+every path: each is built on rlcomm.weights' sender and receiver.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from app.api import JobInfo
+from app.runtime.handoff.base import HandOff, HandOffSettings, Round
+from app.runtime.handoff.elastic import ElasticLeader, ElasticMember
+from app.runtime.handoff.flat import FlatHandOff
+from app.runtime.handoff.sharded import ShardedHandOff
+from app.runtime.segments import Layout
+from rlcomm import CommContext, ParallelMode
+
+__all__ = ["HandOff", "HandOffSettings", "Round", "build_hand_off"]
+
+
+def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, layout: Layout,
+                   trained: Any, settings: HandOffSettings) -> HandOff:
+    """The hand-off the plan calls for; ``trained``: a trainer's TrainedModule (None on rollout
+    ranks), whose shards a sharded hand-off sends. Before any wrapping of ``agent``: a flat or
+    elastic sender binds the agent's tensors to its send buffer, a receiver to its own."""
+    plan = job.plan
+    rank = ctx.get_global_rank()
+    trainer = rank in plan.trainers
+    if not plan.colocated and plan.elastic_rollouts:
+        if trainer:
+            return ElasticLeader(ctx, agent, layout, settings, dict(job.hosts))
+        leader = plan.groups_of(rank)[ParallelMode.WEIGHT_TRANSFER.value][0]
+        return ElasticMember(ctx, agent, layout, leader, settings, joining=job.joining)
+    if not plan.colocated and settings.sharded:
+        return ShardedHandOff(ctx, plan, agent, layout, trained, settings)
+    return FlatHandOff(ctx, plan, agent, layout, settings)

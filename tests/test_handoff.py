@@ -1,0 +1,143 @@
+"""The hand-off (app/runtime/handoff/): the plan picks its implementation, and the sharded one
+delivers, on real gloo ranks, the whole model's exact weights to every rollout rank from the
+trainers' shards (FSDP2, tensor parallel under ``replicate``, both), in lockstep and with
+``max_staleness``, each element sent by one trainer only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from app.api import JobInfo, RankEnv
+from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.handoff import HandOffSettings, build_hand_off
+from app.runtime.handoff.sharded import ShardedHandOff
+from app.runtime.segments import Field, Layout
+from app.runtime.sharding import TrainedModule, is_sharded
+from app.runtime.transformer import TransformerActorCritic
+from rlcomm import CommContext, LayoutSpec, plan_layout
+from rlcomm.testing import run_ranks
+
+pytestmark = pytest.mark.integration
+
+ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
+TRAINERS, ROLLOUTS = 4, 4  # the plan gives each trainer a rollout rank
+GRIDS = {"fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2), "tp2-fsdp2": ("fsdp", 2)}
+VERSIONS = 4
+
+
+class Acting(nn.Module):
+    """An agent as the runtime's: the policy under ``net`` and statistics beside it."""
+
+    stats: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TransformerActorCritic(probe_spaces(ENV), width=32, layers=2, heads=4,
+                                          context=4)
+        self.register_buffer("stats", torch.zeros(3, dtype=torch.float64))
+
+
+def _values(agent: nn.Module) -> dict[str, np.ndarray]:
+    """The agent's state by value (a tensor returned from a rank would be shared memory)."""
+    return {k: v.detach().clone().numpy() for k, v in agent.state_dict().items()}
+
+
+def _settings(max_staleness: int, sharded: bool) -> HandOffSettings:
+    return HandOffSettings(max_staleness=max_staleness, verify_every=1, min_rollouts=1,
+                           timeout_s=120, episode_cap=1, sharded=sharded)
+
+
+def _hand_off(rank: int, world: int, data_parallel: str, tensor: int | None,
+              max_staleness: int) -> dict[str, Any]:
+    plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(TRAINERS)),
+                                  tensor_parallel_size=tensor))
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=120)
+    ctx.init_groups(plan)
+    try:
+        torch.manual_seed(0)
+        agent = Acting()
+        trainer = rank in plan.trainers
+        trained = TrainedModule(ctx, plan, agent.net, data_parallel) if trainer else None
+        hand_off = ShardedHandOff(ctx, plan, agent, Layout({"v": Field((1,), torch.int64)}),
+                                  trained, _settings(max_staleness, sharded=True))
+        sent: dict[int, dict[str, np.ndarray]] = {}
+        held: dict[int, dict[str, np.ndarray]] = {}
+        for version in range(1, VERSIONS + 1):
+            if trained is not None:  # a new version of every shard, as an update makes
+                hand_off.before_optimizer_step()
+                with torch.no_grad():
+                    for param in trained.trained.parameters():
+                        param.add_(0.01 * version)
+                    agent.stats.add_(version)
+                trained.publish()
+                sent[version] = _values(agent)
+            hand_off.sync_weights(first=version == 1)
+            if not trainer:
+                held[hand_off.version(0)] = _values(agent)
+        hand_off.before_optimizer_step()
+        return {"sent": sent, "held": held, "owners": hand_off.owners,
+                "bytes": hand_off.weight_bytes_sent, "kind": hand_off.kind}
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.parametrize(("grid", "max_staleness"), [
+    ("fsdp4", 0), ("tp2-ddp2", 0), ("tp2-fsdp2", 0), ("tp2-fsdp2", 2)])
+def test_rollout_ranks_assemble_the_whole_models_exact_weights_from_the_shards(
+    grid: str, max_staleness: int
+) -> None:
+    data_parallel, tensor = GRIDS[grid]
+    found = run_ranks(_hand_off, TRAINERS + ROLLOUTS, data_parallel, tensor, max_staleness,
+                      timeout=300)
+    whole = found[0]["sent"]
+    for rank in range(1, TRAINERS):  # every trainer published the same whole weights
+        assert all(np.array_equal(whole[v][k], found[rank]["sent"][v][k])
+                   for v in whole for k in whole[v])
+    for rank in range(TRAINERS, TRAINERS + ROLLOUTS):
+        held = found[rank]["held"]
+        assert held, rank
+        if max_staleness == 0:  # lockstep: every version, in order
+            assert sorted(held) == list(range(1, VERSIONS + 1)), held.keys()
+        for version, state in held.items():  # bit for bit, every entry, whatever arrived
+            assert state.keys() == whole[version].keys()
+            for name, tensor_ in state.items():
+                assert np.array_equal(tensor_, whole[version][name]), (rank, version, name)
+    # Each element left one trainer: together the trainers sent the whole weights once per
+    # version to each rollout rank.
+    total = sum(t.nbytes for t in whole[1].values())
+    assert sum(found[r]["bytes"] for r in range(TRAINERS)) == VERSIONS * ROLLOUTS * total
+    if data_parallel == "ddp":  # under replicate, the first replica's ranks send
+        assert found[0]["owners"] == [0, 1], found[0]["owners"]
+    else:
+        assert found[0]["owners"] == list(range(TRAINERS))
+
+
+def _chosen(rank: int, world: int, elastic: bool, data_parallel: str) -> str:
+    plan = plan_layout(LayoutSpec(world_size=world, trainers=[0], elastic_rollouts=elastic))
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=120)
+    ctx.init_groups(plan)
+    try:
+        torch.manual_seed(0)
+        agent = Acting()
+        sharded = is_sharded(plan, data_parallel)
+        trained = TrainedModule(ctx, plan, agent.net, data_parallel) if rank == 0 else None
+        job = JobInfo(plan=plan, run_dir=Path("."), seed=0, rank=rank, env=RankEnv("local"))
+        layout = Layout({"version": Field((1,), torch.int64)})
+        return build_hand_off(ctx, job, agent, layout, trained,
+                              _settings(0, sharded)).kind
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.parametrize(("elastic", "data_parallel", "kind"), [
+    (False, "ddp", "flat"), (False, "fsdp", "sharded"), (True, "fsdp", "elastic")])
+def test_the_plan_picks_the_hand_off(elastic: bool, data_parallel: str, kind: str) -> None:
+    assert set(run_ranks(_chosen, 2, elastic, data_parallel, timeout=120).values()) == {kind}
