@@ -399,7 +399,7 @@ def _epoch_change(rank: int, store: dist.Store) -> dict[str, Any]:
             return {"ended": "another version"}
         except TransfersEnded as err:
             moved = err.moved
-        # app/runtime/handoff/elastic.py's ElasticMember._follow, then _enter
+        # app/runtime/handoff/elastic_member.py's ElasticMember._follow, then _enter
         graveyard.append((receiver, ctx.get_group(WT), receiver.abandon()))
         epoch = latest_epoch(store, LEADER)
         members = epoch_members(store, LEADER, epoch)

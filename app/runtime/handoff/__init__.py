@@ -25,7 +25,8 @@ from torch import nn
 
 from app.api import JobInfo
 from app.runtime.handoff.base import HandOff, HandOffSettings, Round
-from app.runtime.handoff.elastic import ElasticLeader, ElasticMember
+from app.runtime.handoff.elastic import ElasticLeader
+from app.runtime.handoff.elastic_member import ElasticMember
 from app.runtime.handoff.flat import FlatHandOff
 from app.runtime.handoff.sharded import ShardedHandOff
 from app.runtime.segments import Layout
