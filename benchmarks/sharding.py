@@ -45,14 +45,12 @@ def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
     from app.runtime.algorithm import Spaces
     from app.runtime.sharding import TrainedModule
     from app.runtime.transformer import TransformerActorCritic
-    from rlcomm import CommContext, LayoutSpec, plan_layout
+    from rlcomm import LayoutSpec, plan_layout
+    from rlcomm.testing import planned_context
 
     plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(world)),
                                   tensor_parallel_size=tensor))
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=300)
-    ctx.init_groups(plan)
-    try:
+    with planned_context(plan, timeout=300) as ctx:
         spaces = Spaces(gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2))
         torch.manual_seed(0)
         net = TransformerActorCritic(spaces, WIDTH, LAYERS, HEADS, CONTEXT)
@@ -85,8 +83,6 @@ def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
                       for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
         return {"bytes": nbytes, "step_s": statistics.median(times),
                 "acting_bytes": sum(p.nbytes for p in net.parameters()) if trained.sharded else 0}
-    finally:
-        ctx.destroy()
 
 
 def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict[str, Any]:
@@ -97,16 +93,14 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
     from app.runtime.handoff.sharded import ShardedHandOff
     from app.runtime.segments import Field, Layout
     from app.runtime.sharding import TrainedModule
-    from rlcomm import CommContext, LayoutSpec, plan_layout, register_initializer
+    from rlcomm import LayoutSpec, plan_layout, register_initializer
     from rlcomm.group_initializer import WeightTransferGroupInitializer
+    from rlcomm.testing import planned_context
     from rlcomm.weights import WeightReceiver, WeightSender
 
     trainers = list(range(HAND_OFF_TRAINERS))
     plan = plan_layout(LayoutSpec(world_size=world, trainers=trainers))
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=600)
-    ctx.init_groups(plan)
-    try:
+    with planned_context(plan, timeout=600) as ctx:
         torch.manual_seed(0)
         agent = nn.Module()
         agent.net = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
@@ -148,8 +142,6 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
         send_bytes = {"sharded": sharded.weight_bytes if rank in sharded.owners else 0,
                       "flat": whole if rank == 0 else 0}
         return {"times": times, "send_bytes": send_bytes, "whole": whole}
-    finally:
-        ctx.destroy()
 
 
 def _hand_off_rows(settings: Settings) -> list[Row]:

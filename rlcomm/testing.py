@@ -8,16 +8,36 @@ joined with a deadline that catches hangs, and checked to have ended.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
 
+if TYPE_CHECKING:
+    from rlcomm.context import CommContext
+    from rlcomm.plan.layout import LayoutPlan
+
 DEFAULT_TIMEOUT_S = 180.0
+
+
+@contextlib.contextmanager
+def planned_context(plan: LayoutPlan, timeout: int = 120) -> Iterator[CommContext]:
+    """On a rank of :func:`run_ranks`: a gloo context with every group of ``plan``, destroyed
+    on the way out."""
+    from rlcomm.context import CommContext
+
+    ctx = CommContext()
+    ctx.init_distributed_env(backend="gloo", timeout=timeout)
+    ctx.init_groups(plan)
+    try:
+        yield ctx
+    finally:
+        ctx.destroy()
 
 
 def free_port() -> int:

@@ -20,8 +20,8 @@ from app.runtime.handoff.sharded import ShardedHandOff
 from app.runtime.segments import Field, Layout
 from app.runtime.sharding import TrainedModule, is_sharded
 from app.runtime.transformer import TransformerActorCritic
-from rlcomm import CommContext, LayoutSpec, plan_layout
-from rlcomm.testing import run_ranks
+from rlcomm import LayoutSpec, plan_layout
+from rlcomm.testing import planned_context, run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -57,10 +57,7 @@ def _hand_off(rank: int, world: int, data_parallel: str, tensor: int | None,
               max_staleness: int) -> dict[str, Any]:
     plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(TRAINERS)),
                                   tensor_parallel_size=tensor))
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=120)
-    ctx.init_groups(plan)
-    try:
+    with planned_context(plan, timeout=120) as ctx:
         torch.manual_seed(0)
         agent = Acting()
         trainer = rank in plan.trainers
@@ -84,8 +81,6 @@ def _hand_off(rank: int, world: int, data_parallel: str, tensor: int | None,
         hand_off.before_optimizer_step()
         return {"sent": sent, "held": held, "owners": hand_off.owners,
                 "bytes": hand_off.weight_bytes_sent, "kind": hand_off.kind}
-    finally:
-        ctx.destroy()
 
 
 @pytest.mark.parametrize(("grid", "max_staleness"), [
@@ -121,10 +116,7 @@ def test_rollout_ranks_assemble_the_whole_models_exact_weights_from_the_shards(
 
 def _chosen(rank: int, world: int, elastic: bool, data_parallel: str) -> str:
     plan = plan_layout(LayoutSpec(world_size=world, trainers=[0], elastic_rollouts=elastic))
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=120)
-    ctx.init_groups(plan)
-    try:
+    with planned_context(plan, timeout=120) as ctx:
         torch.manual_seed(0)
         agent = Acting()
         sharded = is_sharded(plan, data_parallel)
@@ -133,8 +125,6 @@ def _chosen(rank: int, world: int, elastic: bool, data_parallel: str) -> str:
         layout = Layout({"version": Field((1,), torch.int64)})
         return build_hand_off(ctx, job, agent, layout, trained,
                               _settings(0, sharded)).kind
-    finally:
-        ctx.destroy()
 
 
 @pytest.mark.parametrize(("elastic", "data_parallel", "kind"), [

@@ -15,8 +15,8 @@ from app.runtime.envs import EnvConfig, probe_spaces
 from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
 from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent, RolloutWorker, as_segment
-from rlcomm import CommContext, LayoutSpec, ParallelMode, plan_layout
-from rlcomm.testing import run_ranks
+from rlcomm import LayoutSpec, ParallelMode, plan_layout
+from rlcomm.testing import planned_context, run_ranks
 
 UPDATES = 20
 # Every configuration trains each replica on the segments of its pair of ranks (2k, 2k + 1):
@@ -43,10 +43,7 @@ def _train(rank: int, world: int, data_parallel: str, tensor: int | None,
            drop_shard_grad: bool = False) -> dict[str, Any]:
     plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(world)),
                                   tensor_parallel_size=tensor))
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=120)
-    ctx.init_groups(plan)
-    try:
+    with planned_context(plan, timeout=120) as ctx:
         spaces = probe_spaces(ENV)
         torch.manual_seed(0)
         net = TransformerActorCritic(spaces, **MODEL)
@@ -78,8 +75,6 @@ def _train(rank: int, world: int, data_parallel: str, tensor: int | None,
         return {"losses": losses,
                 "checksum": float(sum(p.detach().double().sum() for p in net.parameters())),
                 "sharded": [type(p).__name__ for p in trained.trained.parameters()][:1]}
-    finally:
-        ctx.destroy()
 
 
 def _mean_losses(results: dict[int, Any]) -> list[dict[str, float]]:
@@ -119,10 +114,7 @@ def test_ddp_fsdp_tensor_parallel_and_both_train_alike_and_a_dropped_shard_gradi
 def _shared(rank: int, world: int) -> list[tuple[int, float]]:
     plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(world)),
                                   tensor_parallel_size=2))
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=60)
-    ctx.init_groups(plan)
-    try:
+    with planned_context(plan, timeout=60) as ctx:
         mine = []
         for i in range(1 + rank % 2):  # ranks 1 and 3 bring two segments, 0 and 2 one
             segment = Segment({"obs": torch.full((3, 2), float(10 * rank + i))})
@@ -130,8 +122,6 @@ def _shared(rank: int, world: int) -> list[tuple[int, float]]:
             segment.moments = {"obs_moments": torch.tensor([rank], dtype=torch.float64)}
             mine.append(segment)
         return [(s.version, float(s["obs"][0, 0])) for s in share_segments(ctx, mine)]
-    finally:
-        ctx.destroy()
 
 
 @pytest.mark.integration
