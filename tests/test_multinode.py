@@ -583,7 +583,10 @@ def test_a_killed_rollout_host_is_waited_for_and_its_restart_rejoins_without_res
                            for _, why, _ in leaves), leaves
     joins = sorted((c["rank"], c["reason"], c["host"]) for c in result["joins"])
     assert joins == [(2, "admitted", "host2"), (3, "admitted", "host2")], result["joins"]
-    assert all(c["epoch"] == 1 for c in result["joins"]), result["joins"]
+    # Epoch 1 with the joiner; or, for a trainer that learnt of its loss only after the job
+    # had a live rollout rank again (served meanwhile by the other's), epoch 1 without it and
+    # epoch 2 with it.
+    assert all(c["epoch"] in (1, 2) for c in result["joins"]), result["joins"]
     # the trainers kept their processes and state: one count of updates, never back
     rows = metric_rows(run_dir)
     assert column(rows, "update") == list(range(1, len(rows) + 1))
