@@ -66,6 +66,7 @@ def _resumed(run_dir: Path, name: str, update: int) -> list[list[float]]:
     return _losses(run_dir)
 
 
+@pytest.mark.timeout(1200)  # 6 runs: about 3 minutes on 2 loaded cores
 def test_a_tp2_x_fsdp2_checkpoint_resumes_on_other_grids(tp2_fsdp2_run: Path,
                                                          tmp_path: Path) -> None:
     resumed = {}
