@@ -339,6 +339,57 @@ def test_a_disk_that_fills_ends_the_run_in_one_line_and_its_last_checkpoint_resu
     assert [r["result"]["updates"] for r in result["ranks"]] == [updates, updates]
 
 
+# A transformer trained tensor-parallel x FSDP on 4 colocated trainers: sharded checkpoints,
+# one shard file per trainer (docs/sharding.md); 512 env steps an update.
+SHARDED = ("+experiment=memory", "layout=tp2dp2", "loop.data_parallel=fsdp",
+           "loop.model.width=16", "loop.model.heads=2", "loop.model.layers=1",
+           "loop.model.context=4", "loop.hparams.num_envs=4", "loop.hparams.num_steps=32",
+           "loop.progress=false", "loop.target_return=1e9", "comm.timeout=120")
+
+
+def _folders(run_dir: Path) -> list[str]:
+    folder = run_dir / "checkpoints"
+    return sorted(p.name for p in folder.glob("ckpt_*") if p.is_dir() and p.suffix != ".tmp")
+
+
+@pytest.mark.e2e
+def test_a_disk_that_fills_under_sharded_checkpoints_names_the_shard_and_the_last_resumes(
+    tmp_path: Path, tmpfs: Callable[..., Path],
+) -> None:
+    disk = tmpfs("48m")
+    run_dir = disk / "run"
+    app = AppProcess("sharded", tmp_path, (*SHARDED, f"loop.total_env_steps={10**9}",
+                                           "loop.checkpoint_every=2"), run_dir, {}, ())
+    try:
+        app.wait_until("a checkpoint", lambda: bool(_folders(run_dir)))
+        # Room for a few metrics rows and log lines, not for four shard files (over 60 KiB each).
+        fill(disk, leave=32 * 1024)
+        code = app.wait()
+    finally:
+        app.close()
+    app.assert_all_ended()
+    assert code == 2, app.describe()
+    last = _folders(run_dir)[-1]
+    # One line: the first trainer whose shard did not fit names the checkpoint it lost (or
+    # the file in it, where the error names one) and the last complete one.
+    lost = re.escape(str(run_dir / "checkpoints" / f"ckpt_{int(last[5:11]) + 2:06d}"))
+    assert re.fullmatch(rf"error: rank \d: no space left on device writing {lost}(/[^;/]+)?; "
+                        rf"the last checkpoint is {last}",
+                        app.stderr.strip().splitlines()[-1]), app.describe()
+    assert "Traceback" not in app.stderr, app.describe()
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+    # Resumable: from the failed run into another dir, two updates further on.
+    resumed = tmp_path / "resumed"
+    updates = int(last[5:11]) + 2
+    proc = run_app(*SHARDED, f"hydra.run.dir={resumed}", f"loop.resume={run_dir}",
+                   f"loop.total_env_steps={updates * 512}")
+    assert proc.returncode == 0, describe(proc)
+    log = (resumed / "logs" / "rank0.log").read_text()
+    assert re.search(rf"resumed from \S+/{last} at update {int(last[5:11])} ", log), log
+    result = json.loads((resumed / "result.json").read_text())
+    assert [r["result"]["updates"] for r in result["ranks"]] == [updates] * 4
+
+
 @pytest.mark.e2e
 def test_a_disk_with_no_room_left_at_all_is_still_named_in_one_line(
     tmp_path: Path, tmpfs: Callable[..., Path],

@@ -66,7 +66,7 @@ def _missing(tmp: Path) -> tuple[Path, str]:
 def _empty_dir(tmp: Path) -> tuple[Path, str]:
     path = tmp / "empty_run"
     path.mkdir()
-    return path, f"error: loop.resume: '{path}' holds no checkpoint (ckpt_*.pt)"
+    return path, f"error: loop.resume: '{path}' holds no checkpoint (ckpt_*.pt or ckpt_*/)"
 
 
 def _only_partial(tmp: Path) -> tuple[Path, str]:
@@ -74,7 +74,7 @@ def _only_partial(tmp: Path) -> tuple[Path, str]:
     path = tmp / "crashed_run"
     (path / "checkpoints").mkdir(parents=True)
     (path / "checkpoints" / "ckpt_000002.tmp").write_bytes(b"half a checkpoint")
-    return path, f"error: loop.resume: '{path}' holds no checkpoint (ckpt_*.pt)"
+    return path, f"error: loop.resume: '{path}' holds no checkpoint (ckpt_*.pt or ckpt_*/)"
 
 
 def _not_a_checkpoint(tmp: Path) -> tuple[Path, str]:

@@ -1,17 +1,20 @@
 """Sharded trainers through ``python -m app`` (docs/sharding.md): a transformer policy trained
 tensor-parallel x FSDP, its rollout ranks acting with the whole model's exact weights (also after
-one of them was killed and rejoined), and checkpoints that resume on another trainer grid."""
+one of them was killed and rejoined), and checkpoints written shard by shard that resume on
+another trainer grid (DDP too) and skip a corrupt shard."""
 
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from app.runtime.checkpoints import load_checkpoint
+from app.runtime.checkpoints import load_policy_state
 from tests.helpers.apprun import AppProcess, describe, metrics, read_result, run_app, run_ppo
 
 pytestmark = pytest.mark.e2e
@@ -21,6 +24,7 @@ SMALL = ("+experiment=memory", "loop.model.width=16", "loop.model.heads=2", "loo
          "loop.model.context=4", "loop.hparams.num_envs=4", "loop.hparams.num_steps=32",
          "loop.checkpoint_every=1", "loop.target_return=10000", "comm.timeout=120")
 TP2_FSDP2 = ("layout=tp2dp2", "loop.data_parallel=fsdp")
+TP2_DDP2 = ("layout=tp2dp2",)
 # 4 trainers in a 2 x 2 grid, each feeding one rollout rank.
 TP2_FSDP2_SPLIT = ("layout.world_size=8", "layout.trainers=4", "layout.tensor_parallel_size=2",
                    "loop.data_parallel=fsdp")
@@ -43,38 +47,92 @@ def _close(a: list[list[float]], b: list[list[float]]) -> bool:
 
 @pytest.fixture(scope="module")
 def tp2_fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two updates of the transformer on tp2dp2 under FSDP2, a checkpoint after each."""
+    """Two updates of the transformer on tp2dp2 under FSDP2, a sharded checkpoint after each."""
     run_dir = tmp_path_factory.mktemp("sharded") / "first"
     run_ppo(run_dir, *SMALL, *TP2_FSDP2, "loop.total_env_steps=1024")
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "ckpt_000001.pt", "ckpt_000002.pt"]
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_000001", "ckpt_000002"]
+    # Each of the four trainers wrote its own shard file; rank 0 DCP's index and state.pt.
+    assert sorted(p.name for p in (checkpoints / "ckpt_000002").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "state.pt"]
+    assert "ckpt_000002 (update 2, 1024 env steps, 4 trainers' shards)" in (
+        run_dir / "logs" / "rank0.log").read_text()
     return run_dir
 
 
+def _resumed(run_dir: Path, name: str, update: int) -> list[list[float]]:
+    """The losses of a run resumed from ``name`` at ``update``, which rank 0's log names."""
+    assert re.search(rf"resumed from \S+/{name} at update {update}",
+                     (run_dir / "logs" / "rank0.log").read_text())
+    return _losses(run_dir)
+
+
+@pytest.mark.timeout(1200)  # 6 runs: about 3 minutes on 2 loaded cores
 def test_a_tp2_x_fsdp2_checkpoint_resumes_on_other_grids(tp2_fsdp2_run: Path,
                                                          tmp_path: Path) -> None:
     resumed = {}
-    for name, grid in {"tp2-fsdp2": TP2_FSDP2, "tp2-ddp2": ("layout=tp2dp2",)}.items():
+    for name, grid in {"tp2-fsdp2": TP2_FSDP2, "tp2-ddp2": TP2_DDP2}.items():
         run_dir = tmp_path / name
         run_ppo(run_dir, *SMALL, *grid, "loop.total_env_steps=2048", f"loop.resume={tp2_fsdp2_run}")
-        assert re.search(r"resumed from \S+/ckpt_000002\.pt at update 2",
-                         (run_dir / "logs" / "rank0.log").read_text())
         assert [row["update"] for row in metrics(run_dir)] == [3.0, 4.0]
-        resumed[name] = _losses(run_dir)
+        resumed[name] = _resumed(run_dir, "ckpt_000002", 2)
     # The same data per replica, so the same losses from the resumed update on.
     assert _close(resumed["tp2-fsdp2"], resumed["tp2-ddp2"]), resumed
-    # DDP over two trainers (2t2r) takes it too, and its own checkpoint (optimizer state by
-    # parameter index) goes back to the tp2 x fsdp2 grid.
-    ddp_dir = tmp_path / "ddp2"
-    result = run_ppo(ddp_dir, *SMALL, "layout=2t2r", "loop.total_env_steps=1536",
-                     f"loop.resume={tp2_fsdp2_run}")
-    assert _reports(result)[0]["updates"] == 4 and result["status"] == "ok"
-    back = tmp_path / "back"
-    result = run_ppo(back, *SMALL, *TP2_FSDP2, "loop.total_env_steps=2048",
-                     f"loop.resume={ddp_dir}")
-    assert [row["update"] for row in metrics(back)] == [5.0]
-    assert re.search(r"resumed from \S+/ckpt_000004\.pt at update 4",
-                     (back / "logs" / "rank0.log").read_text())
+    # DDP over two trainers (2t2r) reads the shards into whole tensors, FSDP over the same two
+    # reshards them: the same data per replica, the same losses.
+    for name, grid in {"ddp2": (), "fsdp2": ("loop.data_parallel=fsdp",)}.items():
+        run_dir = tmp_path / name
+        result = run_ppo(run_dir, *SMALL, "layout=2t2r", *grid, "loop.total_env_steps=1536",
+                         f"loop.resume={tp2_fsdp2_run}")
+        assert _reports(result)[0]["updates"] == 4 and result["status"] == "ok"
+        resumed[name] = _resumed(run_dir, "ckpt_000002", 2)
+    assert _close(resumed["ddp2"], resumed["fsdp2"]), resumed
+    # DDP's own checkpoint is one file (optimizer state by parameter index); it goes back to
+    # the tp2 x fsdp2 grid and to tp2 x ddp2, alike.
+    assert sorted(p.name for p in (tmp_path / "ddp2" / "checkpoints").iterdir()) == [
+        "ckpt_000003.pt", "ckpt_000004.pt"]
+    for name, grid in {"back-fsdp2": TP2_FSDP2, "back-ddp2": TP2_DDP2}.items():
+        run_dir = tmp_path / name
+        run_ppo(run_dir, *SMALL, *grid, "loop.total_env_steps=2048",
+                f"loop.resume={tmp_path / 'ddp2'}")
+        assert [row["update"] for row in metrics(run_dir)] == [5.0]
+        resumed[name] = _resumed(run_dir, r"ckpt_000004\.pt", 4)
+    assert _close(resumed["back-fsdp2"], resumed["back-ddp2"]), resumed
+
+
+def test_a_corrupt_shard_skips_the_newest_sharded_checkpoint_naming_it(
+    tp2_fsdp2_run: Path, tmp_path: Path,
+) -> None:
+    source = tmp_path / "crashed"
+    shutil.copytree(tp2_fsdp2_run / "checkpoints", source / "checkpoints")
+    newest = source / "checkpoints" / "ckpt_000002"
+    shard = newest / "__3_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    shard.write_bytes(bytes(raw))
+    (source / "checkpoints" / "ckpt_000003.tmp").mkdir()  # a write cut short
+    run_dir = tmp_path / "second"
+    proc = run_app("loop.progress=false", f"hydra.run.dir={run_dir}", *SMALL, *TP2_FSDP2,
+                   "loop.total_env_steps=1024", f"loop.resume={source}")
+    assert proc.returncode == 0, describe(proc)
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: loop.resume: skipped {newest}: corrupt (__3_0.distcp does "
+                        "not match its checksum); resuming from ckpt_000001"], describe(proc)
+    assert [row["update"] for row in metrics(run_dir)] == [2.0]
+    _resumed(run_dir, "ckpt_000001", 1)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["ckpt_000002"]
+
+
+def test_a_sharded_checkpoint_of_another_width_is_refused_before_any_rank_starts(
+    tp2_fsdp2_run: Path, tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "second"
+    proc = run_app("loop.progress=false", f"hydra.run.dir={run_dir}", *SMALL, *TP2_FSDP2,
+                   "loop.model.width=32", f"loop.resume={tp2_fsdp2_run}")
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip().splitlines() == [
+        "error: loop.resume: checkpoint has loop.model.width=16, this run 32"], describe(proc)
+    assert not (run_dir / "logs").exists()
 
 
 @pytest.mark.parametrize("hand_off", ["sharded", "elastic"])
@@ -91,17 +149,19 @@ def test_rollout_ranks_fed_by_tp2_x_fsdp2_trainers_act_with_the_whole_models_exa
     version = reports[0]["weights_version"]
     # Every version was checked against the trainer's bytes on arrival (verify_weights_every=1).
     # The last one, sent after update version - 1, is what the checkpoint of that update holds:
-    # the whole model, bit for bit (sharded: assembled by each rollout rank from four owners).
-    state = load_checkpoint(run_dir / "checkpoints" / f"ckpt_{version - 1:06d}.pt")
-    whole = float(sum(t.double().sum() for t in state["policy"].values()))
+    # the whole model, read from the shards on this one process, bit for bit (sharded hand-off:
+    # assembled by each rollout rank from the four owners' slices).
+    checkpoint = run_dir / "checkpoints" / f"ckpt_{version - 1:06d}"
+    policy = load_policy_state(checkpoint)
+    whole = float(sum(t.double().sum() for t in policy.values()))
     for rank in range(4, 8):
         assert reports[rank]["weights_version"] == version, reports[rank]
         assert reports[rank]["param_checksum"] == whole, rank
     if hand_off == "sharded":
         # Each element left one trainer: together they sent the whole weights once per
         # version to each of the 4 rollout ranks, and none sent more than half of them.
-        whole_bytes = sum(t.nbytes for t in [*state["policy"].values(),
-                                              *state["normalizers"].values()])
+        normalizers = torch.load(checkpoint / "state.pt", weights_only=False)["normalizers"]
+        whole_bytes = sum(t.nbytes for t in [*policy.values(), *normalizers.values()])
         sent = [reports[r]["weight_bytes_sent"] for r in range(4)]
         assert sum(sent) == version * 4 * whole_bytes, (sent, whole_bytes)
         assert max(sent) < version * 4 * whole_bytes / 2, sent

@@ -1,7 +1,15 @@
-"""Checkpoints: ``<run dir>/checkpoints/ckpt_<update>.pt``, written by rank 0 (a trainer), read
-by every rank on resume (``loop.resume``, or the agent restarting a failed run). A checkpoint
-holds everything the runtime owns: the policy, the normalisers' statistics, the optimizer, the
-counters, the episodes and the metrics rows.
+"""Checkpoints, read by every rank on resume (``loop.resume``, or the agent restarting a failed
+run). A checkpoint holds everything the runtime owns: the policy, the normalisers' statistics, the
+optimizer, the counters, the episodes and the metrics rows. It takes one of two forms:
+
+- ``<run dir>/checkpoints/ckpt_<update>.pt``, one file written by rank 0, when the trainers
+  replicate the model (DDP): every trainer holds it whole anyway;
+- ``<run dir>/checkpoints/ckpt_<update>/``, a folder, when the trainers shard it (FSDP, tensor
+  parallel): ``torch.distributed.checkpoint`` (DCP) files, each trainer writing its own shards
+  of the policy and the optimizer (``__<trainer>_0.distcp``, and DCP's ``.metadata``), and rank
+  0's ``state.pt`` with everything else and a manifest: the SHA-256 and size of every other
+  file of the folder. Nothing is gathered whole on any rank. A resume reshards into whatever
+  grid it runs on (DDP too); :func:`load_policy_state` reads the policy on one process.
 
 A checkpoint proves itself: it carries a SHA-256 of its content (every tensor's bytes and every
 value, walked in a fixed order, so the digest does not depend on torch's file format) and the
@@ -20,10 +28,13 @@ import io
 import logging
 import numbers
 import os
+import re
+import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,12 +43,26 @@ from app.api import ConfigError, JobInfo
 from app.output.logs import FILE_ONLY
 from rlcomm import CommContext, ParallelMode, collectives
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from app.runtime.sharding import TrainedModule
+
 log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_KEYS = ("policy", "optimizer", "update", "env_steps", "episodes", "metrics", "torch_rng")
 # Format 2: a checksum and the settings of the run that wrote it. Format 1 (no "format" key):
 # neither.
 FORMAT = 2
+# A sharded checkpoint's folder: DCP's files and rank 0's STATE_FILE (format 3), whose "files"
+# is the manifest of the others and "policy_shapes" the whole policy's shapes (for the check
+# before launch, which reads no shard).
+SHARDED_FORMAT = 3
+STATE_FILE = "state.pt"
+SHARDED_KEYS = ("update", "env_steps", "episodes", "metrics", "torch_rng", "files", "checksum",
+                "policy_shapes")
+_NAME = re.compile(r"ckpt_(\d+)(\.pt)?")
+_HASH_CHUNK = 1 << 20
 
 
 class NoCheckpointError(ConfigError):
@@ -55,6 +80,12 @@ class Resumable:
     path: Path
     state: dict[str, Any]
     skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+    @property
+    def sharded(self) -> bool:
+        """A folder written by sharded trainers: ``state`` holds no policy or optimizer, which
+        :func:`load_sharded_checkpoint` (trainers) or :func:`load_policy_state` read."""
+        return self.path.is_dir()
 
     @property
     def verified(self) -> bool:
@@ -124,13 +155,15 @@ def resume_mismatch(state: Mapping[str, Any], settings: Mapping[str, Any],
     for key, value in settings.items():
         if key in saved and saved[key] != value:
             return f"loop.resume: checkpoint has {key}={_shown(saved[key])}, this run {_shown(value)}"
-    policy = state["policy"]
+    # A sharded checkpoint records its shapes beside its shards, which are not read here.
+    policy = state["policy_shapes"] if "policy_shapes" in state else {
+        name: list(t.shape) for name, t in state["policy"].items()}
     for name, shape in shapes.items():
         if name not in policy:
             return f"loop.resume: checkpoint has no policy tensor {name}, this run {shape}"
-        if list(policy[name].shape) != shape:
+        if list(policy[name]) != shape:
             return (f"loop.resume: checkpoint has policy tensor {name} of shape "
-                    f"{list(policy[name].shape)}, this run {shape}")
+                    f"{list(policy[name])}, this run {shape}")
     extra = sorted(set(policy) - set(shapes))
     if extra:
         return f"loop.resume: checkpoint has policy tensor {extra[0]}, this run none"
@@ -176,8 +209,16 @@ def _feed(digest: Any, obj: Any) -> None:
 # ---- reading -------------------------------------------------------------------------------
 
 
-def _read(path: Path) -> dict[str, Any]:
-    """A checkpoint's state, verified; raises CheckpointProblem saying why it cannot be used."""
+def _read(path: Path, shards: bool = True) -> dict[str, Any]:
+    """A checkpoint's state, verified; raises CheckpointProblem saying why it cannot be used.
+    For a sharded checkpoint (a folder): rank 0's state, its manifest's files checked too
+    (their SHA-256, or with ``shards=False`` only that they are there with their sizes)."""
+    if path.is_dir():
+        return _read_sharded(path, shards)
+    return _read_file(path, CHECKPOINT_KEYS)
+
+
+def _read_file(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
@@ -185,7 +226,7 @@ def _read(path: Path) -> dict[str, Any]:
         raise CheckpointProblem(
             f"not a readable checkpoint (truncated or corrupt: {type(err).__name__}: {first})"
         ) from None
-    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointProblem(f"not a checkpoint of this runtime (missing {missing})")
     if "checksum" in state and state["checksum"] != content_checksum(state):
@@ -193,38 +234,79 @@ def _read(path: Path) -> dict[str, Any]:
     return state
 
 
+def _read_sharded(path: Path, shards: bool) -> dict[str, Any]:
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointProblem(f"not a complete checkpoint (no {STATE_FILE}, its manifest)")
+    state = _read_file(path / STATE_FILE, SHARDED_KEYS)
+    for name, (digest, size) in state["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointProblem(f"incomplete (its {name} is missing)")
+        if file.stat().st_size != size or (shards and file_digest(file) != digest):
+            raise CheckpointProblem(f"corrupt ({name} does not match its checksum)")
+    return state
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in chunks (a shard may be large)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """A checkpoint's state, its checksum verified; tensors and plain containers only
-    (``weights_only``: no code)."""
+    (``weights_only``: no code). A sharded checkpoint's is rank 0's part (no policy or
+    optimizer; :func:`load_policy_state` reads the policy)."""
     try:
         return _read(path)
     except CheckpointProblem as problem:
         raise ConfigError(f"loop.resume: {str(path)!r} is {problem}") from None
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """A ``ckpt_<n>.pt`` file or a ``ckpt_<n>`` folder (never a ``*.tmp``)."""
+    match = _NAME.fullmatch(path.name)
+    return match is not None and (path.is_file() if match.group(2) else path.is_dir())
+
+
+def _update_of(path: Path) -> int:
+    match = _NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else -1
+
+
 def _candidates(path: str | Path) -> list[Path]:
-    """The checkpoint files at ``path``, newest first (``*.tmp`` never counts)."""
+    """The checkpoints at ``path``, newest first (``*.tmp`` never counts)."""
     target = Path(path)
-    if target.is_file():
+    if target.is_file() or _is_checkpoint(target):
         return [target]
     if not target.exists():
         raise ConfigError(f"loop.resume: {str(path)!r} does not exist")
-    found = sorted(target.glob(f"{CHECKPOINT_DIR}/ckpt_*.pt")) + sorted(target.glob("ckpt_*.pt"))
+    found = [p for folder in (target / CHECKPOINT_DIR, target) if folder.is_dir()
+             for p in folder.iterdir() if _is_checkpoint(p)]
     if not found:
-        raise NoCheckpointError(f"loop.resume: {str(path)!r} holds no checkpoint (ckpt_*.pt)")
-    return sorted(found, key=lambda p: p.name, reverse=True)
+        raise NoCheckpointError(
+            f"loop.resume: {str(path)!r} holds no checkpoint (ckpt_*.pt or ckpt_*/)")
+    return sorted(found, key=lambda p: (_update_of(p), p.name), reverse=True)
 
 
-def newest_valid_checkpoint(path: str | Path) -> Resumable:
-    """The checkpoint to resume from at ``path``: the file itself (which must be valid), or a
-    folder's newest one that reads back and verifies, with the newer ones it skipped and why."""
+def newest_valid_checkpoint(path: str | Path, shards: bool = True) -> Resumable:
+    """The checkpoint to resume from at ``path``: the file or folder itself (which must be
+    valid), or a folder's newest one that reads back and verifies, with the newer ones it
+    skipped and why. ``shards=False``: a sharded checkpoint's shard files are checked by size,
+    not read (for a rank that only needs to know where the run resumed)."""
     candidates = _candidates(path)
     if len(candidates) == 1 and candidates[0] == Path(path):
-        return Resumable(candidates[0], load_checkpoint(candidates[0]))
+        try:
+            return Resumable(candidates[0], _read(candidates[0], shards))
+        except CheckpointProblem as problem:
+            raise ConfigError(f"loop.resume: {str(path)!r} is {problem}") from None
     skipped: list[tuple[Path, str]] = []
     for candidate in candidates:
         try:
-            return Resumable(candidate, _read(candidate), skipped)
+            return Resumable(candidate, _read(candidate, shards), skipped)
         except CheckpointProblem as problem:
             skipped.append((candidate, str(problem)))
     reasons = "; ".join(f"{p.name} is {why}" for p, why in skipped)
@@ -232,7 +314,8 @@ def newest_valid_checkpoint(path: str | Path) -> Resumable:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """The newest valid checkpoint at ``path`` (a file, a run dir, or its checkpoints/ dir)."""
+    """The newest valid checkpoint at ``path`` (a checkpoint file or folder, a run dir, or its
+    checkpoints/ dir)."""
     return newest_valid_checkpoint(path).path
 
 
@@ -242,23 +325,25 @@ def resume_source(ctx: CommContext, job: JobInfo, resume: str | None,
     fresh start: after a restart by the agent this run's newest valid checkpoint, else
     ``loop.resume``'s. ``over=None``: this rank's own restart count, nobody asked (an elastic
     run's rollout ranks: the trainers' weights and statistics reach them with the first
-    transfer, the checkpoint only tells them where the run resumed)."""
+    transfer, the checkpoint only tells them where the run resumed: a sharded checkpoint's
+    shard files are checked by size, never read)."""
     # Every rank resumes alike: a host restarted by hand joins with a new torchrun, whose
     # restart count (0) is not the others'.
     counts = torch.tensor([job.env.restart_count])
     restarted = job.env.restart_count if over is None else int(
         collectives.all_reduce(ctx, over, counts, torch.distributed.ReduceOp.MAX))
     picked: Resumable | None = None
+    shards = over is not None  # a rollout rank of an elastic run reads no shard
     if restarted > 0:
         with contextlib.suppress(NoCheckpointError):  # failed before its first checkpoint
-            picked = newest_valid_checkpoint(job.run_dir)
+            picked = newest_valid_checkpoint(job.run_dir, shards)
         if picked is not None:  # nobody checked this one before: rank 0 warns on the console
             level = logging.WARNING if ctx.get_global_rank() == 0 else logging.INFO
             for note in picked.notes():
                 log.log(level, "%s", note)
             return picked
     if resume:
-        picked = newest_valid_checkpoint(resume)
+        picked = newest_valid_checkpoint(resume, shards)
         for note in picked.notes():  # the launcher showed them already: the log files only
             log.info("%s", note, extra=FILE_ONLY)
     return picked
@@ -269,9 +354,32 @@ def resume_source(ctx: CommContext, job: JobInfo, resume: str | None,
 
 def last_checkpoint_note(folder: Path) -> str:
     """Names the newest complete checkpoint in ``folder`` (renames are atomic: every
-    ``ckpt_*.pt`` is whole), for the error of a write that failed."""
-    found = sorted(p.name for p in folder.glob("ckpt_*.pt") if p.is_file())
-    return f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written before"
+    ``ckpt_*.pt`` and ``ckpt_*/`` is whole), for the error of a write that failed."""
+    found = sorted((p for p in folder.glob("ckpt_*") if _is_checkpoint(p)),
+                   key=lambda p: (_update_of(p), p.name))
+    return (f"the last checkpoint is {found[-1].name}" if found
+            else "no checkpoint was written before")
+
+
+def _remove_stale(folder: Path) -> None:
+    """Removes the ``*.tmp`` files and folders a rank killed inside a write left."""
+    for stale in folder.glob("*.tmp"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+def _named(err: OSError, final: Path, partial: Path, folder: Path) -> OSError:
+    """``err`` naming the checkpoint it lost (a file inside ``partial`` by its final name) and
+    noting the last complete one, for the launcher's line."""
+    name = os.fsdecode(err.filename) if err.filename is not None else None
+    if name is None or Path(name) == partial:  # a write through a handle names none
+        err.filename = str(final)
+    elif Path(name).is_relative_to(partial):
+        err.filename = str(final / Path(name).relative_to(partial))
+    err.add_note(last_checkpoint_note(folder))
+    return err
 
 
 def save_checkpoint(
@@ -321,8 +429,7 @@ def save_checkpoint(
     partial = final.with_suffix(".tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        for stale in folder.glob("*.tmp"):  # left by a rank killed inside a write
-            stale.unlink(missing_ok=True)
+        _remove_stale(folder)
         with partial.open("wb") as handle:
             handle.write(buffer.getbuffer())
             handle.flush()
@@ -331,14 +438,170 @@ def save_checkpoint(
     except BaseException as err:  # an interrupt too: no partial file survives
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
-        if isinstance(err, OSError):
-            if err.filename in (None, str(partial)):  # a write through the handle names none
-                err.filename = str(final)  # the launcher's line names the checkpoint it lost
-            err.add_note(last_checkpoint_note(folder))
+        if isinstance(err, OSError):  # the launcher's line names the checkpoint it lost
+            _named(err, final, partial, folder)
         raise
     _sync_folder(folder)
     log.info("checkpoint %s (update %d, %d env steps)", final.name, update, env_steps)
     return final
+
+
+def save_sharded_checkpoint(
+    run_dir: Path,
+    trained: TrainedModule,
+    optimizer: torch.optim.Optimizer,
+    group: ProcessGroup,
+    update: int,
+    env_steps: int,
+    episodes: list[tuple[float, int]],
+    metrics: list[dict[str, float]],
+    settings: Mapping[str, Any] | None = None,
+    normalizers: Mapping[str, torch.Tensor] | None = None,
+    epoch: int | None = None,
+) -> Path | None:
+    """Writes the folder ``ckpt_<update>/``; every trainer of ``group`` (the trainers, no
+    rollout rank) calls it. Each writes its own shards of the policy and the optimizer with
+    ``torch.distributed.checkpoint``; the group's first rank then writes ``state.pt`` (the
+    counters, episodes, metrics, normalisers, RNG, settings, the whole policy's shapes, and the
+    manifest: every other file's SHA-256 and size, hashed by the trainers in turn) and renames
+    the folder from ``ckpt_<update>.tmp/``. Never half-written: a failure removes the ``.tmp``
+    folder; the first trainer whose own write failed raises it (an OSError naming the
+    checkpoint, or its file when the error names one, and noting the last complete
+    checkpoint), the others return None (the failed rank ends the run). Returns the folder on
+    the first rank."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    folder = run_dir / CHECKPOINT_DIR
+    final = folder / f"ckpt_{update:06d}"
+    partial = folder / f"{final.name}.tmp"
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    lead = me == 0
+    problem: OSError | None = None
+    if lead:  # before anyone writes into it: a stale .tmp may have this very name
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _remove_stale(folder)
+        except OSError as err:
+            problem = _named(err, final, partial, folder)
+    # Doubles as the barrier after the cleanup; a failed cleanup stops every trainer here.
+    failed = torch.tensor([problem is not None], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if problem is not None:
+        raise problem
+    if int(failed):
+        return None
+    try:
+        dcp.save(trained.sharded_state(optimizer),
+                 storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+                 process_group=group)
+    except dcp.CheckpointException as err:  # raised on every trainer, naming each one that failed
+        if lead:
+            shutil.rmtree(partial, ignore_errors=True)
+        # One trainer raises, the first that failed (on a full disk every one may have): the
+        # run ends with one line. The others return unlogged: on a full disk their logs would
+        # fail too, and name a log file instead of the checkpoint.
+        if me != min(err.failures, default=0):
+            return None
+        cause = err.failures[me][0] if me in err.failures else err
+        if isinstance(cause, OSError):  # a write through a handle names no file: the folder
+            raise _named(cause, final, partial, folder) from None
+        raise RuntimeError(f"writing {final}: {type(cause).__name__}: {cause}") from cause
+    # Every file is complete and synced once dcp.save returns (its last step, after every
+    # write, is the first rank's .metadata): the trainers hash them in turn, not one rank all.
+    files = sorted(p.name for p in partial.iterdir())
+    mine = {name: [file_digest(partial / name), (partial / name).stat().st_size]
+            for name in files[me::size]}
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, mine, group=group)
+    if not lead:
+        return None
+    state: dict[str, Any] = {
+        "policy_shapes": policy_shapes(trained.net),
+        "normalizers": {k: v.clone() for k, v in (normalizers or {}).items()},
+        "update": update,
+        "env_steps": env_steps,
+        "epoch": epoch,
+        "episodes": episodes,
+        "metrics": metrics,
+        "torch_rng": torch.get_rng_state(),
+        "format": SHARDED_FORMAT,
+        "settings": dict(settings or {}),
+        "files": {name: entry for part in gathered for name, entry in sorted(part.items())},
+    }
+    state["checksum"] = content_checksum(state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    replaced = folder / f"{final.name}.replaced.tmp"
+    try:
+        with (partial / STATE_FILE).open("wb") as handle:
+            handle.write(buffer.getbuffer())
+            handle.flush()
+            os.fsync(handle.fileno())
+        _sync_folder(partial)
+        if final.is_dir() and not final.is_symlink():
+            # A run restarted from an older checkpoint writes this update again: the old folder
+            # is set aside first (a folder cannot be renamed over a full one).
+            os.replace(final, replaced)
+        os.replace(partial, final)
+    except BaseException as err:  # an interrupt too: no partial folder survives
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(err, OSError):
+            _named(err, final, partial, folder)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+    _sync_folder(folder)
+    log.info("checkpoint %s (update %d, %d env steps, %d trainers' shards)", final.name,
+             update, env_steps, size)
+    return final
+
+
+def load_sharded_checkpoint(path: Path, trained: TrainedModule, optimizer: torch.optim.Optimizer,
+                            group: ProcessGroup) -> None:
+    """A sharded checkpoint's policy and optimizer into this trainer, whatever grid wrote it:
+    DCP reads each trainer's own part of each tensor for this grid's shards (or whole tensors
+    under DDP). Every trainer of ``group`` calls it; ``path`` was verified when picked."""
+    import torch.distributed.checkpoint as dcp
+
+    state = trained.sharded_state(optimizer)  # this grid's own tensors, filled in place
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group)
+    except dcp.CheckpointException as err:  # a BaseException: as an error of this rank instead
+        raise RuntimeError(f"loop.resume: reading {path}: {_first_failure(err)}") from None
+    trained.load_sharded_state(state, optimizer)
+
+
+def load_policy_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The whole policy's state dict from a checkpoint (a ``.pt`` file, a sharded folder, a run
+    dir or its checkpoints/ dir: its newest valid one), on one process without a process group
+    (evaluation). Checksums are verified; a sharded checkpoint's optimizer is not read."""
+    import torch.distributed.checkpoint as dcp
+
+    picked = newest_valid_checkpoint(path)
+    for note in picked.notes():
+        log.warning("%s", note)
+    if not picked.sharded:
+        return dict(picked.state["policy"])
+    reader = dcp.FileSystemReader(picked.path)
+    prefix = "policy."  # DCP flattens {"policy": {name: tensor}} to "policy.<name>"
+    policy = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in reader.read_metadata().state_dict_metadata.items()
+              if key.startswith(prefix) and isinstance(meta, dcp.TensorStorageMetadata)}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load({"policy": policy}, storage_reader=reader, no_dist=True)
+    except dcp.CheckpointException as err:
+        raise RuntimeError(f"reading {picked.path}: {_first_failure(err)}") from None
+    return policy
+
+
+def _first_failure(err: BaseException) -> str:
+    failures = getattr(err, "failures", {})
+    for rank in sorted(failures):
+        cause = failures[rank][0]
+        return f"{type(cause).__name__}: {cause}"
+    return str(err)
 
 
 def _sync_folder(folder: Path) -> None:

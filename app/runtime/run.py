@@ -24,7 +24,13 @@ from app.output.learning_curve import plot_learning_curve
 from app.output.progress import RunProgress, Snapshot
 from app.output.tensorboard import ScalarLog
 from app.runtime.algorithm import Segment, UpdateInfo
-from app.runtime.checkpoints import resume_source, run_settings, save_checkpoint
+from app.runtime.checkpoints import (
+    load_sharded_checkpoint,
+    resume_source,
+    run_settings,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from app.runtime.envs import probe_spaces
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, update_row
@@ -382,14 +388,19 @@ class RuntimeRun:
     def _save_checkpoint(self) -> None:
         if not self.is_trainer or self.optimizer is None or self.trained is None:
             return
+        record: dict[str, Any] = dict(
+            update=self.update, env_steps=self.env_steps, episodes=self.episodes,
+            metrics=self.metrics, settings=self.settings, normalizers=self.agent.normalizers(),
+            epoch=(int(self.metrics[-1].get("epoch", 0)) if self.elastic and self.metrics
+                   else None))
+        if self.trained.sharded:  # each trainer writes its own shards (checkpoints.py)
+            save_sharded_checkpoint(self.job.run_dir, self.trained, self.optimizer,
+                                    self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL), **record)
+            return
         policy, optimizer = self.trained.state_dicts(self.optimizer)  # every trainer takes part
         if self.rank != 0:
             return
-        save_checkpoint(self.job.run_dir, policy, optimizer, self.update,
-                        self.env_steps, self.episodes, self.metrics, self.settings,
-                        self.agent.normalizers(),
-                        epoch=(int(self.metrics[-1].get("epoch", 0)) if self.elastic and
-                               self.metrics else None))
+        save_checkpoint(self.job.run_dir, policy, optimizer, **record)
 
     def _maybe_resume(self) -> None:
         if self.follows:  # the trainer's weights and statistics come with the first transfer
@@ -402,9 +413,13 @@ class RuntimeRun:
             return
         source, state = picked.path, picked.state
         if self.trained is not None and self.optimizer is not None:
-            self.trained.load(state["policy"], state["optimizer"], self.optimizer)
-        else:
-            self.agent.net.load_state_dict(state["policy"])
+            if picked.sharded:  # resharded into this grid (checkpoints.py)
+                load_sharded_checkpoint(source, self.trained, self.optimizer,
+                                        self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL))
+            else:
+                self.trained.load(state["policy"], state["optimizer"], self.optimizer)
+        elif not picked.sharded:  # a rollout rank: a sharded one's weights come with the first
+            self.agent.net.load_state_dict(state["policy"])  # transfer, as they do anyway
         for name, value in state.get("normalizers", {}).items():
             self.agent.state_dict()[name].copy_(value)  # in place: the tensors are bound
         self.update, self.env_steps = state["update"], state["env_steps"]

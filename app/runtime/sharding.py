@@ -158,6 +158,28 @@ class TrainedModule:
         return self.net.state_dict(), get_optimizer_state_dict(self.trained, optimizer,
                                                                options=options)
 
+    def sharded_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"policy": ..., "optimizer": ...}`` as ``torch.distributed.checkpoint`` saves and
+        loads them: this trainer's own shards (DTensors; whole tensors under DDP), optimizer
+        state keyed by parameter name. Nothing is gathered. An optimizer that has not stepped
+        yet gets its state made (torch steps it once with zero gradients and lr 0), so that a
+        resume has tensors to load into."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        policy, optimizer_state = get_state_dict(self.trained, optimizer)
+        return {"policy": policy, "optimizer": optimizer_state}
+
+    def load_sharded_state(self, state: Mapping[str, Any],
+                           optimizer: torch.optim.Optimizer) -> None:
+        """``state`` (as :meth:`sharded_state` made it, then filled) into the trained module
+        and the optimizer, then the whole weights into the acting module (every trainer of
+        the grid takes part)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.trained, optimizer, model_state_dict=state["policy"],
+                       optim_state_dict=state["optimizer"])
+        self.publish()
+
     def load(self, policy: Mapping[str, Tensor], optimizer_state: dict[str, Any],
              optimizer: torch.optim.Optimizer) -> None:
         """A checkpoint's whole state into the acting module, the trained one and the
