@@ -1,4 +1,5 @@
-"""Start ``layout.world_size`` local ranks through torch's elastic agent (torchrun's engine).
+"""The local launcher (:class:`LocalLauncher`): start ``layout.world_size`` ranks on this machine
+through torch's elastic agent (torchrun's engine).
 
 The agent's rendezvous store listens on 127.0.0.1 only, on a port the kernel picks, so two runs
 on one machine never collide and nothing is exposed beyond loopback. The ranks are forked from
@@ -7,8 +8,8 @@ the app's forkserver (app/launch/forkserver.py), which imported torch and the ap
 A finished run exits promptly, always: a rank that finished but does not exit within
 ``launcher.shutdown_timeout`` names what holds it in its log and ends itself (exit code 0,
 :func:`_exit_guard`); one that cannot (stuck with the interpreter lock held) is named and
-killed by the launcher (app/launch/failures.py: ``DeathWatch``) twice that long after ``result.json`` appeared,
-and the run still succeeds.
+killed by the launcher (``DeathWatch``, app/launch/failures.py) twice that long after
+``result.json`` appeared, and the run still succeeds.
 
 An elastic rollout rank (``plan.elastic_rollouts``) runs in a child of the process the agent
 started, a slot (app/launch/slots.py) that outlives it: a lost rollout rank does not stop the
