@@ -31,6 +31,7 @@ from app.errors import LaunchInterruptedError
 from app.launch import forkserver
 from app.launch.environment import mark_job_start, output_subdir, resolve_rank_env, run_id
 from app.launch.failures import recording_failures, write_errors_named
+from app.launch.launcher import launcher_for
 from app.launch.planning import check_restarts, check_world_size, validate
 from app.launch.slurm import register_launcher_configs
 from app.output import timeline
@@ -84,27 +85,22 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     from rlcomm import resolve_backend
 
     resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process
-    if not env.joins:  # torch's elastic agent, imported while the forkserver still imports
-        from app.launch.local import launch_local
+    # The one place a launcher is picked (app/launch/launcher.py). The local one imports torch's
+    # elastic agent here, while the forkserver still imports.
+    launcher = launcher_for(env)
     timeline.mark("validated")
     timeline.export()  # for the ranks (app/output/timeline.py)
     # One picture per run, from one process, after the checks (every rank of a bad job fails
     # alike, and at once), drawn beside the ranks' start, not before it.
-    picture = _draw_layout(plan, run_dir, serve=not env.joins) if env.rank == 0 else None
+    picture = _draw_layout(plan, run_dir, serve=launcher.starts_ranks) if env.rank == 0 else None
     if picture is None and env.rank == 0:
         write_layout_files(plan, run_dir)
     config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     try:
-        if not env.joins:
-            log.info("starting %d local ranks; run dir %s", plan.world_size, run_dir)
-            # The ranks find the launcher's picture service through their environment.
-            served = picture.environ() if isinstance(picture, PictureService) else {}
-            with _environment(served):
-                result: dict[str, Any] | None = launch_local(config, plan, run_dir)
-        else:
-            from app.launch.rank import run_rank
-
-            result = run_rank(config, plan, str(run_dir))
+        # Ranks a launcher starts find its picture service through their environment.
+        served = picture.environ() if isinstance(picture, PictureService) else {}
+        with _environment(served):
+            result = launcher.launch(config, plan, run_dir)
         if picture is not None:  # written before the run reports success
             picture.wait()
             picture = None

@@ -24,13 +24,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from app.errors import RankFailedError, naming
 from app.launch.failures import (
     FailureRecord,
+    describe_failures,
     read_records,
     record_path,
     recording_failures,
     write_error_line,
     write_errors_named,
 )
-from app.launch.local import _describe_failures, read_result
+from app.launch.local import read_result
 from app.output.logs import RankFileHandler, quiet_file_errors
 from app.runtime.records import MetricsFile
 from tests.helpers.apprun import AppProcess, describe, run_app
@@ -165,7 +166,7 @@ def test_the_launchers_line_for_a_rank_that_failed_writing_is_the_write_error_al
     assert read_records(tmp_path / "logs")[0].summary == (
         f"no space left on device writing {ckpt}; the last checkpoint is ckpt_000030.pt"
     )
-    assert _describe_failures(_failed(tmp_path, 0, 1), tmp_path) == (
+    assert describe_failures(_failed(tmp_path, 0, 1), tmp_path) == (
         f"rank 0: no space left on device writing {ckpt}; the last checkpoint is ckpt_000030.pt"
     )
 

@@ -12,11 +12,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from app.launch.failures import (
     FailureRecord,
     classify,
+    describe_failures,
     read_records,
     record_path,
     recording_failures,
 )
-from app.launch.local import _describe_failures
 from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError
 
 pytestmark = pytest.mark.unit
@@ -98,17 +98,17 @@ def test_ranks_the_agent_stopped_after_another_failed_are_not_the_cause(tmp_path
     for rank in (0, 3):
         _record(tmp_path / "logs", rank, HangError(hang))
     sigterm = -signal.SIGTERM
-    assert _describe_failures(_failed(r0=1, r1=sigterm, r2=sigterm), tmp_path) == (
+    assert describe_failures(_failed(r0=1, r1=sigterm, r2=sigterm), tmp_path) == (
         f"{hang} (logs: {tmp_path / 'logs'})")
     # SIGTERMed as DeathWatch saw it (a rank the agent did not report) is no cause either.
-    assert _describe_failures(_failed(r0=1), tmp_path, killed={2: "SIGTERM"}) == (
+    assert describe_failures(_failed(r0=1), tmp_path, killed={2: "SIGTERM"}) == (
         f"{hang} (logs: {tmp_path / 'logs'})")
     # A crash still wins over the hang its peers then report.
-    assert _describe_failures(_failed(r0=1, r1=-signal.SIGKILL), tmp_path) == (
+    assert describe_failures(_failed(r0=1, r1=-signal.SIGKILL), tmp_path) == (
         f"rank 1 killed by SIGKILL (log: {tmp_path / 'logs' / 'rank1.log'})")
 
 
 def test_a_rank_sigtermed_while_its_peers_only_lost_it_is_the_cause(tmp_path: Path) -> None:
     _record(tmp_path / "logs", 0, RuntimeError("[pair.cc:534] Connection closed by peer [::1]:5"))
-    assert _describe_failures(_failed(r0=1, r1=-signal.SIGTERM), tmp_path) == (
+    assert describe_failures(_failed(r0=1, r1=-signal.SIGTERM), tmp_path) == (
         f"rank 1 killed by SIGTERM (log: {tmp_path / 'logs' / 'rank1.log'})")

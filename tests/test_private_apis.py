@@ -1,9 +1,13 @@
 """Every private (or internal) API of torch, submitit, hydra-submitit-launcher and Hydra that the
 code relies on, pinned: an upgrade that changes one fails here, naming it, not in a user's job.
 
+The launch room's own (app/launch/) live in one module, app/launch/private.py; docs/launch.md
+says why each is needed, and a test here keeps every other module of the room off them.
+
 Pinned in-process (PINNED) where a call shows it; with real processes where only they do: the
 elastic agent's rank processes as multiprocessing's Process objects of the launcher
-(``multiprocessing.process._children``, how app/launch/local.py watches its ranks), the
+(``multiprocessing.process._children``, how app/launch/failures.py: DeathWatch watches its
+ranks), the files a process holds open (``/proc/<pid>/fd``, how DeathWatch knows a rank), the
 forkserver's preload (app/launch/forkserver.py), the exit handlers ``python -m app`` runs
 before it ends (``atexit._run_exitfuncs``), and gloo's wording of a peer that left or fell
 silent, which the code matches on (rlcomm/net/hosts.py, app/launch/failures.py,
@@ -18,9 +22,9 @@ from __future__ import annotations
 
 import datetime
 import inspect
-import multiprocessing
-import multiprocessing.process
+import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -33,6 +37,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from app.launch import private
 from app.launch.failures import GLOO_PEER_LOST, classify
 from app.launch.rank import _gist
 from rlcomm.net.hosts import _LOST, _PEER_ADDRESS
@@ -75,9 +80,8 @@ def _job_return_value() -> None:
 
 
 def _parse_node_list() -> None:
-    from submitit.slurm.slurm import _parse_node_list
-
-    assert _parse_node_list("gpu[003-004,010],cpu01") == ["gpu003", "gpu004", "gpu010", "cpu01"]
+    assert private.parse_node_list("gpu[003-004,010],cpu01") == [
+        "gpu003", "gpu004", "gpu010", "cpu01"]
 
 
 def _submitit_launcher() -> None:
@@ -131,6 +135,50 @@ def _elastic_hostname() -> None:
     assert callable(local_elastic_agent.LocalElasticAgent._get_fq_hostname)
     # The events the agent records after its ranks ended name the host through it.
     assert "_get_fq_hostname()" in inspect.getsource(api.SimpleElasticAgent._construct_event)
+    assert "self._get_fq_hostname()" in inspect.getsource(local_elastic_agent.LocalElasticAgent)
+    before = (api._get_fq_hostname, local_elastic_agent.LocalElasticAgent._get_fq_hostname)
+    try:
+        private.name_agent_host("pinned-host")
+        assert api._get_fq_hostname() == "pinned-host"
+        assert local_elastic_agent.LocalElasticAgent._get_fq_hostname(None) == "pinned-host"  # type: ignore[arg-type]
+    finally:
+        api._get_fq_hostname = before[0]
+        local_elastic_agent.LocalElasticAgent._get_fq_hostname = before[1]  # type: ignore[method-assign]
+
+
+def _elastic_log_texts() -> None:
+    from torch.distributed.elastic.agent.server import api
+    from torch.distributed.elastic.multiprocessing import api as worker_api
+
+    # The records app/launch/local.py's filters tell apart, by the words torch logs them with.
+    assert private.AGENT_RESTART_TEXT in inspect.getsource(api.SimpleElasticAgent)
+    assert f'"{private.WORKER_FAILED_PREFIX}' in inspect.getsource(worker_api)
+    restart = logging.LogRecord("a", logging.INFO, "", 0, "[default] Worker group FAILED. 1/1 "
+                                "attempts left; will restart worker group", None, None)
+    other = logging.LogRecord("a", logging.INFO, "", 0, "[default] Starting worker group",
+                              None, None)
+    assert private.AgentRestartNotice().filter(restart)
+    assert not private.AgentRestartNotice().filter(other)
+    failed = logging.LogRecord("a", logging.ERROR, "", 0, "failed (exitcode: 1) local_rank: 0",
+                               None, None)
+    assert not private.NoWorkerTraceback().filter(failed)
+
+
+def _open_files() -> None:
+    # How DeathWatch knows a rank process: by the log file it holds open.
+    path = Path(os.path.realpath(__file__))
+    with path.open():
+        assert path in list(private.open_files(os.getpid()))
+    assert list(private.open_files(2**22 + 1)) == []  # no such process: nothing
+
+
+def _forkserver_main() -> None:
+    from multiprocessing import forkserver
+
+    # in_forkserver_preload looks for forkserver.main's code on the stack: main imports the
+    # preload itself (the process test below shows it does, from the forkserver).
+    assert "__import__(modname)" in inspect.getsource(forkserver.main)
+    assert not private.in_forkserver_preload()
 
 
 def _hydra_config_loader() -> None:
@@ -155,12 +203,15 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("torch._foreach_copy_", "rlcomm/weights/buffers.py: packing many tensors in one call", _foreach_copy),
     ("StaticTCPRendezvous._store/master_port/run_id/timeout", "app/launch/local.py: LoopbackRendezvous", _static_tcp_rendezvous),
     ("hydra.core.utils.JobReturn._return_value", "app/sweep/callbacks.py, app/launch/slurm.py: a failed job's error without return_value's stderr print", _job_return_value),
-    ("submitit.slurm.slurm._parse_node_list", "app/launch/environment.py: first host of a SLURM node list", _parse_node_list),
+    ("submitit.slurm.slurm._parse_node_list", "app/launch/private.py: parse_node_list (environment.py: first host of a SLURM node list)", _parse_node_list),
     ("BaseSubmititLauncher.__call__/params/config/hydra_context", "app/launch/slurm.py: RlcommLauncher", _submitit_launcher),
     ("BaseSubmititLauncher.launch (its body)", "app/launch/slurm.py: RlcommLauncher.launch mirrors it", _submitit_launch_body),
     ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/launch/slurm.py: waiting for and reading task results", _submitit_job_internals),
     ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/config/help.py", _hydra_config_loader),
-    ("torch elastic _get_fq_hostname (api, LocalElasticAgent)", "app/launch/local.py: _no_name_lookups", _elastic_hostname),
+    ("torch elastic _get_fq_hostname (api, LocalElasticAgent)", "app/launch/private.py: name_agent_host", _elastic_hostname),
+    ("torch elastic's log texts (restart notice, worker failed)", "app/launch/private.py: AgentRestartNotice, NoWorkerTraceback", _elastic_log_texts),
+    ("/proc/<pid>/fd links", "app/launch/private.py: open_files (DeathWatch)", _open_files),
+    ("multiprocessing.forkserver.main imports the preload", "app/launch/private.py: in_forkserver_preload", _forkserver_main),
     ("torch.distributed._composable.replicate_with_fsdp.replicate", "app/runtime/sharding.py: DDP over a tensor-parallel policy", _composable_replicate),
 ]
 
@@ -174,6 +225,32 @@ def test_private_api_still_behaves_as_the_code_expects(
         check()
     except Exception as err:
         pytest.fail(f"private API changed: {name} (used in {where}): {type(err).__name__}: {err}")
+
+
+# What reaches into torch's, Python's or submitit's internals: in the launch room only
+# app/launch/private.py may (subclass hooks aside: LoopbackRendezvous, RlcommLauncher).
+_PRIVATE_USES = {
+    "multiprocessing.process._children": r"process\._children",
+    "readlink of /proc/<pid>/fd": r"os\.readlink|/fd\b",
+    "torch elastic's _get_fq_hostname": r"_get_fq_hostname",
+    "frame walking": r"sys\._getframe|currentframe|f_back",
+    "torch elastic's log texts": r"will restart worker group|failed \(exitcode",
+    "submitit's _parse_node_list": r"_parse_node_list",
+}
+
+
+@pytest.mark.unit
+def test_the_launch_rooms_private_apis_live_in_one_module() -> None:
+    room = Path(__file__).resolve().parents[1] / "app" / "launch"
+    found = [
+        f"{path.name}:{number}: {what}"
+        for path in sorted(room.glob("*.py")) if path.name != "private.py"
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        for what, pattern in _PRIVATE_USES.items() if re.search(pattern, line)
+    ]
+    assert not found, "use app/launch/private.py instead:\n" + "\n".join(found)
+    source = (room / "private.py").read_text()
+    assert all(re.search(pattern, source) for pattern in _PRIVATE_USES.values())
 
 
 # ---- with real processes ----------------------------------------------------------------------
@@ -194,7 +271,8 @@ def test_the_elastic_agents_forkserver_ranks_are_the_launchers_process_objects(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     # How the agent LocalElasticAgent (start_method="forkserver", app/launch/local.py) starts
-    # ranks: DeathWatch finds them among multiprocessing's Process objects of this process.
+    # ranks: DeathWatch (app/launch/failures.py) finds them among multiprocessing's Process
+    # objects of this process.
     ranks = start_processes(
         name="pin", entrypoint=_rank_until_told, args={0: (str(tmp_path),), 1: (str(tmp_path),)},
         envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
@@ -207,7 +285,7 @@ def test_the_elastic_agents_forkserver_ranks_are_the_launchers_process_objects(
         started = sorted(int(p.suffix[1:]) for p in tmp_path.glob("started.*"))
         spawned = sorted(ranks.pids().values())
         assert started == spawned, (started, spawned)
-        children = list(multiprocessing.process._children)  # type: ignore[attr-defined]
+        children = private.started_processes()
         found = sorted(p.pid for p in children if p.pid in spawned and p.sentinel >= 0)
     finally:
         (tmp_path / "stop").touch()
@@ -215,7 +293,8 @@ def test_the_elastic_agents_forkserver_ranks_are_the_launchers_process_objects(
         ranks.close()
     if found != spawned:
         pytest.fail(f"private API changed: multiprocessing.process._children (used in "
-                    f"app/launch/local.py: DeathWatch) holds {found}, ranks {spawned}")
+                    f"app/launch/private.py: started_processes, for DeathWatch) holds {found}, "
+                    f"ranks {spawned}")
 
 
 _PRELOADED = """
@@ -253,7 +332,7 @@ def test_the_forkserver_preloads_this_app_and_exit_handlers_run_on_request(tmp_p
     assert done.returncode == 0, done.stderr
     if done.stdout.splitlines() != ["True True", "exit handler ran"]:
         pytest.fail("private API changed: multiprocessing.forkserver.main's preload (used in "
-                    "app/launch/forkserver.py: _in_forkserver_preload) or atexit._run_exitfuncs "
+                    "app/launch/private.py: in_forkserver_preload) or atexit._run_exitfuncs "
                     f"(app/__main__.py: _exit): {done.stdout!r} {done.stderr[-2000:]}")
 
 

@@ -226,7 +226,7 @@ def test_a_killed_slot_takes_its_rank_along(tmp_path: Path) -> None:
 
 
 def test_the_launchers_death_watch_knows_the_slot_as_its_rank(tmp_path: Path) -> None:
-    from app.launch.local import DeathWatch
+    from app.launch.failures import DeathWatch
 
     slot = _start_slot(tmp_path, _sleeps(tmp_path))
     _wait_for(tmp_path / "child0.pid")

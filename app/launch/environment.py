@@ -11,7 +11,8 @@ The only module that reads launcher variables. Join mode is detected in this ord
 3. A task of a multi-task submitit *local* job (SUBMITIT_LOCAL_GLOBALID, SUBMITIT_LOCAL_NTASKS).
 4. RANK and WORLD_SIZE set by hand.
 
-Otherwise the app launches ``layout.world_size`` local ranks.
+Otherwise the app launches ``layout.world_size`` local ranks. Which launcher then runs the
+process is picked from the :class:`RankEnv` read here, in app/launch/launcher.py.
 """
 
 from __future__ import annotations
@@ -110,45 +111,11 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
         return _from_torch_variables("torchrun", env, node, restarts, _torchrun_name(env))
     step = slurm_step(env)
     if launcher == "slurm" and step is not None:
-        node_id = int(env.get("SLURM_NODEID", "0"))
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-        ntasks = int(env["SLURM_NTASKS"])
-        job = str(step[0])
-        if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
-            job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-        return RankEnv(
-            "slurm",
-            rank=int(env["SLURM_PROCID"]),
-            world_size=ntasks,
-            local_rank=int(env.get("SLURM_LOCALID", "0")),
-            local_world_size=tasks_on_node(per_node, node_id) or ntasks,
-            node=node,
-            master_addr=first_host(nodelist) if nodelist else node,
-            master_port=int(env.get(MASTER_PORT) or master_port(*step)),
-            # A requeued job (scontrol requeue, a node failure) is this run restarted: it
-            # continues in its own run dir (app/launch/rundir.py) from its newest checkpoint.
-            restart_count=restarts + int(env.get("SLURM_RESTART_COUNT") or 0),
-            run_name=env.get(RUN_ID_VARIABLE) or f"slurm-{job}.{step[1]}",
-        )
+        return _from_slurm(env, step, node, restarts)
     if step is not None:
         return RankEnv("local", node=node)  # e.g. srun --pty bash; srun -n1 python -m app
     if launcher == "submitit":
-        ntasks = int(env.get("SUBMITIT_LOCAL_NTASKS", "1"))
-        rank = int(env["SUBMITIT_LOCAL_GLOBALID"])
-        job_id = int(env["SUBMITIT_LOCAL_JOB_ID"])
-        return RankEnv(
-            "submitit",
-            rank=rank,
-            world_size=ntasks,
-            local_rank=int(env.get("SUBMITIT_LOCAL_LOCALID", str(rank))),
-            local_world_size=ntasks,
-            node=node,
-            master_addr="127.0.0.1",
-            master_port=int(env.get(MASTER_PORT) or master_port(job_id)),
-            restart_count=restarts,
-            run_name=env.get(RUN_ID_VARIABLE),
-        )
+        return _from_submitit(env, node, restarts)
     if launcher == "env":
         name = f"join-{env.get(MASTER_ADDR, 'local')}-{env[MASTER_PORT]}" if MASTER_PORT in env else None
         return _from_torch_variables("env", env, node, restarts, name)
@@ -160,6 +127,56 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
         )
         return RankEnv("local", node=node, run_name=env.get(RUN_ID_VARIABLE), note=note)
     return RankEnv("local", node=node, run_name=env.get(RUN_ID_VARIABLE))
+
+
+def _from_slurm(
+    env: Mapping[str, str], step: tuple[int, int], node: str, restarts: int
+) -> RankEnv:
+    """A task of an srun job step with more than one task."""
+    from app.api import RankEnv
+
+    node_id = int(env.get("SLURM_NODEID", "0"))
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+    ntasks = int(env["SLURM_NTASKS"])
+    job = str(step[0])
+    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return RankEnv(
+        "slurm",
+        rank=int(env["SLURM_PROCID"]),
+        world_size=ntasks,
+        local_rank=int(env.get("SLURM_LOCALID", "0")),
+        local_world_size=tasks_on_node(per_node, node_id) or ntasks,
+        node=node,
+        master_addr=first_host(nodelist) if nodelist else node,
+        master_port=int(env.get(MASTER_PORT) or master_port(*step)),
+        # A requeued job (scontrol requeue, a node failure) is this run restarted: it
+        # continues in its own run dir (app/launch/rundir.py) from its newest checkpoint.
+        restart_count=restarts + int(env.get("SLURM_RESTART_COUNT") or 0),
+        run_name=env.get(RUN_ID_VARIABLE) or f"slurm-{job}.{step[1]}",
+    )
+
+
+def _from_submitit(env: Mapping[str, str], node: str, restarts: int) -> RankEnv:
+    """A task of a multi-task submitit local job."""
+    from app.api import RankEnv
+
+    ntasks = int(env.get("SUBMITIT_LOCAL_NTASKS", "1"))
+    rank = int(env["SUBMITIT_LOCAL_GLOBALID"])
+    job_id = int(env["SUBMITIT_LOCAL_JOB_ID"])
+    return RankEnv(
+        "submitit",
+        rank=rank,
+        world_size=ntasks,
+        local_rank=int(env.get("SUBMITIT_LOCAL_LOCALID", str(rank))),
+        local_world_size=ntasks,
+        node=node,
+        master_addr="127.0.0.1",
+        master_port=int(env.get(MASTER_PORT) or master_port(job_id)),
+        restart_count=restarts,
+        run_name=env.get(RUN_ID_VARIABLE),
+    )
 
 
 def _from_torch_variables(
@@ -209,6 +226,12 @@ def _torchrun_name(env: Mapping[str, str]) -> str:
     return f"torchrun-{os.getppid()}-{_start_ticks(os.getppid())}"
 
 
+def submitit_executor(env: Mapping[str, str] | None = None) -> str | None:
+    """``slurm`` or ``local`` in a task of a job submitit submitted, else None."""
+    env = os.environ if env is None else env
+    return env.get("SUBMITIT_EXECUTOR") or None
+
+
 def slurm_step(env: Mapping[str, str]) -> tuple[int, int] | None:
     """``(job id, step id)`` when this process is a task of an srun job step, else None."""
     step, job = env.get("SLURM_STEP_ID", ""), env.get("SLURM_JOB_ID", "")
@@ -230,9 +253,9 @@ def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list such as ``gpu[003-004,010],cpu01`` (submitit's parser)."""
     if not nodelist:
         return socket.gethostname()
-    from submitit.slurm.slurm import _parse_node_list
+    from app.launch.private import parse_node_list
 
-    return str(_parse_node_list(nodelist)[0])
+    return parse_node_list(nodelist)[0]
 
 
 def tasks_on_node(tasks_per_node: str, node: int) -> int | None:

@@ -4,7 +4,9 @@ from which every local rank is forked (torch elastic's ``start_method="forkserve
 Spawned ranks each imported all of that again: 4 ranks on 2 cores paid for it 4 times after the
 launcher had paid once. ``python -m app`` starts the forkserver first thing (:func:`start_early`,
 before its own imports), so that the forkserver's imports run beside the launcher's (Hydra
-composing, validating) on another core; once the plan is validated a rank costs a fork.
+composing, validating) on another core; once the plan is validated a rank costs a fork. The
+forkserver does that work while it imports its preload, app/launch/forkserver_preload.py
+(:func:`serve_if_forkserver`): the one hook multiprocessing gives a forkserver.
 
 What a spawned rank had, a forked one keeps:
 
@@ -43,6 +45,8 @@ from typing import Any
 from app.output.pictures import MODULES as PICTURE_MODULES
 
 START_METHOD = "forkserver"
+# What the forkserver imports before it forks anything: the one hook multiprocessing offers.
+PRELOAD = "app.launch.forkserver_preload"
 # "<launcher pid>:<profile>", in the launcher's environment: the forkserver it starts preloads
 # the profile's modules and ties itself to that pid.
 MARKER = "RLCOMM_FORKSERVER"
@@ -121,7 +125,7 @@ def start(profile: str = "ranks") -> bool:
 
     # Kept in the environment: a forkserver that died is started again from it, tied as well.
     os.environ[MARKER] = f"{os.getpid()}:{profile}"
-    forkserver.set_forkserver_preload([__name__])
+    forkserver.set_forkserver_preload([PRELOAD])
     forkserver.ensure_running()
     _started = True
     return True
@@ -236,18 +240,6 @@ def _plan_only(args: Sequence[str]) -> bool:
     return False
 
 
-def _in_forkserver_preload() -> bool:
-    """Whether multiprocessing's forkserver is importing this module (its preload)."""
-    from multiprocessing import forkserver
-
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is forkserver.main.__code__:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
 def _serve(launcher: int, profile: str) -> None:
     """In the forkserver, before it forks anything: tie it to the launcher, then import."""
     global _server_env
@@ -277,11 +269,13 @@ def _preload(names: Sequence[str]) -> None:
                     importlib.import_module(f"app.loops.{found.name}")
 
 
-def _at_import() -> None:
+def serve_if_forkserver() -> None:
+    """In the forkserver a launcher started (:func:`start`), while it imports its preload
+    (app/launch/forkserver_preload.py): tie it to the launcher and import the profile's modules.
+    Anywhere else, nothing."""
+    from app.launch.private import in_forkserver_preload
+
     raw = os.environ.get(MARKER, "")
     pid, _, profile = raw.partition(":")
-    if pid.isdigit() and _in_forkserver_preload():
+    if pid.isdigit() and in_forkserver_preload():
         _serve(int(pid), profile)
-
-
-_at_import()

@@ -1,4 +1,5 @@
-"""Start ``layout.world_size`` local ranks through torch's elastic agent (torchrun's engine).
+"""The local launcher (:class:`LocalLauncher`): start ``layout.world_size`` ranks on this machine
+through torch's elastic agent (torchrun's engine).
 
 The agent's rendezvous store listens on 127.0.0.1 only, on a port the kernel picks, so two runs
 on one machine never collide and nothing is exposed beyond loopback. The ranks are forked from
@@ -7,8 +8,8 @@ the app's forkserver (app/launch/forkserver.py), which imported torch and the ap
 A finished run exits promptly, always: a rank that finished but does not exit within
 ``launcher.shutdown_timeout`` names what holds it in its log and ends itself (exit code 0,
 :func:`_exit_guard`); one that cannot (stuck with the interpreter lock held) is named and
-killed by the launcher (:class:`DeathWatch`) twice that long after ``result.json`` appeared,
-and the run still succeeds.
+killed by the launcher (``DeathWatch``, app/launch/failures.py) twice that long after
+``result.json`` appeared, and the run still succeeds.
 
 An elastic rollout rank (``plan.elastic_rollouts``) runs in a child of the process the agent
 started, a slot (app/launch/slots.py) that outlives it: a lost rollout rank does not stop the
@@ -18,13 +19,10 @@ others, and is started again ``launcher.rollout_restarts`` times.
 from __future__ import annotations
 
 import contextlib
-import errno
 import faulthandler
 import json
 import logging
 import multiprocessing
-import multiprocessing.connection
-import multiprocessing.process
 import os
 import signal
 import socket
@@ -32,11 +30,10 @@ import sys
 import threading
 import time
 import uuid
-from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -49,18 +46,24 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from app.errors import WRITE_ERRORS, LaunchInterruptedError, RankFailedError
+from app.errors import LaunchInterruptedError, RankFailedError
 from app.launch import forkserver, slots
 from app.launch.failures import (
-    Kind,
+    DeathWatch,
+    describe_failures,
+    disk_state,
     drop_unreadable_error_file,
-    read_records,
+    last_line,
     write_error_line,
 )
 from app.launch.lifeline import tie_to_launcher
+from app.launch.private import AgentRestartNotice, NoWorkerTraceback, name_agent_host
 from app.launch.rank import run_rank
 from app.output.logs import console_handler
 from rlcomm import LayoutPlan
+
+if TYPE_CHECKING:
+    from app.api import RankEnv
 
 LOOPBACK = "127.0.0.1"
 _BACKEND = "rlcomm-loopback"
@@ -95,43 +98,79 @@ class LoopbackRendezvous(StaticTCPRendezvous):
         return True
 
 
-class _RestartNotice(logging.Filter):
-    """Of the agent's INFO lines, only "Worker group FAILED. 1/1 attempts left; will restart
-    worker group" gets through: a restart after a failed rank should not be silent."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or "will restart worker group" in str(record.msg)
-
-
-class _NoWorkerTraceback(logging.Filter):
-    """The agent's "failed (exitcode: 1) local_rank: ..." record, with the rank's traceback, is
-    kept off the console: the rank's log file holds that traceback, and the launcher's one
-    ``error:`` line names the cause."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed (exitcode")
-
-
 def _create_handler(params: RendezvousParameters) -> LoopbackRendezvous:
     return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, int(params.get("timeout", 600)))
+
+
+class LocalLauncher:
+    """Starts every rank on this machine and waits for them (the
+    :class:`app.launch.launcher.Launcher` contract): ``python -m app`` outside any launcher."""
+
+    name = "local"
+    starts_ranks = True
+
+    def claims(self, env: RankEnv) -> bool:
+        return not env.joins
+
+    def launch(self, config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
+        logging.getLogger("app").info("starting %d local ranks; run dir %s", plan.world_size,
+                                      run_dir)
+        return launch_local(config, plan, run_dir)
 
 
 def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
     """Run every rank locally; returns rank 0's summary or raises RankFailedError."""
     cfg = OmegaConf.create(config)
     rendezvous_handler_registry.register(_BACKEND, _create_handler)  # the same creator: a no-op
+    _quiet_agent()
+    # Every rank is on this host: the agent need not look its name up (socket.getfqdn's DNS
+    # query, unbounded where the resolver is slow) between the last rank's exit and ours.
+    name_agent_host(socket.gethostname())
+    launch = _launch_config(cfg, plan, run_dir)
+    deaths = DeathWatch(run_dir / "logs", plan.world_size, result=run_dir / "result.json",
+                        exit_bound_s=2 * float(cfg.launcher.shutdown_timeout),
+                        log=_launcher_log())
+    previous = signal.signal(signal.SIGUSR1,
+                             lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir, deaths))
+    try:
+        # The launcher's environment travels with the ranks: a forked rank adopts it.
+        elastic_launch(launch, _local_rank)(config, plan, str(run_dir), dict(os.environ))
+    except ChildFailedError as err:
+        if not deaths.only_stragglers_failed():
+            raise RankFailedError(describe_failures(err, run_dir, deaths.killed())) from None
+        # Every rank finished; the ones that would not exit were named and killed.
+    except SignalException as err:  # the agent forwarded the signal to every rank and waited
+        name = signal.Signals(err.sigval).name
+        raise LaunchInterruptedError(
+            f"interrupted by {name}: stopped all {plan.world_size} ranks "
+            f"(logs: {run_dir / 'logs'})",
+            int(err.sigval),
+        ) from None
+    finally:
+        deaths.stop()
+        signal.signal(signal.SIGUSR1, previous)
+    # Rank 0 reports through result.json (JSON), not through the agent's pickled return values.
+    return read_result(run_dir)
+
+
+def _quiet_agent() -> None:
+    """The agent's console lines: warnings, and a restart notice above rank 0's progress bar;
+    a failed rank's traceback stays in its log file."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     worker_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    if not any(isinstance(f, _NoWorkerTraceback) for f in worker_log.filters):
-        worker_log.addFilter(_NoWorkerTraceback())
+    if not any(isinstance(f, NoWorkerTraceback) for f in worker_log.filters):
+        worker_log.addFilter(NoWorkerTraceback())
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     agent_log.setLevel(logging.INFO)
-    if not any(isinstance(f, _RestartNotice) for f in agent_log.filters):
-        agent_log.addFilter(_RestartNotice())
+    if not any(isinstance(f, AgentRestartNotice) for f in agent_log.filters):
+        agent_log.addFilter(AgentRestartNotice())
         # The agent speaks while rank 0's progress bar is on the same terminal: above it.
         agent_log.addHandler(console_handler("launcher"))
         agent_log.propagate = False
-    _no_name_lookups()
+
+
+def _launch_config(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> LaunchConfig:
+    """The agent's settings: one node, ``plan.world_size`` ranks, the loopback rendezvous."""
     # Started at the app's first line already (python -m app); here for any other way in.
     start_method = forkserver.START_METHOD if forkserver.start() else "spawn"
     launch = LaunchConfig(
@@ -149,31 +188,7 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
     )
     launch.shutdown_timeout = cfg.launcher.shutdown_timeout
-    deaths = DeathWatch(run_dir / "logs", plan.world_size, result=run_dir / "result.json",
-                        exit_bound_s=2 * float(cfg.launcher.shutdown_timeout))
-    previous = signal.signal(signal.SIGUSR1,
-                             lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir, deaths))
-    try:
-        # The launcher's environment travels with the ranks: a forked rank adopts it.
-        elastic_launch(launch, _local_rank)(config, plan, str(run_dir), dict(os.environ))
-    except ChildFailedError as err:
-        if not deaths.only_stragglers_failed():
-            raise RankFailedError(
-                _describe_failures(err, run_dir, deaths.killed())
-            ) from None
-        # Every rank finished; the ones that would not exit were named and killed.
-    except SignalException as err:  # the agent forwarded the signal to every rank and waited
-        name = signal.Signals(err.sigval).name
-        raise LaunchInterruptedError(
-            f"interrupted by {name}: stopped all {plan.world_size} ranks "
-            f"(logs: {run_dir / 'logs'})",
-            int(err.sigval),
-        ) from None
-    finally:
-        deaths.stop()
-        signal.signal(signal.SIGUSR1, previous)
-    # Rank 0 reports through result.json (JSON), not through the agent's pickled return values.
-    return read_result(run_dir)
+    return launch
 
 
 def read_result(run_dir: Path) -> dict[str, Any]:
@@ -185,11 +200,11 @@ def read_result(run_dir: Path) -> dict[str, Any]:
         why = write_error_line(err) if isinstance(err, OSError) else None
         if why is None:
             why = "it is missing" if isinstance(err, FileNotFoundError) else (
-                f"it is not JSON ({type(err).__name__}: {_last_line(str(err))})"
+                f"it is not JSON ({type(err).__name__}: {last_line(str(err))})"
             )
         raise RankFailedError(
             f"the ranks ended, but rank 0's summary {path} cannot be read: {why}"
-            f"{_disk_state(run_dir)}"
+            f"{disk_state(run_dir)}"
         ) from None
     return summary
 
@@ -275,141 +290,6 @@ def _forward_to_ranks(signum: int, run_dir: Path, deaths: DeathWatch) -> None:
     )
 
 
-def _no_name_lookups() -> None:
-    """The elastic agent names this host in each worker event it records after the ranks end
-    (``socket.getfqdn``: a DNS lookup, unbounded where the resolver is slow or unreachable), on
-    the way from the last rank's exit to the launcher's. Its own name does: all ranks are here."""
-    from torch.distributed.elastic.agent.server import api, local_elastic_agent
-
-    name = socket.gethostname()
-    api._get_fq_hostname = lambda: name
-    local_elastic_agent.LocalElasticAgent._get_fq_hostname = lambda self: name  # type: ignore[method-assign]
-
-
-class DeathWatch:
-    """Which local rank died first, and whether a signal killed it, seen as it happens; and which
-    finished rank does not exit.
-
-    The agent reports one failed rank, whichever its poll finds first: often a peer that lost
-    its connection to a rank killed a moment before, which wrote no error record. A thread looks
-    at the rank processes the agent started (multiprocessing's Process objects of this process)
-    every ``period_s``: a process has ended once its sentinel is ready, which reads nothing (the
-    agent still collects every exit code), and each is known by the log file it holds open. Only
-    the first deaths count: the ranks the agent then stops with SIGTERM are not causes. Their
-    exit codes are read once the agent is done with them (:meth:`killed`).
-
-    Once ``result`` (rank 0's result.json) exists, every rank has finished; a rank still running
-    ``exit_bound_s`` later is named on the console and killed (:meth:`only_stragglers_failed`).
-    """
-
-    def __init__(self, log_dir: Path, world_size: int, result: Path | None = None,
-                 exit_bound_s: float = 10.0, period_s: float = 0.05) -> None:
-        self._log_dir, self._world_size, self._period_s = log_dir, world_size, period_s
-        self._result, self._exit_bound_s = result, exit_bound_s
-        self._ranks: dict[BaseProcess, int] = {}  # rank processes still running -> rank
-        self._attempt: dict[BaseProcess, int] = {}  # every rank process of this attempt
-        self._first: dict[BaseProcess, int] = {}  # the first scan's deaths -> rank
-        self._attempt_over = False  # every rank ended: ranks seen next belong to a restart
-        self._finished_at: float | None = None  # when result.json appeared (monotonic)
-        self.stragglers: dict[int, int] = {}  # rank -> pid, killed for not exiting
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="rlcomm-deaths", daemon=True)
-        self._thread.start()
-
-    def killed(self) -> dict[int, str]:
-        """Ranks among the first to end that a signal killed, with the signal's name."""
-        found = {}
-        for proc, rank in self._first.items():
-            code = proc.exitcode  # the agent has collected it: this reads nothing new
-            if code is not None and code < 0:
-                with contextlib.suppress(ValueError):
-                    found[rank] = signal.Signals(-code).name
-        return found
-
-    def only_stragglers_failed(self) -> bool:
-        """The run finished (result.json), and the only ranks that did not exit cleanly are the
-        ones this watch killed because they did not exit after it."""
-        if not self.stragglers or self._result is None or not self._result.exists():
-            return False
-        killed = set(self.stragglers.values())
-        return all(p.exitcode == 0 or p.pid in killed for p in self._attempt)
-
-    def running_pids(self) -> list[int]:
-        return sorted(p.pid for p in list(self._ranks) if p.pid is not None)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self._period_s):
-            if len(self._ranks) < self._world_size:
-                self._find_ranks()
-            ended: dict[BaseProcess, int] = {}
-            for proc in _ended(list(self._ranks)):
-                ended[proc] = self._ranks.pop(proc)
-            if ended and not self._first:
-                self._first = ended
-            if not self._ranks and self._first:
-                self._attempt_over = True
-            self._check_exits()
-
-    def _find_ranks(self) -> None:
-        # The Process objects this process started and did not join yet (the agent's ranks,
-        # the launcher's side jobs); set and discarded by multiprocessing in this process.
-        for proc in list(multiprocessing.process._children):  # type: ignore[attr-defined]
-            if proc in self._ranks or proc in self._attempt or proc.pid is None:
-                continue
-            rank = self._rank_of(proc.pid)
-            if rank is None:
-                continue
-            if self._attempt_over:  # the agent restarted the ranks
-                self._first, self._attempt, self._attempt_over = {}, {}, False
-            self._ranks[proc] = self._attempt[proc] = rank
-
-    def _check_exits(self) -> None:
-        if self._result is None or not self._ranks:
-            return
-        if self._finished_at is None:
-            if not self._result.exists():
-                return
-            self._finished_at = time.monotonic()
-        waited = time.monotonic() - self._finished_at
-        if waited < self._exit_bound_s:
-            return
-        for proc, rank in list(self._ranks.items()):
-            if rank in self.stragglers or proc.pid is None:
-                continue
-            self.stragglers[rank] = proc.pid
-            _launcher_log().warning(
-                "rank %d (pid %d) has not exited %.1f s after the run finished (%s); killing it "
-                "(log: %s)", rank, proc.pid, waited, self._result.name,
-                self._log_dir / f"rank{rank}.log")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-
-    def _rank_of(self, pid: int) -> int | None:
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = Path(os.readlink(fd))
-                if target.parent == self._log_dir and target.name.startswith("rank"):
-                    with contextlib.suppress(ValueError):
-                        return int(target.stem.removeprefix("rank"))
-        return None
-
-
-def _ended(procs: list[BaseProcess]) -> list[BaseProcess]:
-    """Those of ``procs`` that have ended: their sentinel is ready (nothing is read from it)."""
-    sentinels = {}
-    for proc in procs:
-        with contextlib.suppress(ValueError):  # closed: ended and collected long ago
-            sentinels[proc.sentinel] = proc
-    if not sentinels:
-        return []
-    return [sentinels[s] for s in multiprocessing.connection.wait(list(sentinels), timeout=0)
-            if isinstance(s, int)]
-
-
 def _launcher_log() -> logging.Logger:
     """``[launcher] ...`` lines on the console, above any progress bar."""
     log = logging.getLogger("rlcomm.launcher")
@@ -418,83 +298,3 @@ def _launcher_log() -> logging.Logger:
         log.setLevel(logging.INFO)
         log.propagate = False
     return log
-
-
-def _describe_failures(
-    err: ChildFailedError, run_dir: Path, killed: dict[int, str] | None = None
-) -> str:
-    """One line naming the rank(s) that caused the failure, why, and where their logs are.
-
-    The agent reports whichever failed rank it noticed first, often a peer that merely lost its
-    connection; every rank's failure record (app/launch/failures.py) tells the cause apart, and
-    ``killed`` (from :class:`DeathWatch`) names the ranks a signal killed, which leave none.
-    """
-    records = read_records(run_dir / "logs")
-    why: dict[int, str] = {}
-    kinds: dict[int, Kind] = {}
-    writes: dict[int, str] = {}  # ranks that failed writing a file: the whole of their line
-    failed_alone = any(record.kind != "peer_lost" for record in records.values())
-    sigterms = {r for r, f in err.failures.items() if f.exitcode == -signal.SIGTERM}
-    sigterms |= {r for r, name in (killed or {}).items() if name == "SIGTERM"}
-    stopped = {r for r in sigterms if r in records or failed_alone}  # by the agent: not a cause
-    for rank, failure in err.failures.items():
-        if failure.exitcode < 0 and rank not in stopped:
-            why[rank], kinds[rank] = f"killed by {failure.signal_name()}", "error"
-    for rank in stopped - set(records):
-        why[rank], kinds[rank] = "stopped by the launcher after another rank failed", "peer_lost"
-    for rank, record in records.items():
-        if rank not in why:
-            code = err.failures[rank].exitcode if rank in err.failures.keys() - stopped else 1
-            why[rank], kinds[rank] = f"exit code {code}: {_last_line(record.line)}", record.kind
-            if record.write_error and record.kind != "peer_lost":
-                writes[rank] = record.write_error
-    for rank, failure in err.failures.items():  # failed before it could write a record
-        if rank not in why:
-            why[rank] = (f"exit code {failure.exitcode}: {_error_line(failure.message)}"
-                         f"{_disk_state(run_dir, 'it left no failure record')}")
-            kinds[rank] = "error"
-    for rank, name in (killed or {}).items():
-        if rank not in stopped and (rank not in why or kinds[rank] == "peer_lost"):
-            why[rank], kinds[rank] = f"killed by {name}", "error"
-            writes.pop(rank, None)
-    causes = {r: w for r, w in why.items() if kinds[r] != "peer_lost"} or why
-    if any(w.startswith("killed by") for w in causes.values()):
-        # A crash wins: the hang its peers may report is its consequence.
-        causes = {r: w for r, w in causes.items() if kinds[r] != "diagnosis"}
-    else:
-        diagnoses = [records[r].message for r in sorted(causes) if kinds[r] == "diagnosis"]
-        if diagnoses:  # the same on every rank that raises it: reported once
-            return f"{diagnoses[0]} (logs: {run_dir / 'logs'})"
-    return "; ".join(
-        f"rank {rank}: {writes[rank]}" if rank in writes
-        else f"rank {rank} {text} (log: {run_dir / 'logs' / f'rank{rank}.log'})"
-        for rank, text in sorted(causes.items())
-    )
-
-
-def _disk_state(run_dir: Path, what: str = "") -> str:
-    """``; <what>: <run dir> has no space left on device`` (or is on a read-only file system),
-    or "" when neither: why a rank may have left nothing to read."""
-    try:
-        stat = os.statvfs(run_dir if run_dir.exists() else run_dir.parent)
-    except OSError:
-        return ""
-    if stat.f_flag & os.ST_RDONLY:
-        state = f"is on a {WRITE_ERRORS[errno.EROFS]}"
-    elif stat.f_bavail == 0:
-        state = f"has {WRITE_ERRORS[errno.ENOSPC]}"
-    else:
-        return ""
-    return f"; {what + ': ' if what else ''}{run_dir} {state}"
-
-
-def _last_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else "no error message"
-
-
-def _error_line(message: object) -> str:
-    """The exception line of a worker's error record (torch nests it differently by version)."""
-    while isinstance(message, dict):
-        message = message.get("message", "")
-    return _last_line(str(message))

@@ -33,7 +33,7 @@ from app.output.summary import run_summary
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.elastic import MembersLostError, mark_running
 from rlcomm.errors import PeerLostError
-from rlcomm.net.hosts import agree_on_hosts, announce_lost, lost_hosts
+from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,45 @@ def run_rank(
 def _run(
     cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, launched_here: bool
 ) -> dict[str, Any] | None:
+    """The rank's steps: init, host agreement and groups, the loop, the reports, the summary."""
     check_world_size(plan, env.world_size, env.rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    ctx = _init(cfg, plan, env)
+    if ctx.joined_running_job:  # a replacement rollout rank (rlcomm.elastic)
+        _join_running_job(cfg, plan, env, run_dir, ctx)
+        return None
+    if ctx.watchdog is not None:  # `kill -USR1`: stacks and collective table to the log
+        ctx.watchdog.dump_on(signal.SIGUSR1)
+    startup_s = time.time() - job_start_time()
+    tick = time.perf_counter()
+    one_machine = launched_here or env.launcher == "submitit"  # both start every rank here
+    plan, hosts = _agree_and_create_groups(ctx, plan, env, one_machine)
+    group_creation_s = time.perf_counter() - tick
+    timeline.mark("groups")
+    log.info("rank %d (%s) groups: %s", env.rank, plan.role(env.rank), sorted(ctx.describe()))
+    _seed_everything(cfg.seed + env.rank)
+    loop: Loop = build_loop(cfg.loop)
+    timeline.mark("loop")
+    result = _run_loop(loop, ctx, cfg, plan, env, run_dir, hosts, launched_here)
+    timeline.mark("finished")
+    reports = _gather_reports(ctx, cfg, plan, hosts, env.rank, result)
+    # What the loop handed off at its stop decision (the learning curve, TensorBoard's last
+    # flush, app/output/background.py) is written before this rank reports success.
+    wait_for_background(float(cfg.comm.timeout))
+    if reports is None:
+        return None
+    summary = _summary(cfg, plan, env, run_dir, loop, result, reports,
+                       {"startup_s": round(startup_s, 3),
+                        "group_creation_s": round(group_creation_s, 3)})
+    _write_result(run_dir / "result.json", json.dumps(summary, indent=2))
+    # The launcher prints the closing summary (app.output.summary.format_summary) once the ranks end.
+    log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",
+             extra=FILE_ONLY)
+    return summary
 
+
+def _init(cfg: DictConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
+    """The distributed context of this rank: the default group, the store, the watchdog."""
     ctx = CommContext()
     ctx.init_distributed_env(
         backend=cfg.comm.backend,
@@ -90,42 +126,55 @@ def _run(
         record=bool(cfg.comm.get("record", True)),
         elastic_member=plan.elastic_rollouts and env.rank in plan.rollouts,
     )
-    if ctx.joined_running_job:  # a replacement rollout rank (rlcomm.elastic)
-        _join_running_job(cfg, plan, env, run_dir, ctx)
-        return None
-    if ctx.watchdog is not None:  # `kill -USR1`: stacks and collective table to the log
-        ctx.watchdog.dump_on(signal.SIGUSR1)
-    startup_s = time.time() - job_start_time()
-    tick = time.perf_counter()
-    one_machine = launched_here or env.launcher == "submitit"  # both start every rank here
+    return ctx
+
+
+def _agree_and_create_groups(
+    ctx: CommContext, plan: LayoutPlan, env: RankEnv, one_machine: bool
+) -> tuple[LayoutPlan, Hosts]:
+    """Every rank learns every rank's host (``one_machine``: the layout's nodes are simulated),
+    then creates the planned groups; returns the plan as the hosts place it, and the hosts."""
     plan, hosts = agree_on_hosts(ctx, plan, simulated_nodes=one_machine)
     ctx.init_groups(plan)
     if plan.elastic_modes and env.rank == 0:
         mark_running(ctx.store)  # a process starting as a rank from now on joins
-    group_creation_s = time.perf_counter() - tick
-    timeline.mark("groups")
-    rank = env.rank
-    log.info("rank %d (%s) groups: %s", rank, plan.role(rank), sorted(ctx.describe()))
+    return plan, hosts
 
-    _seed_everything(cfg.seed + rank)
-    loop: Loop = build_loop(cfg.loop)
-    timeline.mark("loop")
+
+def _run_loop(
+    loop: Loop, ctx: CommContext, cfg: DictConfig, plan: LayoutPlan, env: RankEnv,
+    run_dir: Path, hosts: Hosts, launched_here: bool,
+) -> Any:
+    """The loop's result; an error that a lost host explains names that host. Started by the
+    app's local launcher, a lost rollout rank comes back only through its restarts."""
     try:
-        result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=rank, env=env,
-                                   hosts=dict(enumerate(hosts.names)),
-                                   rollout_restarts=(cfg.launcher.rollout_restarts
-                                                     if launched_here else None)))
+        return loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
+                                 env=env, hosts=dict(enumerate(hosts.names)),
+                                 rollout_restarts=(cfg.launcher.rollout_restarts
+                                                   if launched_here else None)))
     except MembersLostError:
         raise  # its own line names who was lost
     except Exception as err:
-        lost = lost_hosts(ctx, hosts, err)
-        if lost is None:
-            raise
-        announce_lost(ctx, hosts, lost)
-        raise PeerLostError(
-            f"rank {rank} on {hosts.names[rank]}: lost {hosts.describe(lost)}: {_gist(err)}"
-        ) from err
-    timeline.mark("finished")
+        _raise_if_hosts_lost(ctx, hosts, env.rank, err)
+        raise
+
+
+def _raise_if_hosts_lost(ctx: CommContext, hosts: Hosts, rank: int, err: Exception) -> None:
+    """Lost-host diagnosis: when ``err`` came from hosts that are gone, tell the other ranks
+    and raise a PeerLostError that names them; else return (``err`` is this rank's own)."""
+    lost = lost_hosts(ctx, hosts, err)
+    if lost is None:
+        return
+    announce_lost(ctx, hosts, lost)
+    raise PeerLostError(
+        f"rank {rank} on {hosts.names[rank]}: lost {hosts.describe(lost)}: {_gist(err)}"
+    ) from err
+
+
+def _gather_reports(
+    ctx: CommContext, cfg: DictConfig, plan: LayoutPlan, hosts: Hosts, rank: int, result: Any
+) -> list[dict[str, Any]] | None:
+    """Every rank's report, on rank 0 (None elsewhere); the context is destroyed after."""
     report = {
         "rank": rank,
         "role": plan.role(rank),
@@ -140,11 +189,14 @@ def _run(
     else:
         reports = collectives.gather_json(ctx, CommMode.GLOBAL, report, dst=0)
         ctx.destroy()
-    # What the loop handed off at its stop decision (the learning curve, TensorBoard's last
-    # flush, app/output/background.py) is written before this rank reports success.
-    wait_for_background(float(cfg.comm.timeout))
-    if reports is None:
-        return None
+    return reports
+
+
+def _summary(
+    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, loop: Loop, result: Any,
+    reports: list[dict[str, Any]], startup: dict[str, float],
+) -> dict[str, Any]:
+    """Rank 0's ``result.json``: the loop's figures, every rank's report, the timeline."""
     loop_summary = getattr(loop, "summary", None)  # a loop may add its own figures and files
     wall_s = time.time() - job_start_time()
     summary = {
@@ -154,8 +206,7 @@ def _run(
         # The figures a sweep compares (app/sweep/metrics.py): the loop's, as rank 0 reports them.
         "metrics": {
             **((result.get("metrics") or {}) if isinstance(result, dict) else {}),
-            "startup_s": round(startup_s, 3),
-            "group_creation_s": round(group_creation_s, 3),
+            **startup,
             "wall_s": round(wall_s, 2),
         },
         "summary": run_summary(
@@ -176,19 +227,20 @@ def _run(
     }
     summary["timeline"] = run_timeline
     if plan.elastic_modes:  # every join and leave, from the trainers that saw them
-        changes = sorted((c for r in reports for c in (r.get("result") or {}).get("changes", [])),
-                         key=lambda c: c["time"])
-        summary["joins"] = [c for c in changes if c["event"] == "join"]
-        summary["leaves"] = [c for c in changes if c["event"] == "leave"]
-        if changes:
-            summary["summary"]["rollout_ranks"] = {"left": len(summary["leaves"]),
-                                                   "joined": len(summary["joins"])}
+        _add_membership_changes(summary, reports)
     summary["phases"] = timeline.phases(run_timeline)
-    _write_result(run_dir / "result.json", json.dumps(summary, indent=2))
-    # The launcher prints the closing summary (app.output.summary.format_summary) once the ranks end.
-    log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",
-             extra=FILE_ONLY)
     return summary
+
+
+def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any]]) -> None:
+    """The joins and leaves of elastic rollout ranks, in time order, into ``summary``."""
+    changes = sorted((c for r in reports for c in (r.get("result") or {}).get("changes", [])),
+                     key=lambda c: c["time"])
+    summary["joins"] = [c for c in changes if c["event"] == "join"]
+    summary["leaves"] = [c for c in changes if c["event"] == "leave"]
+    if changes:
+        summary["summary"]["rollout_ranks"] = {"left": len(summary["leaves"]),
+                                               "joined": len(summary["joins"])}
 
 
 def _join_running_job(

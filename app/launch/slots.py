@@ -21,7 +21,7 @@ the child did; SIGUSR1 (the launcher's request for stack dumps) is forwarded. A 
 terminal (Ctrl-C) reached the child already and is not sent twice. The child dies with the slot
 (app/launch/lifeline.py): a slot SIGKILLed after ``launcher.shutdown_timeout`` leaves nothing.
 
-The slot holds the rank's log file open, so the launcher's DeathWatch (app/launch/local.py), which
+The slot holds the rank's log file open, so the launcher's DeathWatch (app/launch/failures.py), which
 knows rank processes by that file, sees it as the rank; it also appends its own lines there.
 """
 

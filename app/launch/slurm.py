@@ -1,4 +1,9 @@
-"""Hydra submitit launchers that run one rank per SLURM task (or per local submitit task).
+"""The submitit launcher: one rank per SLURM task (or per task of a local submitit job).
+
+Two sides. Submitting: Hydra's launcher plugins ``hydra/launcher=rlcomm_slurm`` and
+``rlcomm_local`` (:class:`RlcommLauncher`) submit each sweep job to SLURM (or to submitit's
+local executor). In each task: :class:`SubmititLauncher` (the
+:class:`app.launch.launcher.Launcher` contract) runs that task's rank.
 
 ``hydra/launcher=rlcomm_slurm`` and ``hydra/launcher=rlcomm_local`` (conf/hydra/launcher/) build
 on the plugin's ``submitit_slurm`` and ``submitit_local``; their launcher classes are in
@@ -26,7 +31,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.singleton import Singleton
@@ -36,8 +41,13 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import OmegaConf, open_dict
 
 from app.errors import JobFailedError, RankFailedError
+from app.launch.environment import submitit_executor
 from app.launch.failures import read_records
+from app.launch.joined import JoinedLauncher
 from rlcomm.net.env import RANK_VARIABLES
+
+if TYPE_CHECKING:
+    from app.api import RankEnv
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +106,23 @@ register_launcher_configs()
 
 
 # --------------------------------------------------------------------------------------------
-# Launchers
+# In each task: the rank
+# --------------------------------------------------------------------------------------------
+
+
+class SubmititLauncher(JoinedLauncher):
+    """One task of a job that :class:`RlcommLauncher` submitted: one rank, run as any joined
+    rank is (srun started it on SLURM; submitit's local executor started it here)."""
+
+    name = "submitit"
+
+    def claims(self, env: RankEnv) -> bool:
+        return env.launcher == "submitit" or (env.launcher == "slurm"
+                                              and submitit_executor() == "slurm")
+
+
+# --------------------------------------------------------------------------------------------
+# Submitting: Hydra's launcher plugins
 # --------------------------------------------------------------------------------------------
 
 

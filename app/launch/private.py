@@ -1,0 +1,86 @@
+"""Every private API of torch, Python and submitit that the launch room relies on, in one place.
+
+Nothing here is documented by its owner; each one is pinned by tests/test_private_apis.py, so
+an upgrade that changes one fails there, with its name, and not in a user's run. Why each is
+needed, and what it would take to drop it: docs/launch.md (Private APIs).
+
+Subclass hooks (``StaticTCPRendezvous``'s attributes in app/launch/local.py, the Hydra submitit
+plugin's in app/launch/slurm.py) stay in their subclasses: they are the only way in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.process
+import os
+from collections.abc import Iterator
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+# The elastic agent's log texts that its records are told apart by (torch 2.13:
+# agent/server/api.py and multiprocessing/api.py): no logger name or record field says which.
+AGENT_RESTART_TEXT = "will restart worker group"
+WORKER_FAILED_PREFIX = "failed (exitcode"
+
+
+def started_processes() -> list[BaseProcess]:
+    """The Process objects this process started and has not joined yet (the elastic agent's
+    ranks among them). ``multiprocessing.active_children()`` would join the ended ones, reading
+    their exit codes from under the agent's thread; this list reads nothing."""
+    return list(multiprocessing.process._children)  # type: ignore[attr-defined]
+
+
+def open_files(pid: int) -> Iterator[Path]:
+    """The files process ``pid`` holds open (Linux: the links in ``/proc/<pid>/fd``); nothing
+    once it is gone."""
+    with contextlib.suppress(OSError):  # gone, or a descriptor closed while read: none
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            yield Path(os.readlink(fd))
+
+
+def name_agent_host(name: str) -> None:
+    """The elastic agent names this host ``name`` in the events it records, instead of looking
+    it up (``socket.getfqdn``: a DNS query, unbounded where the resolver is slow)."""
+    from torch.distributed.elastic.agent.server import api, local_elastic_agent
+
+    api._get_fq_hostname = lambda: name
+    local_elastic_agent.LocalElasticAgent._get_fq_hostname = lambda self: name  # type: ignore[method-assign]
+
+
+def in_forkserver_preload() -> bool:
+    """Whether multiprocessing's forkserver (``multiprocessing.forkserver.main``) is importing
+    the caller's module as its preload: the only code a forkserver runs before it forks."""
+    import inspect
+    from multiprocessing import forkserver
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is forkserver.main.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def parse_node_list(nodelist: str) -> list[str]:
+    """The hosts of a SLURM node list such as ``gpu[003-004,010],cpu01`` (submitit's parser)."""
+    from submitit.slurm.slurm import _parse_node_list
+
+    return [str(host) for host in _parse_node_list(nodelist)]
+
+
+class AgentRestartNotice(logging.Filter):
+    """Of the agent's INFO lines, only "Worker group FAILED. 1/1 attempts left; will restart
+    worker group" gets through: a restart after a failed rank should not be silent."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or AGENT_RESTART_TEXT in str(record.msg)
+
+
+class NoWorkerTraceback(logging.Filter):
+    """The agent's "failed (exitcode: 1) local_rank: ..." record, with the rank's traceback, is
+    kept off the console: the rank's log file holds that traceback, and the launcher's one
+    ``error:`` line names the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(WORKER_FAILED_PREFIX)
