@@ -11,7 +11,7 @@ batches under each way the runtime wraps it: DDP over 4, FSDP2 over 4, tensor pa
 - **Step time:** one forward, backward, gradient clip and Adam step on a batch of ``BATCH``
   windows, median over repetitions. No goal on CPU.
 - **Hand-off** (app/runtime/handoff/sharded.py): two trainers under FSDP2 hand a model of
-  ``HAND_OFF_PARAMS`` to 1 and 3 rollout ranks: each sends its own shard and every rollout rank
+  ``HAND_OFF_PARAMS`` to 2 and 3 rollout ranks: each sends its own shard and every rollout rank
   assembles the whole weights, against the flat hand-off's broadcast of the same bytes from one
   trainer (bound buffers, in-place receives: today's static path). A sample starts at a barrier
   and ends when the last rollout rank holds the whole weights. Goal: at most 1.1 x the flat
@@ -33,6 +33,8 @@ GRIDS = {"ddp4": ("ddp", None), "fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2),
          "tp2-fsdp2": ("fsdp", 2)}
 HAND_OFF_PARAMS = {"1M": (1, 1000), "25M": (4, 2500), "100M": (4, 5000)}  # layers x width^2
 HAND_OFF_TRAINERS = 2
+# A split layout gives each trainer a rollout rank at least: 2 and 3 receivers, not 1.
+HAND_OFF_ROLLOUTS = (2, 3)
 
 
 def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
@@ -149,7 +151,7 @@ def _hand_off_rows(settings: Settings) -> list[Row]:
 
     rows = []
     for size, (layers, width) in HAND_OFF_PARAMS.items():
-        for rollouts in (1, 3):
+        for rollouts in HAND_OFF_ROLLOUTS:
             world = HAND_OFF_TRAINERS + rollouts
             found = run_ranks(_hand_off, world, layers, width,
                               settings.reps(5 if size == "100M" else 10, 3), timeout=1200)
