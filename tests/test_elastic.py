@@ -1,8 +1,9 @@
 """Elastic rollout ranks under the local launcher, on real processes: a rollout rank killed
 mid-run is dropped and the run goes on; with ``launcher.rollout_restarts`` it comes back and is
 admitted with the current weights; a surviving rollout rank feeds every trainer; below
-``loop.min_rollouts`` (the job's live rollout ranks) with no joiner possible the run ends at once
-naming who was lost; a resumed run starts a new membership epoch. Nothing is left running.
+``loop.min_rollouts`` (the job's live rollout ranks) the trainers wait for a joiner if one can
+come (ranks started by hand), else the run ends at once, naming who was lost; a resumed run
+starts a new membership epoch. Nothing is left running.
 
 Multi-host cases (a whole rollout host killed and restarted, a link down) are in
 tests/test_multinode.py; the groups themselves in tests/test_elastic_groups.py.
@@ -163,6 +164,49 @@ def test_below_min_rollouts_with_no_joiner_possible_the_run_ends_at_once_naming_
         r"rank 1 on \S+ \(connection closed\) \(log: \S+rank0\.log\)", app.last_line), \
         app.describe()
     app.assert_all_ended()
+
+
+def test_below_min_rollouts_with_a_join_possible_the_trainer_waits_then_ends_naming_who_was_lost(
+    tmp_path: Path,
+) -> None:
+    """Ranks started by hand (RANK/WORLD_SIZE): a replacement for a lost rollout rank may be
+    started at any time, so the trainer waits the patience for one (0.8 x the hang timeout,
+    comm.timeout - min(comm.timeout / 2, 30): 8 s here), then ends the run naming who was
+    lost."""
+    patience_s = 8
+    marker = uuid.uuid4().hex
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "RLCOMM_RUN_ID": f"byhand-{marker[:8]}"}
+    args = [sys.executable, "-m", "app", "layout=1t1r", "loop.target_return=1e9",
+            "loop.progress=false", f"loop.total_env_steps={10**9}", "comm.timeout=20"]
+    run_dir = tmp_path / "outputs" / "runs" / base["RLCOMM_RUN_ID"]
+    outs = [tmp_path / f"rank{rank}.out" for rank in (0, 1)]
+    procs = [subprocess.Popen(args, cwd=tmp_path, text=True, stdout=out.open("w"),
+                              stderr=subprocess.STDOUT,
+                              env=app_env(marker, {**base, "RANK": str(rank)}))
+             for rank, out in enumerate(outs)]
+    try:
+        deadline = time.monotonic() + 120
+        while len(rows(run_dir)) < 5:
+            assert time.monotonic() < deadline and procs[0].poll() is None, outs[0].read_text()
+            time.sleep(0.05)
+        procs[1].kill()
+        killed = time.monotonic()
+        assert procs[0].wait(timeout=patience_s + 90) != 0, outs[0].read_text()
+        took = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        assert_no_survivors(marker)
+    text = outs[0].read_text()
+    assert patience_s <= took < patience_s + 60, took
+    assert (f"waiting up to {patience_s} s for rollout ranks to join: 0 live of "
+            "loop.min_rollouts=1; lost: rank 1 on ") in text, text[-3000:]
+    assert re.fullmatch(rf"error: 0 live rollout ranks of loop\.min_rollouts=1 for {patience_s} "
+                        r"s; lost: rank 1 on \S+ \(connection closed\)",
+                        text.strip().splitlines()[-1]), text[-3000:]
 
 
 def test_a_checkpoint_records_the_epoch_and_a_resumed_run_starts_a_new_one(
