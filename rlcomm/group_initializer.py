@@ -22,8 +22,9 @@ from .utils import format_ranks
 
 
 class GroupRegistration(NamedTuple):
-    """What ``CommContext._register_group`` takes (the seed's argument order, plus the declared
-    order of the ranks, whose first entry is e.g. the weight-transfer sender)."""
+    """What ``CommContext._register_group`` takes (the original CommContext's argument order, see
+    :mod:`rlcomm.context`, plus the declared order of the ranks, whose first entry is e.g. the
+    weight-transfer sender)."""
 
     local_rank: int | None
     world_size: int

@@ -1,4 +1,5 @@
-"""CommContext on real processes over gloo: the seed's API, its fixes, and its errors."""
+"""CommContext on real processes over gloo: its 14 original methods (docs/library.md), their
+fixes, and their errors."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from rlcomm.testing import run_ranks
 
 
 def _seed_sequence(rank: int, world_size: int) -> dict[str, Any]:
-    # The seed's documented call order, with gloo groups because this machine has no CUDA.
+    # The original API's documented call order, with gloo groups because this machine has no CUDA.
     ctx = CommContext()
     assert not ctx.is_initialized()
     ctx.init_distributed_env(world_size, rank, backend="gloo", dist_url="env://", timeout=60)
@@ -93,7 +94,7 @@ def _every_mode(rank: int, world_size: int) -> dict[str, Any]:
     out["intra_same_group"] = ctx.get_group(ParallelMode.INTRA_NODE) is ctx.get_group(
         CommMode.INTRA_NODE
     )
-    # The seed's _tensor_parallel_size/_data_parallel_size attributes repeated these: gone.
+    # The original class's _tensor_parallel_size/_data_parallel_size attributes repeated these.
     out["sizes"] = (ctx.get_world_size(ParallelMode.TENSOR_PARALLEL),
                     ctx.get_world_size(ParallelMode.DATA_PARALLEL))
     if rank != 2:

@@ -202,7 +202,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("torch.testing._internal.distributed.fake_pg.FakeStore", "rlcomm/net/rendezvous.py, benchmarks/scale.py: the fake backend", _fake_store),
     ("torch._foreach_copy_", "rlcomm/weights/buffers.py: packing many tensors in one call", _foreach_copy),
     ("StaticTCPRendezvous._store/master_port/run_id/timeout", "app/launch/local.py: LoopbackRendezvous", _static_tcp_rendezvous),
-    ("hydra.core.utils.JobReturn._return_value", "app/sweep/callbacks.py, app/launch/slurm.py: a failed job's error without return_value's stderr print", _job_return_value),
+    ("hydra.core.utils.JobReturn._return_value", "app/launch/sweep_summary.py, app/launch/slurm.py: a failed job's error without return_value's stderr print", _job_return_value),
     ("submitit.slurm.slurm._parse_node_list", "app/launch/private.py: parse_node_list (environment.py: first host of a SLURM node list)", _parse_node_list),
     ("BaseSubmititLauncher.__call__/params/config/hydra_context", "app/launch/slurm.py: RlcommLauncher", _submitit_launcher),
     ("BaseSubmititLauncher.launch (its body)", "app/launch/slurm.py: RlcommLauncher.launch mirrors it", _submitit_launch_body),

@@ -331,16 +331,12 @@ def test_mismatches_name_the_tensor_and_both_sides() -> None:
 
 
 @pytest.mark.unit
-def test_the_old_module_path_is_an_alias_of_rlcomm_weights() -> None:
-    # Users were told ``from rlcomm.weight_transfer import WeightSender, WeightReceiver``.
+def test_rlcomm_hands_on_the_weights_classes_of_rlcomm_weights() -> None:
     import rlcomm
-    import rlcomm.weight_transfer as old
-    import rlcomm.weights as new
+    import rlcomm.weights as weights
 
-    assert old.__all__ == new.__all__
-    for name in new.__all__:
-        assert getattr(old, name) is getattr(new, name), name
-    assert rlcomm.WeightSender is new.WeightSender and rlcomm.WeightReceiver is new.WeightReceiver
+    assert rlcomm.WeightSender is weights.WeightSender
+    assert rlcomm.WeightReceiver is weights.WeightReceiver
 
 
 @contextmanager

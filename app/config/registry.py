@@ -1,7 +1,9 @@
 """The ConfigStore entries: the app's schema, the config groups' schemas, and each loop's.
 
 A loop is a dataclass and is its own schema (:func:`loop_schema`); shipped loops are registered
-as ``loop/<name>_schema``, and a plugin registers its own with :func:`register_loop`.
+as ``loop/<name>_schema``, and a plugin registers its own with :func:`register_loop`. The config
+knows the shipped loops by name (:data:`SHIPPED_LOOPS`), as Hydra knows a ``_target_``: it
+imports no loop module, so the loops sit below the config and never the other way round.
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ from dataclasses import field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.utils import get_class
 
 from app.config.schema import AppConfig, CommConfig, LayoutConfig
-from app.loops.commcheck import CommCheck
-from app.loops.ppo import PPOLoop
-from app.loops.vtrace import VTraceLoop
+
+# ``loop=<name>`` -> the loop class its schema is made from.
+SHIPPED_LOOPS = {
+    "ppo": "app.loops.ppo.PPOLoop",
+    "vtrace": "app.loops.vtrace.VTraceLoop",
+    "commcheck": "app.loops.commcheck.CommCheck",
+}
 
 
 @functools.cache
@@ -51,6 +58,5 @@ def register_configs() -> None:
     cs.store(name="app_schema", node=AppConfig)
     cs.store(group="comm", name="comm_schema", node=CommConfig)
     cs.store(group="layout", name="layout_schema", node=LayoutConfig)
-    register_loop("ppo", PPOLoop)
-    register_loop("vtrace", VTraceLoop)
-    register_loop("commcheck", CommCheck)
+    for name, target in SHIPPED_LOOPS.items():
+        register_loop(name, get_class(target))

@@ -58,8 +58,8 @@ RANK_MODULES = (
     "torch.distributed",
     "torch.distributed.elastic.multiprocessing",
     "torch.nn.parallel",
-    # DDP's constructor imports it (torch 2.13: 1-1.6 s here): once here, beside the launcher's
-    # own imports, not in every trainer between its start and its first update.
+    # DDP's constructor imports it, and the import is slow: once here, beside the launcher's own
+    # imports, not in every trainer between its start and its first update.
     "torch._dynamo",
     "omegaconf",
     "hydra.utils",

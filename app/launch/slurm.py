@@ -256,7 +256,7 @@ class RlcommLauncher(BaseSubmititLauncher):
         error = JobFailedError(
             self._failure_message(job, num, overrides, tasks, outcomes, job_dir)
         )
-        from app.sweep.callbacks import record_job
+        from app.sweep.summary import record_job
 
         record_job(sweep_dir, {
             "job": num,

@@ -47,7 +47,7 @@ def process_start_time(pid: int | None = None) -> float:
         stat = open(f"/proc/{pid or os.getpid()}/stat").read()  # noqa: SIM115
         ticks = int(stat.rpartition(")")[2].split()[19])
         # The boot time from the clock /proc counts in, not /proc/stat's btime: that is cut to
-        # whole seconds, which moved every start by up to a second (0.1 s on one machine).
+        # whole seconds, which would move every start by up to a second.
         booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
         return booted + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):

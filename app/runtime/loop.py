@@ -1,13 +1,16 @@
 """The runtime's loop: its settings, checked before any rank starts, and the entry every rank
 calls. An algorithm becomes a loop by subclassing :class:`RLLoop` with its settings as
-``hparams`` and itself as ``algorithm``::
+``hparams`` and itself as ``algorithm`` (this is app/loops/ppo/__init__.py's)::
+
+    from app.loops.ppo.core import PPO, PPOHyperParams
 
     @dataclass
     class PPOLoop(RLLoop):
         hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
-        algorithm: ClassVar[type[Algorithm[Any]]]
-    # Follows membership epochs: its rollout ranks may leave and join (layout.elastic_rollouts).
-    elastic_rollouts: ClassVar[bool] = True = PPO
+        algorithm: ClassVar[type[Algorithm[Any]]] = PPO
+
+Such a loop follows membership epochs (its rollout ranks may leave and join, as
+``layout.elastic_rollouts`` allows) unless it sets ``elastic_rollouts`` to False.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (median, min, max), failed jobs come last with their error.
 
 Pure functions over plain records (no Hydra), so the ranking is tested on its own;
-app/sweep/callbacks.py feeds them the sweep's ``summary.json`` and writes ``summary.md``.
+app/sweep/summary.py feeds them the sweep's ``summary.json`` and writes ``summary.md``.
 """
 
 from __future__ import annotations

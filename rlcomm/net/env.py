@@ -1,8 +1,9 @@
 """The one place rlcomm reads the process environment (torch's launcher conventions).
 
-As in the seed, ``init_distributed_env`` takes world size and rank from WORLD_SIZE and RANK when
-they are not given; the rendezvous reads MASTER_ADDR/MASTER_PORT for ``env://``. A missing or
-malformed variable is an error that names it. Launchers (torchrun, SLURM, the app) set these.
+As in the original CommContext (see :mod:`rlcomm.context`), ``init_distributed_env`` takes
+world size and rank from WORLD_SIZE and RANK when they are not given; the rendezvous reads
+MASTER_ADDR/MASTER_PORT for ``env://``. A missing or malformed variable is an error that names
+it. Launchers (torchrun, SLURM, the app) set these.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def env_int(name: str, default: int | None = None) -> int:
 
 
 def world_size_and_rank(world_size: int | None, rank: int | None) -> tuple[int, int]:
-    """The seed's defaults: WORLD_SIZE and RANK from the environment when not given."""
+    """``init_distributed_env``'s defaults: WORLD_SIZE and RANK from the environment when not
+    given."""
     world_size = env_int(WORLD_SIZE) if world_size is None else world_size
     rank = env_int(RANK) if rank is None else rank
     if not 0 <= rank < world_size:

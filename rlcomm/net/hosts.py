@@ -124,8 +124,8 @@ def _within(seconds: float, fn: Callable[..., _T], default: _T, *args: Any) -> _
     For the store calls of a rank that lost a host. A link that went down drops packets
     instead of closing the connection, and the heartbeat's and the watchdog's calls on the same
     client, made with the store's long timeout, hold it first: a call with its own short
-    timeout still waited behind them (30 s and more, seen across network namespaces). The call
-    left behind runs on a daemon thread, which ends with the process."""
+    timeout still waits behind them. The call left behind runs on a daemon thread, which ends
+    with the process."""
     outcome: list[_T] = []
     worker = threading.Thread(target=lambda: outcome.append(fn(*args)), daemon=True,
                               name="rlcomm-bounded-store-call")

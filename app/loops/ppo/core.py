@@ -25,8 +25,8 @@ class PPOHyperParams(AlgorithmSettings):
     rollout cost, so more envs is cheaper per env step than longer rollouts. On 2t2r (2,048 env
     steps per update) each optimizer step is a DDP all-reduce, which on a 2-core machine costs
     about as much as the step itself; so 2 minibatches with a larger learning rate (8 steps
-    per update) rather than 4 at 2.5e-3 (16): a median of 37 updates to the target (seeds
-    1-24, all solved) against 50 (seeds 1-12); benchmarks/results/2026-12-02.md.
+    per update) rather than 4 at 2.5e-3 (16), which reach the target in fewer updates. The
+    seeds behind that: benchmarks/results/2026-12-02.md.
     """
 
     gae_lambda: float = setting(0.95, "GAE lambda, in [0, 1]")

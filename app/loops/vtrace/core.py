@@ -37,12 +37,11 @@ from app.runtime.models import ActorCritic, space_problem
 class VTraceSettings(AlgorithmSettings):
     """V-trace settings; defaults learn CartPole-v1.
 
-    Tuned in one process that collects 2 x 16 envs x 64 steps per update with weights one update
-    old (the default 2t2r layout with ``loop.max_staleness=1``): 14/14 seeds reached a mean return
-    >= 475 over the last 20 episodes, after 171k env steps on average (median 121k, max 362k);
-    with one collector (``layout=single``) 4/4 seeds, after 94k on average. One large step per
-    batch with normalised advantages (IMPALA's shape) solved no seed within 300k at the learning
-    rates tried (1e-3 to 5e-3).
+    They are tuned for the default 2t2r layout with ``loop.max_staleness=1``: two collectors of
+    16 envs x 64 steps each per update, trained on with weights one update old. Several
+    minibatch steps per batch, because one large step with normalised advantages (IMPALA's
+    shape) did not solve CartPole in tuning at learning rates from 1e-3 to 5e-3. The tuning
+    runs' figures: benchmarks/results/2026-12-02.md.
     """
 
     lr: float = setting(1.5e-3, "Adam learning rate (> 0)")

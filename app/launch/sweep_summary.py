@@ -1,20 +1,19 @@
-"""Hydra callbacks: a sweep summary that lists every job, failed ones included, and ranks them.
+"""Hydra callback: a sweep summary that lists every job, failed ones included, and ranks them.
 
 Per job (``on_job_end``, in the job's rank-0 process): its entry in ``summary.json``. After the
 sweep (``on_multirun_end``, in the process that ran the sweep, for the basic and the submitit
 launchers alike): every job's metrics in ``summary.json``, the ranked table in ``summary.md`` and
 on stdout, and ``sweep.png``. Hydra skips ``on_multirun_end`` when a job failed (the sweeper
 raises the job's error first), so the same report is also written at exit in that case.
+
+It lives in the launch room beside the run dir's callback (app/launch/rundir.py), since it asks
+which rank this process is (app/launch/environment.py); what it writes is app/sweep/'s.
 """
 
 from __future__ import annotations
 
 import atexit
-import fcntl
-import json
-import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from app.errors import ConfigError
 from app.launch.environment import resolve_rank_env
 from app.sweep.metrics import check_metric_name, declared_metrics
+from app.sweep.summary import record_job, write_sweep_report
 
 
 class SweepSummary(Callback):
@@ -80,43 +80,3 @@ class SweepSummary(Callback):
             "result": str(job_dir / "result.json") if ok else None,
             "error": None if ok else str(job_return._return_value),
         })
-
-
-def record_job(sweep_dir: Path, entry: dict[str, Any]) -> None:
-    """Adds or replaces one job's entry in ``<sweep dir>/summary.json``. Jobs of a submitit sweep
-    end at once, in separate processes: a lock file serialises them."""
-    path = sweep_dir / "summary.json"
-    with open(sweep_dir / ".summary.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        jobs = json.loads(path.read_text())["jobs"] if path.exists() else []
-        jobs = [j for j in jobs if j["job"] != entry["job"]] + [entry]
-        tmp = path.with_name(f".summary.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"jobs": sorted(jobs, key=lambda j: j["job"])}, indent=2))
-        os.replace(tmp, path)
-
-
-def write_sweep_report(sweep_dir: Path, rank_by: str | None, loop: str | None) -> str | None:
-    """Every job's metrics into ``summary.json``, the ranked metric into ``sweep.png`` (what it
-    plots under ``plot`` in summary.json) and the ranked table into ``summary.md`` (returned);
-    None when no job was recorded."""
-    from app.sweep.plot import plot_sweep
-    from app.sweep.report import build_report, format_table, read_jobs, report_json
-
-    path = sweep_dir / "summary.json"
-    if not path.exists():
-        return None
-    with open(sweep_dir / ".summary.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        entries = json.loads(path.read_text())["jobs"]
-        jobs = read_jobs(entries)
-        report = build_report(jobs, rank_by, loop)
-        for entry, job in zip(entries, jobs):
-            entry["metrics"] = job.metrics
-        plotted = plot_sweep(report, sweep_dir / "sweep.png")
-        summary = {**report_json(report), "plot": asdict(plotted), "jobs": entries}
-        tmp = path.with_name(f".summary.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(summary, indent=2))
-        os.replace(tmp, path)
-    table = format_table(report)
-    (sweep_dir / "summary.md").write_text(table)
-    return table
