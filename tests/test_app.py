@@ -314,6 +314,10 @@ BAD_OVERRIDES = [
     (["loop=ppo", "loop.checkpoint_every=-1"], "loop.checkpoint_every: must be >= 0, got -1"),
     (["loop=ppo", "loop.max_staleness=-1"], "loop.max_staleness: must be >= 0, got -1"),
     (["loop=ppo", "loop.min_rollouts=0"], "loop.min_rollouts: must be >= 1, got 0"),
+    # Rank r's environments are seeded seed x 10000 + r: gymnasium refuses a negative seed.
+    (["loop=ppo", "seed=-1"], "seed: must be between 0 and 1844668873 (rank r's environments are "
+     "seeded seed x 10000 + r, which gymnasium takes from 0; "),
+    (["loop=ppo", "seed=1844668874"], "seed: must be between 0 and 1844668873 ("),
     (["loop=ppo", "loop.min_rollouts=3"], "loop.min_rollouts: 3, but the layout has 2 rollout ranks"),
     (["loop=ppo", "loop.verify_weights_every=-2"], "loop.verify_weights_every: must be >= 0, got -2"),
     (["loop=ppo", "loop.resume=/nonexistent/run"], "loop.resume: '/nonexistent/run' does not exist"),
@@ -487,6 +491,47 @@ def test_which_layouts_have_elastic_rollout_ranks(
     plan = validate(cfg)
     assert (plan.elastic_rollouts and bool(plan.rollouts)) == elastic
     assert set(plan.elastic_modes) == set(modes)
+
+
+@pytest.mark.unit
+def test_the_spaces_validation_probed_reach_a_rank_that_builds_no_env(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import app.__main__  # registers the schemas and resolvers
+    import app.runtime.loop
+    from app.launch.planning import adopt_probed, build_loop, validate_and_probe
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["loop=ppo"])
+    _, probed = validate_and_probe(cfg)
+    assert set(probed) == {"spaces"}
+
+    def no_env(*_: object) -> None:
+        raise AssertionError("a rank built an env to probe its spaces")
+
+    monkeypatch.setattr(app.runtime.loop, "probe_spaces", no_env)
+    loop = build_loop(cfg.loop)  # as a rank builds it (app/launch/rank.py)
+    adopt_probed(loop, probed)
+    assert loop.spaces == probed["spaces"]
+    # A loop that probes nothing hands nothing on.
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        assert validate_and_probe(compose("config", overrides=["loop=commcheck"]))[1] == {}
+
+
+@pytest.mark.unit
+def test_every_derived_seed_fits_at_the_largest_seed_and_one_more_fails() -> None:
+    import torch
+
+    from app.runtime.seeds import ENVPOOL_SEED_LIMIT, env_seed, largest_seed, minibatch_seed
+
+    ranks, num_envs, updates = 4, 16, 100
+    largest = largest_seed(ranks, num_envs, updates, envpool=False)
+    torch.Generator().manual_seed(minibatch_seed(largest, ranks - 1, updates))
+    with pytest.raises((RuntimeError, ValueError)):  # torch: "Overflow when unpacking"
+        torch.Generator().manual_seed(minibatch_seed(largest + 1, ranks - 1, updates))
+    largest = largest_seed(ranks, num_envs, updates, envpool=True)
+    assert env_seed(largest, ranks - 1) + num_envs - 1 < ENVPOOL_SEED_LIMIT
+    assert env_seed(largest + 1, ranks - 1) + num_envs - 1 >= ENVPOOL_SEED_LIMIT
 
 
 LAYOUT_OVERRIDES = [

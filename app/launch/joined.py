@@ -27,8 +27,10 @@ class JoinedLauncher:
         return env.joins
 
     def launch(
-        self, config: dict[str, Any], plan: LayoutPlan, run_dir: Path
+        self, config: dict[str, Any], plan: LayoutPlan, run_dir: Path,
+        probed: dict[str, Any] | None = None,
     ) -> dict[str, Any] | None:
         from app.launch.rank import run_rank  # imports torch: after the checks that need none
 
-        return run_rank(config, plan, str(run_dir))
+        # This process validated the config itself: its probe serves its rank.
+        return run_rank(config, plan, str(run_dir), probed=probed)

@@ -112,14 +112,17 @@ class LocalLauncher:
     def claims(self, env: RankEnv) -> bool:
         return not env.joins
 
-    def launch(self, config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
+    def launch(self, config: dict[str, Any], plan: LayoutPlan, run_dir: Path,
+               probed: dict[str, Any] | None = None) -> dict[str, Any]:
         logging.getLogger("app").info("starting %d local ranks; run dir %s", plan.world_size,
                                       run_dir)
-        return launch_local(config, plan, run_dir)
+        return launch_local(config, plan, run_dir, probed)
 
 
-def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
-    """Run every rank locally; returns rank 0's summary or raises RankFailedError."""
+def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path,
+                 probed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run every rank locally; returns rank 0's summary or raises RankFailedError. ``probed``
+    (what validation built an env to learn) travels to every rank with the config."""
     cfg = OmegaConf.create(config)
     rendezvous_handler_registry.register(_BACKEND, _create_handler)  # the same creator: a no-op
     _quiet_agent()
@@ -134,7 +137,8 @@ def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path) -> dic
                              lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir, deaths))
     try:
         # The launcher's environment travels with the ranks: a forked rank adopts it.
-        elastic_launch(launch, _local_rank)(config, plan, str(run_dir), dict(os.environ))
+        elastic_launch(launch, _local_rank)(config, plan, str(run_dir), dict(os.environ),
+                                            probed or {})
     except ChildFailedError as err:
         if not deaths.only_stragglers_failed():
             raise RankFailedError(describe_failures(err, run_dir, deaths.killed())) from None
@@ -210,7 +214,8 @@ def read_result(run_dir: Path) -> dict[str, Any]:
 
 
 def _local_rank(
-    config: dict[str, Any], plan: LayoutPlan, run_dir: str, launcher_env: dict[str, str]
+    config: dict[str, Any], plan: LayoutPlan, run_dir: str, launcher_env: dict[str, str],
+    probed: dict[str, Any],
 ) -> None:
     forkserver.adopt_launcher_environment(launcher_env)
     rank = int(os.environ.get("RANK", "-1"))
@@ -219,20 +224,22 @@ def _local_rank(
         if slots.can_fork():
             tie_to_launcher(launched_here=True)  # the slot as a rank is: its child is tied to it
             restarts = int(config["launcher"].get("rollout_restarts", 0))
-            slots.supervise(rank, lambda _incarnation: _run_rank_here(config, plan, run_dir),
+            slots.supervise(rank,
+                            lambda _incarnation: _run_rank_here(config, plan, run_dir, probed),
                             restarts, Path(run_dir), _launcher_log())
             return
         _launcher_log().warning("rank %d: its process runs other threads and cannot fork a "
                                 "rank it survives; losing this rank fails the run", rank)
-    _run_rank_here(config, plan, run_dir)
+    _run_rank_here(config, plan, run_dir, probed)
 
 
-def _run_rank_here(config: dict[str, Any], plan: LayoutPlan, run_dir: str) -> None:
+def _run_rank_here(config: dict[str, Any], plan: LayoutPlan, run_dir: str,
+                   probed: dict[str, Any]) -> None:
     """The rank, in this process: the agent's worker process, or a slot's child
     (app/launch/slots.py)."""
     forkserver.set_process_name(f"rlcomm-rank{os.environ.get('RANK', '')}")  # ps, top
     try:
-        run_rank(config, plan, run_dir, launched_here=True)
+        run_rank(config, plan, run_dir, launched_here=True, probed=probed)
     except Exception:
         if drop_unreadable_error_file():
             # Re-raised, the exception would make torch write the error file again, on the

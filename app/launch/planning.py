@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -44,6 +45,12 @@ def check_restarts(max_restarts: int, agent_limit: int | None) -> None:
 
 def validate(cfg: DictConfig) -> LayoutPlan:
     """Everything that can be checked without starting a process; raises one-line errors."""
+    return validate_and_probe(cfg)[0]
+
+
+def validate_and_probe(cfg: DictConfig) -> tuple[LayoutPlan, dict[str, Any]]:
+    """:func:`validate`, and what the loop's checks learnt by building things (``probed``,
+    e.g. the env's spaces): the ranks take it so that they need not build them again."""
     problem = timeout_problem(cfg.comm.timeout, cfg.comm.get("hang_timeout"), prefix="comm.")
     if problem:
         raise ConfigError(problem)
@@ -61,13 +68,22 @@ def validate(cfg: DictConfig) -> LayoutPlan:
     if cfg.sweep.rank_by is not None:  # the configured loop's declared metrics, or the app's
         check_metric_name(cfg.sweep.rank_by, str(cfg.loop._target_))
     plan = build_plan(cfg)
-    loop = _check_loop(cfg.loop, plan)
+    loop = _check_loop(cfg.loop, plan, int(cfg.seed))
     # Rollout ranks are elastic only under a loop that follows membership (the RL runtime's):
     # any other loop's collectives would wait for a lost rank forever.
     # Epoch groups are gloo: with NCCL the rollout ranks stay static.
     elastic = (plan.elastic_rollouts and bool(getattr(loop, "elastic_rollouts", False))
                and _backend(cfg) != "nccl")
-    return dataclasses.replace(plan, elastic_rollouts=elastic)
+    probe = getattr(loop, "probed", None)
+    probed: dict[str, Any] = probe() if callable(probe) else {}
+    return dataclasses.replace(plan, elastic_rollouts=elastic), probed
+
+
+def adopt_probed(loop: Any, probed: Mapping[str, Any] | None) -> None:
+    """Give ``loop`` (built on a rank from the validated settings) what validation probed."""
+    adopt = getattr(loop, "adopt_probed", None)
+    if probed and callable(adopt):
+        adopt(probed)
 
 
 def _backend(cfg: DictConfig) -> str:
@@ -90,9 +106,10 @@ def build_loop(loop: DictConfig) -> Any:
     return instantiate(loop, _convert_="object", _recursive_=False)
 
 
-def _check_loop(loop: DictConfig, plan: LayoutPlan) -> Any:
+def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int) -> Any:
     """Type-check the loop's settings against its dataclass (unknown keys included), build it
-    once so bad arguments fail before any rank starts, then run its own ``validate(plan)``."""
+    once so bad arguments fail before any rank starts, then run its own ``validate(plan)`` and
+    ``check_seed(seed, plan)`` (the seeds its ranks derive), where it has them."""
     from hydra.utils import get_object
     from omegaconf.errors import OmegaConfBaseException
 
@@ -110,6 +127,9 @@ def _check_loop(loop: DictConfig, plan: LayoutPlan) -> Any:
     check = getattr(built, "validate", None)
     if callable(check):
         check(plan)
+    check_seed = getattr(built, "check_seed", None)
+    if callable(check_seed):
+        check_seed(seed, plan)
     return built
 
 

@@ -25,7 +25,7 @@ from app.errors import naming
 from app.launch.environment import job_start_time, resolve_rank_env
 from app.launch.failures import recording_failures
 from app.launch.lifeline import tie_to_launcher
-from app.launch.planning import build_loop, check_world_size
+from app.launch.planning import adopt_probed, build_loop, check_world_size
 from app.output import timeline
 from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 @record
 def run_rank(
-    config: dict[str, Any], plan: LayoutPlan, run_dir: str, launched_here: bool = False
+    config: dict[str, Any], plan: LayoutPlan, run_dir: str, launched_here: bool = False,
+    probed: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """One rank, from environment to result; returns the run summary on rank 0.
 
@@ -48,7 +49,9 @@ def run_rank(
     torchrun or SLURM, by this process before it came here): it is not validated again.
     ``launched_here``: started by the app's local launcher, every rank on this machine on
     purpose (a layout's nodes are then simulated, as under submitit's local executor); otherwise
-    a launcher placed the ranks on hosts, and the layout's nodes must match them.
+    a launcher placed the ranks on hosts, and the layout's nodes must match them. ``probed``:
+    what validation built an env to learn (its spaces), given to the loop; None: the loop
+    learns it itself.
     """
     from app.output.logs import setup_rank_logging
 
@@ -67,7 +70,7 @@ def run_rank(
     setup_rank_logging(Path(run_dir), env.rank)
     try:
         with recording_failures(Path(run_dir) / "logs", env.rank, env.restart_count, env.node):
-            return _run(cfg, plan, env, Path(run_dir), launched_here)
+            return _run(cfg, plan, env, Path(run_dir), launched_here, probed)
     except BaseException:
         # The traceback lands in this rank's log file; the console gets the launcher's error line.
         log.exception("rank %d failed", env.rank, extra=FILE_ONLY)
@@ -75,14 +78,15 @@ def run_rank(
 
 
 def _run(
-    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, launched_here: bool
+    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, launched_here: bool,
+    probed: dict[str, Any] | None,
 ) -> dict[str, Any] | None:
     """The rank's steps: init, host agreement and groups, the loop, the reports, the summary."""
     check_world_size(plan, env.world_size, env.rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     ctx = _init(cfg, plan, env)
     if ctx.joined_running_job:  # a replacement rollout rank (rlcomm.elastic)
-        _join_running_job(cfg, plan, env, run_dir, ctx)
+        _join_running_job(cfg, plan, env, run_dir, ctx, probed)
         return None
     if ctx.watchdog is not None:  # `kill -USR1`: stacks and collective table to the log
         ctx.watchdog.dump_on(signal.SIGUSR1)
@@ -95,6 +99,7 @@ def _run(
     log.info("rank %d (%s) groups: %s", env.rank, plan.role(env.rank), sorted(ctx.describe()))
     _seed_everything(cfg.seed + env.rank)
     loop: Loop = build_loop(cfg.loop)
+    adopt_probed(loop, probed)
     timeline.mark("loop")
     result = _run_loop(loop, ctx, cfg, plan, env, run_dir, hosts, launched_here)
     timeline.mark("finished")
@@ -244,13 +249,15 @@ def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any
 
 
 def _join_running_job(
-    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, ctx: CommContext
+    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, ctx: CommContext,
+    probed: dict[str, Any] | None,
 ) -> None:
     """A rollout rank started while its job runs (a restart, one more torchrun or srun task):
     its trainer admits it at an update boundary; it reports like the others."""
     log.info("rank %d joins the running job (replacing a lost process)", env.rank)
     _seed_everything(cfg.seed + env.rank)
     loop: Loop = build_loop(cfg.loop)
+    adopt_probed(loop, probed)
     result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
                                env=env, joining=True))
     report = {"rank": env.rank, "role": plan.role(env.rank), "host": socket.gethostname(),

@@ -15,7 +15,9 @@ Such a loop follows membership epochs (its rollout ranks may leave and join, as
 
 from __future__ import annotations
 
+import pickle
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -39,6 +41,7 @@ from app.runtime.checkpoints import (
 )
 from app.runtime.envs import EnvConfig, ensure_registered, probe_spaces
 from app.runtime.models import ModelConfig, is_image
+from app.runtime.seeds import seed_problem
 from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
 from app.runtime.transformer import (
     TransformerActorCritic,
@@ -130,13 +133,30 @@ class RLLoop:
 
     @cached_property
     def spaces(self) -> Spaces:
-        """The environment's spaces, from one env built once (errors name the setting)."""
+        """The environment's spaces, from one env built once (errors name the setting), or
+        as the launcher's validation probed them (:meth:`adopt_probed`)."""
         return probe_spaces(self.env)
+
+    def probed(self) -> dict[str, Any]:
+        """What validation learnt by building an env (its spaces, where it probed them), for
+        the ranks: a rank that adopts it builds no env to learn them again. Spaces that do not
+        pickle (a custom space holding a lambda) stay here: the ranks then probe them."""
+        if "spaces" not in self.__dict__:
+            return {}
+        try:
+            pickle.dumps(self.__dict__["spaces"])
+        except Exception:
+            return {}
+        return {"spaces": self.__dict__["spaces"]}
+
+    def adopt_probed(self, probed: Mapping[str, Any]) -> None:
+        """Take what :meth:`probed` returned, on a loop built from the same settings."""
+        if "spaces" in probed:
+            self.__dict__["spaces"] = probed["spaces"]
 
     def validate(self, plan: LayoutPlan) -> None:
         """Range checks and the environment's, run by the launcher before any rank starts."""
-        collectors = len(plan.rollouts) if plan.rollouts else len(plan.trainers)
-        per_update = collectors * self.hp.num_envs * self.hp.num_steps
+        per_update = self._per_update(plan)
         # The ranks of a TENSOR_PARALLEL group train one replica on their segments together.
         replicas, _, _ = plan.grid_sizes
         batch_per_trainer = per_update // replicas
@@ -184,6 +204,20 @@ class RLLoop:
         self.check_resume()
         if self.tensorboard:
             check_tensorboard()
+
+    def _per_update(self, plan: LayoutPlan) -> int:
+        """Env steps per update: every collecting rank's ``num_envs`` x ``num_steps``."""
+        collectors = len(plan.rollouts) if plan.rollouts else len(plan.trainers)
+        return int(collectors * self.hp.num_envs * self.hp.num_steps)
+
+    def check_seed(self, seed: int, plan: LayoutPlan) -> None:
+        """The top-level ``seed`` against the seeds every rank derives from it
+        (app/runtime/seeds.py), run by the launcher after :meth:`validate`."""
+        updates = self.total_env_steps // max(1, self._per_update(plan)) + 1
+        problem = seed_problem(seed, plan.world_size, self.hp.num_envs, updates,
+                               envpool=self.env.vector == "envpool")
+        if problem:
+            raise ConfigError(problem)
 
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
         return self.algorithm(self.hp, spaces)

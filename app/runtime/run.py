@@ -31,9 +31,9 @@ from app.runtime.checkpoints import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
-from app.runtime.envs import probe_spaces
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, update_row
+from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
 from app.runtime.sharding import TrainedModule, TrainerGrid, is_sharded, share_segments
 from app.runtime.worker import Agent, Episode, RolloutWorker, segment_layout
@@ -63,7 +63,8 @@ class RuntimeRun:
 
         torch.set_num_threads(1)  # small models gain nothing from intra-op threads on shared cores
         torch.manual_seed(job.seed)  # same initial weights on every rank
-        self.spaces = probe_spaces(loop.env)  # one env, built and closed
+        # As the launcher probed them (RLLoop.adopt_probed); else one env, built and closed.
+        self.spaces = loop.spaces
         self.algorithm = loop.build_algorithm(self.spaces)
         # What the rollouts act with, and what the weights carry: the policy (the algorithm's
         # module, or loop.model's) and the normalisers' statistics.
@@ -75,7 +76,7 @@ class RuntimeRun:
         if self.elastic:  # a member's episodes travel in its segment
             self.layout = with_episodes(self.layout, episode_cap)
         self.worker = (RolloutWorker(self.algorithm, self.spaces, loop.env, self.agent,
-                                     seed=job.seed * 10_000 + self.rank)
+                                     seed=env_seed(job.seed, self.rank))
                        if self.collects else None)
         if self.worker is not None:
             self.worker.use_layout(self.layout)
@@ -320,7 +321,7 @@ class RuntimeRun:
         # Minibatch order is a function of (seed, replica, update): a resumed run shuffles as
         # the uninterrupted one would, with no generator state to carry.
         self.generator.manual_seed(
-            (self.job.seed * 10_000 + self.replica_rank) * 1_000_003 + self.update)
+            minibatch_seed(self.job.seed, self.replica_rank, self.update))
         info = UpdateInfo(self.optimizer, self.generator, self.env_steps, self.update, self.lag)
         tick = time.perf_counter()
         losses = self.algorithm.update(self.trained.model, self.agent.net, segments, info)
