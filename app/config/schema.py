@@ -114,5 +114,7 @@ class AppConfig:
     loop: Any = setting(MISSING, "the training loop: _target_ plus its settings")
     launcher: LauncherConfig = setting(doc="local launch", factory=LauncherConfig)
     sweep: SweepConfig = setting(doc="how a --multirun is ranked", factory=SweepConfig)
-    seed: int = setting(0, "base seed; rank r uses seed + r")
+    seed: int = setting(
+        0, "base seed; rank r seeds torch with seed + r and its environments with seed x 10000 + r"
+    )
     plan_only: bool = setting(False, "print every rank's groups and exit; start nothing")
