@@ -470,51 +470,17 @@ def save_sharded_checkpoint(
     checkpoint), the others return None (the failed rank ends the run). Returns the folder on
     the first rank."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     folder = run_dir / CHECKPOINT_DIR
     final = folder / f"ckpt_{update:06d}"
     partial = folder / f"{final.name}.tmp"
     me, size = dist.get_rank(group), dist.get_world_size(group)
-    lead = me == 0
-    problem: OSError | None = None
-    if lead:  # before anyone writes into it: a stale .tmp may have this very name
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            _remove_stale(folder)
-        except OSError as err:
-            problem = _named(err, final, partial, folder)
-    # Doubles as the barrier after the cleanup; a failed cleanup stops every trainer here.
-    failed = torch.tensor([problem is not None], dtype=torch.int64)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if problem is not None:
-        raise problem
-    if int(failed):
+    if not _cleared(folder, final, partial, group, lead=me == 0):
         return None
-    try:
-        dcp.save(trained.sharded_state(optimizer),
-                 storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                 process_group=group)
-    except dcp.CheckpointException as err:  # raised on every trainer, naming each one that failed
-        if lead:
-            shutil.rmtree(partial, ignore_errors=True)
-        # One trainer raises, the first that failed (on a full disk every one may have): the
-        # run ends with one line. The others return unlogged: on a full disk their logs would
-        # fail too, and name a log file instead of the checkpoint.
-        if me != min(err.failures, default=0):
-            return None
-        cause = err.failures[me][0] if me in err.failures else err
-        if isinstance(cause, OSError):  # a write through a handle names no file: the folder
-            raise _named(cause, final, partial, folder) from None
-        raise RuntimeError(f"writing {final}: {type(cause).__name__}: {cause}") from cause
-    # Every file is complete and synced once dcp.save returns (its last step, after every
-    # write, is the first rank's .metadata): the trainers hash them in turn, not one rank all.
-    files = sorted(p.name for p in partial.iterdir())
-    mine = {name: [file_digest(partial / name), (partial / name).stat().st_size]
-            for name in files[me::size]}
-    gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, mine, group=group)
-    if not lead:
+    if not _write_shards(trained, optimizer, group, final, partial, me):
+        return None
+    files = _hash_in_turn(partial, group, me, size)
+    if me != 0:
         return None
     state: dict[str, Any] = {
         "policy_shapes": policy_shapes(trained.net),
@@ -527,9 +493,77 @@ def save_sharded_checkpoint(
         "torch_rng": torch.get_rng_state(),
         "format": SHARDED_FORMAT,
         "settings": dict(settings or {}),
-        "files": {name: entry for part in gathered for name, entry in sorted(part.items())},
+        "files": files,
     }
     state["checksum"] = content_checksum(state)
+    _write_state_and_rename(state, folder, final, partial)
+    log.info("checkpoint %s (update %d, %d env steps, %d trainers' shards)", final.name,
+             update, env_steps, size)
+    return final
+
+
+def _cleared(folder: Path, final: Path, partial: Path, group: ProcessGroup, lead: bool) -> bool:
+    """The first rank removes stale ``.tmp`` files and folders before anyone writes (one may
+    have this very name); the all-reduce doubles as the barrier after it, and a failed cleanup
+    stops every trainer there (raised on the first rank, False on the others)."""
+    import torch.distributed as dist
+
+    problem: OSError | None = None
+    if lead:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _remove_stale(folder)
+        except OSError as err:
+            problem = _named(err, final, partial, folder)
+    failed = torch.tensor([problem is not None], dtype=torch.int64)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if problem is not None:
+        raise problem
+    return not int(failed)
+
+
+def _write_shards(trained: TrainedModule, optimizer: torch.optim.Optimizer,
+                  group: ProcessGroup, final: Path, partial: Path, me: int) -> bool:
+    """Each trainer's shards into ``partial`` with ``torch.distributed.checkpoint``; False on
+    the trainers that return without raising after a failed write."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.save(trained.sharded_state(optimizer),
+                 storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+                 process_group=group)
+    except dcp.CheckpointException as err:  # raised on every trainer, naming each one that failed
+        if me == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        # One trainer raises, the first that failed (on a full disk every one may have): the
+        # run ends with one line. The others return unlogged: on a full disk their logs would
+        # fail too, and name a log file instead of the checkpoint.
+        if me != min(err.failures, default=0):
+            return False
+        cause = err.failures[me][0] if me in err.failures else err
+        if isinstance(cause, OSError):  # a write through a handle names no file: the folder
+            raise _named(cause, final, partial, final.parent) from None
+        raise RuntimeError(f"writing {final}: {type(cause).__name__}: {cause}") from cause
+    return True
+
+
+def _hash_in_turn(partial: Path, group: ProcessGroup, me: int, size: int) -> dict[str, Any]:
+    """Every file's SHA-256 and size, each trainer hashing its share, not one rank all. Every
+    file is complete and synced once ``dcp.save`` returns (its last step, after every write, is
+    the first rank's ``.metadata``)."""
+    import torch.distributed as dist
+
+    files = sorted(p.name for p in partial.iterdir())
+    mine = {name: [file_digest(partial / name), (partial / name).stat().st_size]
+            for name in files[me::size]}
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, mine, group=group)
+    return {name: entry for part in gathered for name, entry in sorted(part.items())}
+
+
+def _write_state_and_rename(state: dict[str, Any], folder: Path, final: Path,
+                            partial: Path) -> None:
+    """``state.pt`` last, then the folder renamed into place; a failure removes ``partial``."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     replaced = folder / f"{final.name}.replaced.tmp"
@@ -551,9 +585,6 @@ def save_sharded_checkpoint(
         raise
     shutil.rmtree(replaced, ignore_errors=True)
     _sync_folder(folder)
-    log.info("checkpoint %s (update %d, %d env steps, %d trainers' shards)", final.name,
-             update, env_steps, size)
-    return final
 
 
 def load_sharded_checkpoint(path: Path, trained: TrainedModule, optimizer: torch.optim.Optimizer,

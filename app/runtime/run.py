@@ -49,8 +49,7 @@ class RuntimeRun:
     """One rank's state for one run of the loop."""
 
     def __init__(self, loop: RLLoop, ctx: CommContext, job: JobInfo) -> None:
-        self.loop, self.ctx, self.job, self.hp = loop, ctx, job, loop.hp
-        plan = job.plan
+        self.loop, self.ctx, self.job, self.hp, plan = loop, ctx, job, loop.hp, job.plan
         self.rank = ctx.get_global_rank()
         self.is_trainer = self.rank in plan.trainers
         self.collects = plan.colocated or self.rank in plan.rollouts
