@@ -1,14 +1,10 @@
 """CommContext: the process-wide registry of torch.distributed groups per parallel mode.
 
-Its public API keeps the 14 methods of the ``CommContext`` this project started from, with
-their names, argument names, defaults and meaning: ``is_initialized``, ``init_distributed_env``,
-``get_group``, ``get_world_size``, ``get_global_rank``, ``get_local_rank``, ``get_in_node_rank``,
-``get_ranks_in_group``, ``get_local_world_size``, ``get_intra_node_process_group``,
-``get_inter_node_process_group``, ``is_main_rank``, ``init_group`` and ``destroy`` (docs/library.md,
-"The CommContext API"). What differs is what that class got wrong: this one runs without CUDA,
-reads the environment with clear errors, passes the timeout to every group, agrees with torch on
-group ranks, refuses to register two groups of one mode, names its groups, supports every mode,
-and can be destroyed and initialised again.
+It keeps the names, arguments, defaults and meaning of the 14 methods of the ``CommContext``
+this project started from (``is_initialized``, ``init_distributed_env``, ``get_group``,
+``get_world_size``, ``get_global_rank``, ``get_local_rank``, ``get_in_node_rank``,
+``get_ranks_in_group``, ``get_local_world_size``, ``get_*_node_process_group``, ``is_main_rank``,
+``init_group``, ``destroy``) and fixes what it got wrong (docs/library.md, "The CommContext API").
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from app.api import ConfigError
 from app.launch.failures import write_error_line
+from app.runtime.checkpoint_shards import save_sharded_checkpoint
 from app.runtime.checkpoints import (
     STATE_FILE,
     file_digest,
@@ -34,7 +35,6 @@ from app.runtime.checkpoints import (
     newest_valid_checkpoint,
     policy_shapes,
     resume_mismatch,
-    save_sharded_checkpoint,
 )
 from app.runtime.envs import EnvConfig, probe_spaces
 from app.runtime.sharding import TrainedModule

@@ -2,22 +2,18 @@
 run). A checkpoint holds everything the runtime owns: the policy, the normalisers' statistics, the
 optimizer, the counters, the episodes and the metrics rows. It takes one of two forms:
 
-- ``<run dir>/checkpoints/ckpt_<update>.pt``, one file written by rank 0, when the trainers
-  replicate the model (DDP): every trainer holds it whole anyway;
-- ``<run dir>/checkpoints/ckpt_<update>/``, a folder, when the trainers shard it (FSDP, tensor
-  parallel): ``torch.distributed.checkpoint`` (DCP) files, each trainer writing its own shards
-  of the policy and the optimizer (``__<trainer>_0.distcp``, and DCP's ``.metadata``), and rank
-  0's ``state.pt`` with everything else and a manifest: the SHA-256 and size of every other
-  file of the folder. Nothing is gathered whole on any rank. A resume reshards into whatever
-  grid it runs on (DDP too); :func:`load_policy_state` reads the policy on one process.
+- ``<run dir>/checkpoints/ckpt_<update>.pt``, one file by rank 0, when the trainers use DDP;
+- ``<run dir>/checkpoints/ckpt_<update>/``, a folder, when the trainers shard it: each
+  trainer's DCP shards and rank 0's ``state.pt`` with the rest and every file's SHA-256
+  (written by app/runtime/checkpoint_shards.py). A resume reshards into whatever grid it runs
+  on (DDP too); :func:`load_policy_state` reads the policy on one process.
 
 A checkpoint proves itself: it carries a SHA-256 of its content (every tensor's bytes and every
 value, walked in a fixed order, so the digest does not depend on torch's file format) and the
 settings it was written with (:func:`run_settings`). The launcher compares those settings with
 the run's before any rank starts (:func:`resume_mismatch`); a resume from a folder takes its
-newest checkpoint that reads back and verifies, skipping (and naming) any that does not.
-Checkpoints written before checksums (no ``checksum`` key) are accepted with a note: only their
-tensor shapes can be compared.
+newest checkpoint that reads back and verifies, skipping (and naming) any that does not. One
+written before checksums is accepted with a note: only its tensor shapes can be compared.
 """
 
 from __future__ import annotations
@@ -361,7 +357,7 @@ def last_checkpoint_note(folder: Path) -> str:
             else "no checkpoint was written before")
 
 
-def _remove_stale(folder: Path) -> None:
+def remove_stale(folder: Path) -> None:
     """Removes the ``*.tmp`` files and folders a rank killed inside a write left."""
     for stale in folder.glob("*.tmp"):
         if stale.is_dir() and not stale.is_symlink():
@@ -370,7 +366,7 @@ def _remove_stale(folder: Path) -> None:
             stale.unlink(missing_ok=True)
 
 
-def _named(err: OSError, final: Path, partial: Path, folder: Path) -> OSError:
+def named_write_error(err: OSError, final: Path, partial: Path, folder: Path) -> OSError:
     """``err`` naming the checkpoint it lost (a file inside ``partial`` by its final name) and
     noting the last complete one, for the launcher's line."""
     name = os.fsdecode(err.filename) if err.filename is not None else None
@@ -429,7 +425,7 @@ def save_checkpoint(
     partial = final.with_suffix(".tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _remove_stale(folder)
+        remove_stale(folder)
         with partial.open("wb") as handle:
             handle.write(buffer.getbuffer())
             handle.flush()
@@ -439,152 +435,11 @@ def save_checkpoint(
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
         if isinstance(err, OSError):  # the launcher's line names the checkpoint it lost
-            _named(err, final, partial, folder)
+            named_write_error(err, final, partial, folder)
         raise
-    _sync_folder(folder)
+    sync_folder(folder)
     log.info("checkpoint %s (update %d, %d env steps)", final.name, update, env_steps)
     return final
-
-
-def save_sharded_checkpoint(
-    run_dir: Path,
-    trained: TrainedModule,
-    optimizer: torch.optim.Optimizer,
-    group: ProcessGroup,
-    update: int,
-    env_steps: int,
-    episodes: list[tuple[float, int]],
-    metrics: list[dict[str, float]],
-    settings: Mapping[str, Any] | None = None,
-    normalizers: Mapping[str, torch.Tensor] | None = None,
-    epoch: int | None = None,
-) -> Path | None:
-    """Writes the folder ``ckpt_<update>/``; every trainer of ``group`` (the trainers, no
-    rollout rank) calls it. Each writes its own shards of the policy and the optimizer with
-    ``torch.distributed.checkpoint``; the group's first rank then writes ``state.pt`` (the
-    counters, episodes, metrics, normalisers, RNG, settings, the whole policy's shapes, and the
-    manifest: every other file's SHA-256 and size, hashed by the trainers in turn) and renames
-    the folder from ``ckpt_<update>.tmp/``. Never half-written: a failure removes the ``.tmp``
-    folder; the first trainer whose own write failed raises it (an OSError naming the
-    checkpoint, or its file when the error names one, and noting the last complete
-    checkpoint), the others return None (the failed rank ends the run). Returns the folder on
-    the first rank."""
-    import torch.distributed as dist
-
-    folder = run_dir / CHECKPOINT_DIR
-    final = folder / f"ckpt_{update:06d}"
-    partial = folder / f"{final.name}.tmp"
-    me, size = dist.get_rank(group), dist.get_world_size(group)
-    if not _cleared(folder, final, partial, group, lead=me == 0):
-        return None
-    if not _write_shards(trained, optimizer, group, final, partial, me):
-        return None
-    files = _hash_in_turn(partial, group, me, size)
-    if me != 0:
-        return None
-    state: dict[str, Any] = {
-        "policy_shapes": policy_shapes(trained.net),
-        "normalizers": {k: v.clone() for k, v in (normalizers or {}).items()},
-        "update": update,
-        "env_steps": env_steps,
-        "epoch": epoch,
-        "episodes": episodes,
-        "metrics": metrics,
-        "torch_rng": torch.get_rng_state(),
-        "format": SHARDED_FORMAT,
-        "settings": dict(settings or {}),
-        "files": files,
-    }
-    state["checksum"] = content_checksum(state)
-    _write_state_and_rename(state, folder, final, partial)
-    log.info("checkpoint %s (update %d, %d env steps, %d trainers' shards)", final.name,
-             update, env_steps, size)
-    return final
-
-
-def _cleared(folder: Path, final: Path, partial: Path, group: ProcessGroup, lead: bool) -> bool:
-    """The first rank removes stale ``.tmp`` files and folders before anyone writes (one may
-    have this very name); the all-reduce doubles as the barrier after it, and a failed cleanup
-    stops every trainer there (raised on the first rank, False on the others)."""
-    import torch.distributed as dist
-
-    problem: OSError | None = None
-    if lead:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            _remove_stale(folder)
-        except OSError as err:
-            problem = _named(err, final, partial, folder)
-    failed = torch.tensor([problem is not None], dtype=torch.int64)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
-    if problem is not None:
-        raise problem
-    return not int(failed)
-
-
-def _write_shards(trained: TrainedModule, optimizer: torch.optim.Optimizer,
-                  group: ProcessGroup, final: Path, partial: Path, me: int) -> bool:
-    """Each trainer's shards into ``partial`` with ``torch.distributed.checkpoint``; False on
-    the trainers that return without raising after a failed write."""
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        dcp.save(trained.sharded_state(optimizer),
-                 storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                 process_group=group)
-    except dcp.CheckpointException as err:  # raised on every trainer, naming each one that failed
-        if me == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        # One trainer raises, the first that failed (on a full disk every one may have): the
-        # run ends with one line. The others return unlogged: on a full disk their logs would
-        # fail too, and name a log file instead of the checkpoint.
-        if me != min(err.failures, default=0):
-            return False
-        cause = err.failures[me][0] if me in err.failures else err
-        if isinstance(cause, OSError):  # a write through a handle names no file: the folder
-            raise _named(cause, final, partial, final.parent) from None
-        raise RuntimeError(f"writing {final}: {type(cause).__name__}: {cause}") from cause
-    return True
-
-
-def _hash_in_turn(partial: Path, group: ProcessGroup, me: int, size: int) -> dict[str, Any]:
-    """Every file's SHA-256 and size, each trainer hashing its share, not one rank all. Every
-    file is complete and synced once ``dcp.save`` returns (its last step, after every write, is
-    the first rank's ``.metadata``)."""
-    import torch.distributed as dist
-
-    files = sorted(p.name for p in partial.iterdir())
-    mine = {name: [file_digest(partial / name), (partial / name).stat().st_size]
-            for name in files[me::size]}
-    gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, mine, group=group)
-    return {name: entry for part in gathered for name, entry in sorted(part.items())}
-
-
-def _write_state_and_rename(state: dict[str, Any], folder: Path, final: Path,
-                            partial: Path) -> None:
-    """``state.pt`` last, then the folder renamed into place; a failure removes ``partial``."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    replaced = folder / f"{final.name}.replaced.tmp"
-    try:
-        with (partial / STATE_FILE).open("wb") as handle:
-            handle.write(buffer.getbuffer())
-            handle.flush()
-            os.fsync(handle.fileno())
-        _sync_folder(partial)
-        if final.is_dir() and not final.is_symlink():
-            # A run restarted from an older checkpoint writes this update again: the old folder
-            # is set aside first (a folder cannot be renamed over a full one).
-            os.replace(final, replaced)
-        os.replace(partial, final)
-    except BaseException as err:  # an interrupt too: no partial folder survives
-        shutil.rmtree(partial, ignore_errors=True)
-        if isinstance(err, OSError):
-            _named(err, final, partial, folder)
-        raise
-    shutil.rmtree(replaced, ignore_errors=True)
-    _sync_folder(folder)
 
 
 def load_sharded_checkpoint(path: Path, trained: TrainedModule, optimizer: torch.optim.Optimizer,
@@ -635,7 +490,7 @@ def _first_failure(err: BaseException) -> str:
     return str(err)
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
     """Makes the rename durable; best effort (not every filesystem syncs a directory)."""
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)

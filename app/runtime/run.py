@@ -24,12 +24,12 @@ from app.output.learning_curve import plot_learning_curve
 from app.output.progress import RunProgress, Snapshot
 from app.output.tensorboard import ScalarLog
 from app.runtime.algorithm import Segment, UpdateInfo
+from app.runtime.checkpoint_shards import save_sharded_checkpoint
 from app.runtime.checkpoints import (
     load_sharded_checkpoint,
     resume_source,
     run_settings,
     save_checkpoint,
-    save_sharded_checkpoint,
 )
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, update_row
