@@ -166,6 +166,35 @@ def test_below_min_rollouts_with_no_joiner_possible_the_run_ends_at_once_naming_
     app.assert_all_ended()
 
 
+def start_by_hand(
+    tmp_path: Path, marker: str, *app_args: str
+) -> tuple[Path, Callable[[int, str], subprocess.Popen[str]]]:
+    """Ranks of layout=1t1r started one by one (the env join mode, as srun or a hand-made
+    script would): the run dir they agree on, and ``start(rank, name)``, which starts one with
+    its output in ``<name>.out``."""
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "RLCOMM_RUN_ID": f"byhand-{marker[:8]}"}
+    args = [sys.executable, "-m", "app", "layout=1t1r", "loop.target_return=1e9",
+            "loop.progress=false", *app_args]
+
+    def start(rank: int, name: str) -> subprocess.Popen[str]:
+        out = (tmp_path / f"{name}.out").open("w")
+        return subprocess.Popen(args, cwd=tmp_path, text=True, stdout=out,
+                                stderr=subprocess.STDOUT,
+                                env=app_env(marker, {**base, "RANK": str(rank)}))
+
+    return tmp_path / "outputs" / "runs" / base["RLCOMM_RUN_ID"], start
+
+
+def end_all(procs: list[subprocess.Popen[str]], marker: str) -> None:
+    """Kills what is still running and checks nothing of the run survives."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert_no_survivors(marker)
+
+
 def test_below_min_rollouts_with_a_join_possible_the_trainer_waits_then_ends_naming_who_was_lost(
     tmp_path: Path,
 ) -> None:
@@ -175,16 +204,10 @@ def test_below_min_rollouts_with_a_join_possible_the_trainer_waits_then_ends_nam
     lost."""
     patience_s = 8
     marker = uuid.uuid4().hex
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "RLCOMM_RUN_ID": f"byhand-{marker[:8]}"}
-    args = [sys.executable, "-m", "app", "layout=1t1r", "loop.target_return=1e9",
-            "loop.progress=false", f"loop.total_env_steps={10**9}", "comm.timeout=20"]
-    run_dir = tmp_path / "outputs" / "runs" / base["RLCOMM_RUN_ID"]
+    run_dir, start = start_by_hand(tmp_path, marker, f"loop.total_env_steps={10**9}",
+                                   "comm.timeout=20")
     outs = [tmp_path / f"rank{rank}.out" for rank in (0, 1)]
-    procs = [subprocess.Popen(args, cwd=tmp_path, text=True, stdout=out.open("w"),
-                              stderr=subprocess.STDOUT,
-                              env=app_env(marker, {**base, "RANK": str(rank)}))
-             for rank, out in enumerate(outs)]
+    procs = [start(0, "rank0"), start(1, "rank1")]
     try:
         deadline = time.monotonic() + 120
         while len(rows(run_dir)) < 5:
@@ -195,11 +218,7 @@ def test_below_min_rollouts_with_a_join_possible_the_trainer_waits_then_ends_nam
         assert procs[0].wait(timeout=patience_s + 90) != 0, outs[0].read_text()
         took = time.monotonic() - killed
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        assert_no_survivors(marker)
+        end_all(procs, marker)
     text = outs[0].read_text()
     assert patience_s <= took < patience_s + 60, took
     assert (f"waiting up to {patience_s} s for rollout ranks to join: 0 live of "
@@ -235,18 +254,8 @@ def test_a_rank_started_by_hand_joins_the_running_job_and_replaces_the_live_proc
     a second process for rollout rank 1 finds the job running, is admitted, and the first one
     stops; the run finishes with the newcomer."""
     marker = uuid.uuid4().hex
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "RLCOMM_RUN_ID": f"byhand-{marker[:8]}"}
-    args = [sys.executable, "-m", "app", "layout=1t1r", "loop.target_return=1e9",
-            "loop.progress=false", "loop.total_env_steps=61440", "comm.timeout=60"]
-
-    def start(rank: int, name: str) -> subprocess.Popen[str]:
-        out = (tmp_path / f"{name}.out").open("w")
-        return subprocess.Popen(args, cwd=tmp_path, text=True, stdout=out,
-                                stderr=subprocess.STDOUT,
-                                env=app_env(marker, {**base, "RANK": str(rank)}))
-
-    run_dir = tmp_path / "outputs" / "runs" / base["RLCOMM_RUN_ID"]
+    run_dir, start = start_by_hand(tmp_path, marker, "loop.total_env_steps=61440",
+                                   "comm.timeout=60")
     procs = [start(0, "rank0"), start(1, "rank1")]
     try:
         deadline = time.monotonic() + 120
@@ -259,11 +268,7 @@ def test_a_rank_started_by_hand_joins_the_running_job_and_replaces_the_live_proc
             assert proc.wait(timeout=120) == 0, [
                 (p.name, p.read_text()[-3000:]) for p in sorted(tmp_path.glob("*.out"))]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert_no_survivors(marker)
+        end_all(procs, marker)
     result = read_result(run_dir)
     (leave,) = result["leaves"]
     (join,) = result["joins"]

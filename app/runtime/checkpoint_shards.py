@@ -5,7 +5,6 @@ form): every trainer writes its own shards with ``torch.distributed.checkpoint``
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import shutil
@@ -25,6 +24,7 @@ from app.runtime.checkpoints import (
     policy_shapes,
     remove_stale,
     sync_folder,
+    write_synced,
 )
 
 if TYPE_CHECKING:
@@ -153,14 +153,9 @@ def _hash_in_turn(partial: Path, group: ProcessGroup, me: int, size: int) -> dic
 def _write_state_and_rename(state: dict[str, Any], folder: Path, final: Path,
                             partial: Path) -> None:
     """``state.pt`` last, then the folder renamed into place; a failure removes ``partial``."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
     replaced = folder / f"{final.name}.replaced.tmp"
     try:
-        with (partial / STATE_FILE).open("wb") as handle:
-            handle.write(buffer.getbuffer())
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_synced(partial / STATE_FILE, state)
         sync_folder(partial)
         if final.is_dir() and not final.is_symlink():
             # A run restarted from an older checkpoint writes this update again: the old folder

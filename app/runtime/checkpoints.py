@@ -47,12 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_KEYS = ("policy", "optimizer", "update", "env_steps", "episodes", "metrics", "torch_rng")
-# Format 2: a checksum and the settings of the run that wrote it. Format 1 (no "format" key):
-# neither.
-FORMAT = 2
-# A sharded checkpoint's folder: DCP's files and rank 0's STATE_FILE (format 3), whose "files"
-# is the manifest of the others and "policy_shapes" the whole policy's shapes (for the check
-# before launch, which reads no shard).
+FORMAT = 2  # a checksum and the writing run's settings (format 1, no "format" key: neither)
+# A sharded checkpoint's rank-0 STATE_FILE: "files", the manifest of DCP's files, and
+# "policy_shapes", for the check before launch, which reads no shard.
 SHARDED_FORMAT = 3
 STATE_FILE = "state.pt"
 SHARDED_KEYS = ("update", "env_steps", "episodes", "metrics", "torch_rng", "files", "checksum",
@@ -400,9 +397,8 @@ def save_checkpoint(
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer.state_dict()
     state: dict[str, Any] = {
-        # Clones: the parameters are views of the (larger) send buffer.
+        # Clones: the parameters and the statistics are views of the (larger) send buffer.
         "policy": {k: v.clone() for k, v in policy.items()},
-        # The observation and reward statistics (bound to the send buffer too: cloned).
         "normalizers": {k: v.clone() for k, v in (normalizers or {}).items()},
         "optimizer": dict(optimizer),
         "update": update,
@@ -410,26 +406,18 @@ def save_checkpoint(
         "epoch": epoch,  # the membership epoch of an elastic run (rlcomm.elastic), else None
         "episodes": episodes,
         "metrics": metrics,
-        # Minibatch order needs no state (seeded per update); environments restart from
-        # their seeds on resume, so only torch's global RNG is carried.
+        # Minibatch order is seeded per update and environments restart from their seeds.
         "torch_rng": torch.get_rng_state(),
         "format": FORMAT,
         "settings": dict(settings or {}),
     }
     state["checksum"] = content_checksum(state)
-    # Serialised in memory, written with Python's file calls: a full disk is an OSError
-    # (ENOSPC) naming the file, not a RuntimeError from torch's zip writer.
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
     final = folder / f"ckpt_{update:06d}.pt"
     partial = final.with_suffix(".tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         remove_stale(folder)
-        with partial.open("wb") as handle:
-            handle.write(buffer.getbuffer())
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_synced(partial, state)
         os.replace(partial, final)
     except BaseException as err:  # an interrupt too: no partial file survives
         with contextlib.suppress(OSError):
@@ -488,6 +476,17 @@ def _first_failure(err: BaseException) -> str:
         cause = failures[rank][0]
         return f"{type(cause).__name__}: {cause}"
     return str(err)
+
+
+def write_synced(path: Path, state: Mapping[str, Any]) -> None:
+    """``state`` saved to ``path`` and synced, through Python's file calls: a full disk is an
+    OSError naming the file (ENOSPC), not torch's zip writer's error."""
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
+    with path.open("wb") as handle:
+        handle.write(buffer.getbuffer())
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def sync_folder(folder: Path) -> None:
