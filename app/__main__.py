@@ -32,7 +32,7 @@ from app.launch import forkserver
 from app.launch.environment import mark_job_start, output_subdir, resolve_rank_env, run_id
 from app.launch.failures import recording_failures, write_errors_named
 from app.launch.launcher import launcher_for
-from app.launch.planning import check_restarts, check_world_size, validate_and_probe
+from app.launch.planning import check_restarts, check_world_size, validate_job
 from app.launch.slurm import register_launcher_configs
 from app.output import timeline
 from app.output.layout_picture import (
@@ -71,7 +71,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 
 def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
-    plan, probed = validate_and_probe(cfg)
+    plan, job = validate_job(cfg)
     if cfg.plan_only:
         picture = _draw_layout(plan, run_dir, nice=0)  # what the user asked for: not niced
         print(format_plan(plan))  # while the picture is drawn
@@ -95,12 +95,11 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     picture = _draw_layout(plan, run_dir, serve=launcher.starts_ranks) if env.rank == 0 else None
     if picture is None and env.rank == 0:
         write_layout_files(plan, run_dir)
-    config: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
     try:
         # Ranks a launcher starts find its picture service through their environment.
         served = picture.environ() if isinstance(picture, PictureService) else {}
         with _environment(served):
-            result = launcher.launch(config, plan, run_dir, probed)
+            result = launcher.launch(job, plan, run_dir)
         if picture is not None:  # written before the run reports success
             picture.wait()
             picture = None

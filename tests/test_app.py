@@ -497,25 +497,30 @@ def test_which_layouts_have_elastic_rollout_ranks(
 def test_the_spaces_validation_probed_reach_a_rank_that_builds_no_env(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import pickle
+
     import app.__main__  # registers the schemas and resolvers
     import app.runtime.loop
-    from app.launch.planning import adopt_probed, build_loop, validate_and_probe
+    from app.config.schema import AppConfig
+    from app.launch.planning import validate_job
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["loop=ppo"])
-    _, probed = validate_and_probe(cfg)
-    assert set(probed) == {"spaces"}
+    _, job = validate_job(cfg)
+    # One typed form: the schema's dataclasses, the loop built and checked.
+    assert isinstance(job, AppConfig) and isinstance(job.loop, app.runtime.loop.RLLoop)
+    assert job.comm.timeout == cfg.comm.timeout and job.seed == cfg.seed
+    probed = job.loop.__dict__["spaces"]
 
     def no_env(*_: object) -> None:
         raise AssertionError("a rank built an env to probe its spaces")
 
     monkeypatch.setattr(app.runtime.loop, "probe_spaces", no_env)
-    loop = build_loop(cfg.loop)  # as a rank builds it (app/launch/rank.py)
-    adopt_probed(loop, probed)
-    assert loop.spaces == probed["spaces"]
-    # A loop that probes nothing hands nothing on.
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        assert validate_and_probe(compose("config", overrides=["loop=commcheck"]))[1] == {}
+    rank_job = pickle.loads(pickle.dumps(job))  # as the local launcher hands it to a rank
+    assert rank_job.loop.spaces == probed
+    # Spaces that do not pickle stay behind: the rank probes them itself.
+    job.loop.__dict__["spaces"] = lambda: None
+    assert "spaces" not in pickle.loads(pickle.dumps(job.loop)).__dict__
 
 
 @pytest.mark.unit

@@ -465,14 +465,14 @@ def _ppo_rank_without_unpickling(rank: int, world_size: int, config: dict[str, A
                                  run_dir: str) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    from app.launch.planning import validate
+    from app.launch.planning import validate_job
     from app.launch.rank import run_rank
     from rlcomm import CommContext, collectives
 
     calls: list[str] = []
     _forbid_unpickling(calls)
-    plan = validate(OmegaConf.create(config))  # as the launcher does
-    result = run_rank(config, plan, run_dir)  # the real rank: weight transfer, trajectory gather, ...
+    plan, job = validate_job(OmegaConf.create(config))  # as the launcher does
+    result = run_rank(job, plan, run_dir)  # the real rank: weight transfer, trajectory gather, ...
     assert not calls, calls  # nothing swallowed a trap
     # The trap is live in this process: the one pickle-based helper rlcomm has trips it.
     ctx = CommContext()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from app.api import RankEnv
+    from app.config.schema import AppConfig
     from rlcomm import LayoutPlan
 
 
@@ -26,11 +27,8 @@ class JoinedLauncher:
     def claims(self, env: RankEnv) -> bool:
         return env.joins
 
-    def launch(
-        self, config: dict[str, Any], plan: LayoutPlan, run_dir: Path,
-        probed: dict[str, Any] | None = None,
-    ) -> dict[str, Any] | None:
+    def launch(self, job: AppConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any] | None:
         from app.launch.rank import run_rank  # imports torch: after the checks that need none
 
-        # This process validated the config itself: its probe serves its rank.
-        return run_rank(config, plan, str(run_dir), probed=probed)
+        # This process validated the config itself: its loop (and probe) serves its rank.
+        return run_rank(job, plan, str(run_dir))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from app.api import RankEnv
+    from app.config.schema import AppConfig
     from rlcomm import LayoutPlan
 
 
@@ -42,16 +43,14 @@ class Launcher(Protocol):
         """Whether this process runs under this launcher, from how it was started (``env``)."""
         ...
 
-    def launch(
-        self, config: dict[str, Any], plan: LayoutPlan, run_dir: Path,
-        probed: dict[str, Any] | None = None,
-    ) -> dict[str, Any] | None:
+    def launch(self, job: AppConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any] | None:
         """This process's part of the run: start every rank and wait for them, or be one rank.
 
-        ``config`` is the resolved config as plain containers, ``plan`` the validated layout
-        (not validated again), ``run_dir`` the run's folder, where ``result.json`` and
-        ``logs/`` land, ``probed`` what validation learnt by building things (the env's
-        spaces; app/launch/planning.py), handed to every rank's loop. Returns the run's summary (``result.json``) where this process holds it
+        ``job`` is the validated config in its typed form, its loop built (with the env's
+        spaces it probed; app/launch/planning.py), handed to every rank as it is; ``plan``
+        the validated layout (not validated again); ``run_dir`` the run's folder, where
+        ``result.json`` and ``logs/`` land. Returns the run's summary (``result.json``) where
+        this process holds it
         (the launching process, or rank 0), else None. A failed run raises an ``RlcommError``
         whose message is the whole ``error:`` line: :class:`app.errors.RankFailedError`, or
         :class:`app.errors.LaunchInterruptedError` for a signal.

@@ -33,7 +33,6 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig, OmegaConf
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -64,6 +63,7 @@ from rlcomm import LayoutPlan
 
 if TYPE_CHECKING:
     from app.api import RankEnv
+    from app.config.schema import AppConfig
 
 LOOPBACK = "127.0.0.1"
 _BACKEND = "rlcomm-loopback"
@@ -112,33 +112,29 @@ class LocalLauncher:
     def claims(self, env: RankEnv) -> bool:
         return not env.joins
 
-    def launch(self, config: dict[str, Any], plan: LayoutPlan, run_dir: Path,
-               probed: dict[str, Any] | None = None) -> dict[str, Any]:
+    def launch(self, job: AppConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
         logging.getLogger("app").info("starting %d local ranks; run dir %s", plan.world_size,
                                       run_dir)
-        return launch_local(config, plan, run_dir, probed)
+        return launch_local(job, plan, run_dir)
 
 
-def launch_local(config: dict[str, Any], plan: LayoutPlan, run_dir: Path,
-                 probed: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run every rank locally; returns rank 0's summary or raises RankFailedError. ``probed``
-    (what validation built an env to learn) travels to every rank with the config."""
-    cfg = OmegaConf.create(config)
+def launch_local(job: AppConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
+    """Run every rank locally; returns rank 0's summary or raises RankFailedError. ``job``, its
+    loop built and checked (app/launch/planning.py), travels to every rank as it is."""
     rendezvous_handler_registry.register(_BACKEND, _create_handler)  # the same creator: a no-op
     _quiet_agent()
     # Every rank is on this host: the agent need not look its name up (socket.getfqdn's DNS
     # query, unbounded where the resolver is slow) between the last rank's exit and ours.
     name_agent_host(socket.gethostname())
-    launch = _launch_config(cfg, plan, run_dir)
+    launch = _launch_config(job, plan, run_dir)
     deaths = DeathWatch(run_dir / "logs", plan.world_size, result=run_dir / "result.json",
-                        exit_bound_s=2 * float(cfg.launcher.shutdown_timeout),
+                        exit_bound_s=2 * float(job.launcher.shutdown_timeout),
                         log=_launcher_log())
     previous = signal.signal(signal.SIGUSR1,
                              lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir, deaths))
     try:
         # The launcher's environment travels with the ranks: a forked rank adopts it.
-        elastic_launch(launch, _local_rank)(config, plan, str(run_dir), dict(os.environ),
-                                            probed or {})
+        elastic_launch(launch, _local_rank)(job, plan, str(run_dir), dict(os.environ))
     except ChildFailedError as err:
         if not deaths.only_stragglers_failed():
             raise RankFailedError(describe_failures(err, run_dir, deaths.killed())) from None
@@ -173,7 +169,7 @@ def _quiet_agent() -> None:
         agent_log.propagate = False
 
 
-def _launch_config(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> LaunchConfig:
+def _launch_config(job: AppConfig, plan: LayoutPlan, run_dir: Path) -> LaunchConfig:
     """The agent's settings: one node, ``plan.world_size`` ranks, the loopback rendezvous."""
     # Started at the app's first line already (python -m app); here for any other way in.
     start_method = forkserver.START_METHOD if forkserver.start() else "spawn"
@@ -184,14 +180,14 @@ def _launch_config(cfg: DictConfig, plan: LayoutPlan, run_dir: Path) -> LaunchCo
         run_id=f"rlcomm-{uuid.uuid4().hex[:8]}",
         rdzv_backend=_BACKEND,
         rdzv_endpoint=f"{LOOPBACK}:0",
-        rdzv_configs={"timeout": int(cfg.comm.timeout)},
-        max_restarts=cfg.launcher.max_restarts,
-        monitor_interval=cfg.launcher.monitor_interval,
+        rdzv_configs={"timeout": int(job.comm.timeout)},
+        max_restarts=job.launcher.max_restarts,
+        monitor_interval=job.launcher.monitor_interval,
         start_method=start_method,
         local_addr=LOOPBACK,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
     )
-    launch.shutdown_timeout = cfg.launcher.shutdown_timeout
+    launch.shutdown_timeout = job.launcher.shutdown_timeout  # type: ignore[assignment]  # seconds, as the agent's float wait
     return launch
 
 
@@ -213,33 +209,30 @@ def read_result(run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _local_rank(
-    config: dict[str, Any], plan: LayoutPlan, run_dir: str, launcher_env: dict[str, str],
-    probed: dict[str, Any],
-) -> None:
+def _local_rank(job: AppConfig, plan: LayoutPlan, run_dir: str,
+                launcher_env: dict[str, str]) -> None:
     forkserver.adopt_launcher_environment(launcher_env)
     rank = int(os.environ.get("RANK", "-1"))
     if getattr(plan, "elastic_rollouts", False) and rank in plan.rollouts:
         # A lost rollout rank must not end this process: the agent would stop every rank.
         if slots.can_fork():
             tie_to_launcher(launched_here=True)  # the slot as a rank is: its child is tied to it
-            restarts = int(config["launcher"].get("rollout_restarts", 0))
+            restarts = job.launcher.rollout_restarts
             slots.supervise(rank,
-                            lambda _incarnation: _run_rank_here(config, plan, run_dir, probed),
+                            lambda _incarnation: _run_rank_here(job, plan, run_dir),
                             restarts, Path(run_dir), _launcher_log())
             return
         _launcher_log().warning("rank %d: its process runs other threads and cannot fork a "
                                 "rank it survives; losing this rank fails the run", rank)
-    _run_rank_here(config, plan, run_dir, probed)
+    _run_rank_here(job, plan, run_dir)
 
 
-def _run_rank_here(config: dict[str, Any], plan: LayoutPlan, run_dir: str,
-                   probed: dict[str, Any]) -> None:
+def _run_rank_here(job: AppConfig, plan: LayoutPlan, run_dir: str) -> None:
     """The rank, in this process: the agent's worker process, or a slot's child
     (app/launch/slots.py)."""
     forkserver.set_process_name(f"rlcomm-rank{os.environ.get('RANK', '')}")  # ps, top
     try:
-        run_rank(config, plan, run_dir, launched_here=True, probed=probed)
+        run_rank(job, plan, run_dir, launched_here=True)
     except Exception:
         if drop_unreadable_error_file():
             # Re-raised, the exception would make torch write the error file again, on the
@@ -247,8 +240,8 @@ def _run_rank_here(config: dict[str, Any], plan: LayoutPlan, run_dir: str,
             # rank's own failure record, written into room kept for it, says what failed.
             sys.exit(1)
         raise
-    grace = float(config["launcher"]["shutdown_timeout"])
-    _exit_guard(Path(run_dir) / "result.json", grace, float(config["comm"]["timeout"]) + grace)
+    grace = float(job.launcher.shutdown_timeout)
+    _exit_guard(Path(run_dir) / "result.json", grace, float(job.comm.timeout) + grace)
 
 
 def _exit_guard(result: Path, grace_s: float, give_up_s: float) -> None:

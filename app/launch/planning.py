@@ -1,17 +1,19 @@
-"""Config -> validated layout plan, in the launching process, before any rank starts."""
+"""Config -> validated layout plan and the typed job the ranks receive, in the launching
+process, before any rank starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import math
-from collections.abc import Mapping
+import pickle
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from app.config import loop_schema
+from app.config.schema import AppConfig
 from app.errors import ConfigError
 from app.sweep.metrics import check_metric_name
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
@@ -45,12 +47,13 @@ def check_restarts(max_restarts: int, agent_limit: int | None) -> None:
 
 def validate(cfg: DictConfig) -> LayoutPlan:
     """Everything that can be checked without starting a process; raises one-line errors."""
-    return validate_and_probe(cfg)[0]
+    return validate_job(cfg)[0]
 
 
-def validate_and_probe(cfg: DictConfig) -> tuple[LayoutPlan, dict[str, Any]]:
-    """:func:`validate`, and what the loop's checks learnt by building things (``probed``,
-    e.g. the env's spaces): the ranks take it so that they need not build them again."""
+def validate_job(cfg: DictConfig) -> tuple[LayoutPlan, AppConfig]:
+    """:func:`validate`, and the config in the one typed form its ranks receive: an
+    :class:`AppConfig` whose ``loop`` is the loop that validation built and checked, with what
+    it learnt by building things (the env's spaces), so that a rank builds neither again."""
     problem = timeout_problem(cfg.comm.timeout, cfg.comm.get("hang_timeout"), prefix="comm.")
     if problem:
         raise ConfigError(problem)
@@ -74,16 +77,23 @@ def validate_and_probe(cfg: DictConfig) -> tuple[LayoutPlan, dict[str, Any]]:
     # Epoch groups are gloo: with NCCL the rollout ranks stay static.
     elastic = (plan.elastic_rollouts and bool(getattr(loop, "elastic_rollouts", False))
                and _backend(cfg) != "nccl")
-    probe = getattr(loop, "probed", None)
-    probed: dict[str, Any] = probe() if callable(probe) else {}
-    return dataclasses.replace(plan, elastic_rollouts=elastic), probed
+    return dataclasses.replace(plan, elastic_rollouts=elastic), typed_job(cfg, loop)
 
 
-def adopt_probed(loop: Any, probed: Mapping[str, Any] | None) -> None:
-    """Give ``loop`` (built on a rank from the validated settings) what validation probed."""
-    adopt = getattr(loop, "adopt_probed", None)
-    if probed and callable(adopt):
-        adopt(probed)
+def typed_job(cfg: DictConfig, loop: Any) -> AppConfig:
+    """``cfg`` as its schema's dataclasses, its ``loop`` the built ``loop``; one that will not
+    pickle (the local launcher sends it to every rank) is one line naming it."""
+    rest = cfg.copy()
+    rest.loop = None  # the built loop replaces its settings
+    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AppConfig), rest))
+    assert isinstance(job, AppConfig), type(job)
+    job.loop = loop
+    try:
+        pickle.dumps(job)
+    except Exception as err:
+        raise ConfigError(f"loop: a built {type(loop).__name__} does not pickle ({err}); the "
+                          "ranks receive the validated loop, so its fields must pickle") from None
+    return job
 
 
 def _backend(cfg: DictConfig) -> str:

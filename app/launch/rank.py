@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.api import JobInfo, Loop, RankEnv
+from app.config.schema import AppConfig
 from app.errors import naming
 from app.launch.environment import job_start_time, resolve_rank_env
 from app.launch.failures import recording_failures
 from app.launch.lifeline import tie_to_launcher
-from app.launch.planning import adopt_probed, build_loop, check_world_size
+from app.launch.planning import check_world_size
 from app.output import timeline
 from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
@@ -40,18 +40,16 @@ log = logging.getLogger(__name__)
 
 @record
 def run_rank(
-    config: dict[str, Any], plan: LayoutPlan, run_dir: str, launched_here: bool = False,
-    probed: dict[str, Any] | None = None,
+    job: AppConfig, plan: LayoutPlan, run_dir: str, launched_here: bool = False,
 ) -> dict[str, Any] | None:
     """One rank, from environment to result; returns the run summary on rank 0.
 
-    ``plan`` was validated by the process that launched this rank (or, for a rank started by
-    torchrun or SLURM, by this process before it came here): it is not validated again.
+    ``job`` and ``plan`` were validated by the process that launched this rank (or, for a rank
+    started by torchrun or SLURM, by this process before it came here): neither is validated
+    again, and ``job.loop`` is the loop validation built (app/launch/planning.py).
     ``launched_here``: started by the app's local launcher, every rank on this machine on
     purpose (a layout's nodes are then simulated, as under submitit's local executor); otherwise
-    a launcher placed the ranks on hosts, and the layout's nodes must match them. ``probed``:
-    what validation built an env to learn (its spaces), given to the loop; None: the loop
-    learns it itself.
+    a launcher placed the ranks on hosts, and the layout's nodes must match them.
     """
     from app.output.logs import setup_rank_logging
 
@@ -66,11 +64,10 @@ def run_rank(
     # torch and the app are imported: move those objects out of the collector's way, so a full
     # collection does not land in the middle of creating thousands of groups.
     gc.freeze()
-    cfg: DictConfig = OmegaConf.create(config)
     setup_rank_logging(Path(run_dir), env.rank)
     try:
         with recording_failures(Path(run_dir) / "logs", env.rank, env.restart_count, env.node):
-            return _run(cfg, plan, env, Path(run_dir), launched_here, probed)
+            return _run(job, plan, env, Path(run_dir), launched_here)
     except BaseException:
         # The traceback lands in this rank's log file; the console gets the launcher's error line.
         log.exception("rank %d failed", env.rank, extra=FILE_ONLY)
@@ -78,15 +75,14 @@ def run_rank(
 
 
 def _run(
-    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, launched_here: bool,
-    probed: dict[str, Any] | None,
+    cfg: AppConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, launched_here: bool,
 ) -> dict[str, Any] | None:
     """The rank's steps: init, host agreement and groups, the loop, the reports, the summary."""
     check_world_size(plan, env.world_size, env.rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     ctx = _init(cfg, plan, env)
     if ctx.joined_running_job:  # a replacement rollout rank (rlcomm.elastic)
-        _join_running_job(cfg, plan, env, run_dir, ctx, probed)
+        _join_running_job(cfg, plan, env, run_dir, ctx)
         return None
     if ctx.watchdog is not None:  # `kill -USR1`: stacks and collective table to the log
         ctx.watchdog.dump_on(signal.SIGUSR1)
@@ -98,8 +94,7 @@ def _run(
     timeline.mark("groups")
     log.info("rank %d (%s) groups: %s", env.rank, plan.role(env.rank), sorted(ctx.describe()))
     _seed_everything(cfg.seed + env.rank)
-    loop: Loop = build_loop(cfg.loop)
-    adopt_probed(loop, probed)
+    loop: Loop = cfg.loop
     timeline.mark("loop")
     result = _run_loop(loop, ctx, cfg, plan, env, run_dir, hosts, launched_here)
     timeline.mark("finished")
@@ -119,16 +114,17 @@ def _run(
     return summary
 
 
-def _init(cfg: DictConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
+def _init(cfg: AppConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
     """The distributed context of this rank: the default group, the store, the watchdog."""
     ctx = CommContext()
     ctx.init_distributed_env(
         backend=cfg.comm.backend,
         dist_url=cfg.comm.init_method,
-        timeout=cfg.comm.timeout,
-        hang_timeout=cfg.comm.get("hang_timeout"),
-        debug=bool(cfg.comm.get("debug", False)),
-        record=bool(cfg.comm.get("record", True)),
+        # Seconds, fractions kept: the seed's signature says int, timedelta takes a float.
+        timeout=cfg.comm.timeout,  # type: ignore[arg-type]
+        hang_timeout=cfg.comm.hang_timeout,
+        debug=cfg.comm.debug,
+        record=cfg.comm.record,
         elastic_member=plan.elastic_rollouts and env.rank in plan.rollouts,
     )
     return ctx
@@ -147,7 +143,7 @@ def _agree_and_create_groups(
 
 
 def _run_loop(
-    loop: Loop, ctx: CommContext, cfg: DictConfig, plan: LayoutPlan, env: RankEnv,
+    loop: Loop, ctx: CommContext, cfg: AppConfig, plan: LayoutPlan, env: RankEnv,
     run_dir: Path, hosts: Hosts, launched_here: bool,
 ) -> Any:
     """The loop's result; an error that a lost host explains names that host. Started by the
@@ -177,7 +173,7 @@ def _raise_if_hosts_lost(ctx: CommContext, hosts: Hosts, rank: int, err: Excepti
 
 
 def _gather_reports(
-    ctx: CommContext, cfg: DictConfig, plan: LayoutPlan, hosts: Hosts, rank: int, result: Any
+    ctx: CommContext, cfg: AppConfig, plan: LayoutPlan, hosts: Hosts, rank: int, result: Any
 ) -> list[dict[str, Any]] | None:
     """Every rank's report, on rank 0 (None elsewhere); the context is destroyed after."""
     report = {
@@ -198,7 +194,7 @@ def _gather_reports(
 
 
 def _summary(
-    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, loop: Loop, result: Any,
+    cfg: AppConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, loop: Loop, result: Any,
     reports: list[dict[str, Any]], startup: dict[str, float],
 ) -> dict[str, Any]:
     """Rank 0's ``result.json``: the loop's figures, every rank's report, the timeline."""
@@ -207,7 +203,7 @@ def _summary(
     summary = {
         "status": "ok",
         "world_size": plan.world_size,
-        "loop": cfg.loop.get("_target_"),
+        "loop": loop_name(loop),
         # The figures a sweep compares (app/sweep/metrics.py): the loop's, as rank 0 reports them.
         "metrics": {
             **((result.get("metrics") or {}) if isinstance(result, dict) else {}),
@@ -215,7 +211,7 @@ def _summary(
             "wall_s": round(wall_s, 2),
         },
         "summary": run_summary(
-            str(cfg.loop.get("_target_")),
+            loop_name(loop),
             plan.world_size,
             restarts=env.restart_count,
             wall_s=wall_s,
@@ -249,15 +245,13 @@ def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any
 
 
 def _join_running_job(
-    cfg: DictConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, ctx: CommContext,
-    probed: dict[str, Any] | None,
+    cfg: AppConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, ctx: CommContext,
 ) -> None:
     """A rollout rank started while its job runs (a restart, one more torchrun or srun task):
     its trainer admits it at an update boundary; it reports like the others."""
     log.info("rank %d joins the running job (replacing a lost process)", env.rank)
     _seed_everything(cfg.seed + env.rank)
-    loop: Loop = build_loop(cfg.loop)
-    adopt_probed(loop, probed)
+    loop: Loop = cfg.loop
     result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
                                env=env, joining=True))
     report = {"rank": env.rank, "role": plan.role(env.rank), "host": socket.gethostname(),
@@ -311,6 +305,11 @@ def _gist(err: BaseException) -> str:
     """The first sentence of a backend error, without gloo's source location prefix."""
     text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", str(err).strip().splitlines()[0])
     return text.split(". ")[0]
+
+
+def loop_name(loop: Loop) -> str:
+    """The loop's class as ``loop._target_`` names it: ``module.Class``."""
+    return f"{type(loop).__module__}.{type(loop).__qualname__}"
 
 
 def _seed_everything(seed: int) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pickle
 import typing
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -134,25 +133,20 @@ class RLLoop:
     @cached_property
     def spaces(self) -> Spaces:
         """The environment's spaces, from one env built once (errors name the setting), or
-        as the launcher's validation probed them (:meth:`adopt_probed`)."""
+        as the launcher's validation probed them (they travel with this loop: __getstate__)."""
         return probe_spaces(self.env)
 
-    def probed(self) -> dict[str, Any]:
-        """What validation learnt by building an env (its spaces, where it probed them), for
-        the ranks: a rank that adopts it builds no env to learn them again. Spaces that do not
+    def __getstate__(self) -> dict[str, Any]:
+        """The settings, and the spaces validation probed when they pickle: the launcher sends
+        this loop to its ranks, which then build no env to learn them again. Spaces that do not
         pickle (a custom space holding a lambda) stay here: the ranks then probe them."""
-        if "spaces" not in self.__dict__:
-            return {}
-        try:
-            pickle.dumps(self.__dict__["spaces"])
-        except Exception:
-            return {}
-        return {"spaces": self.__dict__["spaces"]}
-
-    def adopt_probed(self, probed: Mapping[str, Any]) -> None:
-        """Take what :meth:`probed` returned, on a loop built from the same settings."""
-        if "spaces" in probed:
-            self.__dict__["spaces"] = probed["spaces"]
+        state = dict(self.__dict__)
+        if "spaces" in state:
+            try:
+                pickle.dumps(state["spaces"])
+            except Exception:
+                del state["spaces"]
+        return state
 
     def validate(self, plan: LayoutPlan) -> None:
         """Range checks and the environment's, run by the launcher before any rank starts."""

@@ -62,7 +62,7 @@ class RuntimeRun:
 
         torch.set_num_threads(1)  # small models gain nothing from intra-op threads on shared cores
         torch.manual_seed(job.seed)  # same initial weights on every rank
-        # As the launcher probed them (RLLoop.adopt_probed); else one env, built and closed.
+        # As the launcher probed them (they travel with the loop); else one env, built and closed.
         self.spaces = loop.spaces
         self.algorithm = loop.build_algorithm(self.spaces)
         # What the rollouts act with, and what the weights carry: the policy (the algorithm's
