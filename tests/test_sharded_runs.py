@@ -183,11 +183,11 @@ def test_a_killed_rollout_rank_of_a_sharded_grid_rejoins_with_verified_weights(
     assert join["rank"] == 7 and join["reason"] == "admitted"
     reports = _reports(result)
     # Through the sharded hand-off of elastic rollout ranks: every owner's slices, re-formed
-    # job-wide when rank 7 left and again when it was admitted (two epochs on every trainer).
+    # job-wide when rank 7 left and when it was admitted (a new epoch on every trainer).
     assert {reports[r]["hand_off"] for r in range(8)} == {"elastic-sharded"}
     (leave,) = result["leaves"]
-    assert leave["rank"] == 7 and leave["epoch"] == 0
-    assert all(reports[r]["epoch"] >= 2 for r in range(4)), [reports[r] for r in range(4)]
+    assert leave["rank"] == 7
+    assert all(reports[r]["epoch"] >= 1 for r in range(4)), [reports[r] for r in range(4)]
     assert reports[7]["joined"] is True
     for rank in (4, 5, 6):  # the same version, so the same whole weights as every rollout's
         assert reports[7]["weights_version"] == reports[rank]["weights_version"]

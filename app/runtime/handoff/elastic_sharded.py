@@ -191,9 +191,15 @@ class ElasticShardedMember(ElasticMember):
 
     kind = "elastic-sharded"
 
-    def _start_weights(self) -> None:  # epoch 0: generation 0
+    def __init__(self, ctx: CommContext, agent: torch.nn.Module, layout: Layout,
+                 leader: int, settings: HandOffSettings, joining: bool) -> None:
+        # Each owner's receiver, the slices it loads and where they go in the whole weights.
         self.parts: list[tuple[WeightReceiver, Slices, dict[str, Placement]]] = []
-        self.indices: dict[int, dict[str, torch.Tensor | None]] = {}
+        self.indices: dict[int, dict[str, torch.Tensor | None]] = {}  # by owner, read once
+        self.generation = -1
+        super().__init__(ctx, agent, layout, leader, settings, joining)
+
+    def _start_weights(self) -> None:  # epoch 0: generation 0
         self._enter_generation(0)
 
     def _enter_generation(self, generation: int) -> None:
