@@ -12,7 +12,9 @@ on it are verified by checksum. A trainer left with no live member trains on the
 segments dealt over the trainers (its surviving rollout ranks serve the job). Below
 ``loop.min_rollouts`` live members in the whole job the trainers wait that long for joiners, if
 one can come, then end the run naming who was lost. The member's side is
-app/runtime/handoff/elastic_member.py.
+app/runtime/handoff/elastic_member.py. Under sharded trainers the weights go another way (each
+owner's slices to every rollout rank, job-wide epochs: app/runtime/handoff/elastic_sharded.py,
+which overrides the weights side here and nothing else).
 
 Nothing in the steady state spans every rank: a member's finished episodes and waiting time
 travel in its segment, the trainers share them over TRAIN_DATA_PARALLEL and take the stop

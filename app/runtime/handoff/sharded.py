@@ -11,6 +11,8 @@ sender, so versions, checksums (``loop.verify_weights_every``) and ``loop.max_st
 as on the flat path; where each slice goes in the whole tensor (flat element indices, computed
 by DTensor itself) travels once, when the groups form. Segments and episodes move as on the flat
 path (:class:`~app.runtime.handoff.flat.FlatHandOff`). No trainer gathers the model to send it.
+With elastic rollout ranks the same slices, index maps and assembly serve
+app/runtime/handoff/elastic_sharded.py.
 """
 
 from __future__ import annotations
