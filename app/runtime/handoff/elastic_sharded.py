@@ -31,6 +31,7 @@ update boundary forms the next generation without it.
 from __future__ import annotations
 
 import base64
+import datetime
 import io
 import json
 import logging
@@ -69,7 +70,7 @@ def generation_of(trainer: int, epoch: int) -> str:
 
 
 def shard_group(ctx: CommContext, owner: int, generation: int, members: list[int],
-                timeout: Any) -> list[int]:
+                timeout: datetime.timedelta) -> list[int]:
     """Builds and registers this rank's group of ``owner``'s slices for ``generation``
     (``members``: the job's live rollout ranks); returns its ranks, owner first."""
     ranks = [owner, *members]
