@@ -36,7 +36,7 @@ from app.runtime.records import MetricsFile, job_metrics, update_row
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
 from app.runtime.sharding import TrainedModule, TrainerGrid, is_sharded, share_segments
-from app.runtime.worker import Agent, Episode, RolloutWorker, segment_layout
+from app.runtime.worker import Agent, Episode, RolloutWorker, build_segment_format
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:
@@ -49,14 +49,14 @@ class RuntimeRun:
     """One rank's state for one run of the loop."""
 
     def __init__(self, loop: RLLoop, ctx: CommContext, job: JobInfo) -> None:
-        self.loop, self.ctx, self.job, self.hp, plan = loop, ctx, job, loop.hp, job.plan
+        self.loop, self.ctx, self.job, self.hparams, plan = loop, ctx, job, loop.hparams, job.plan
         self.rank = ctx.get_global_rank()
         self.is_trainer = self.rank in plan.trainers
         self.collects = plan.colocated or self.rank in plan.rollouts
-        self.split = not plan.colocated
+        self.has_rollout_ranks = not plan.colocated
         # Rollout ranks may leave and join (app/runtime/handoff/elastic.py); such a rank follows
         # its trainer, which tells it when the run stops.
-        self.elastic = self.split and plan.elastic_rollouts
+        self.elastic = self.has_rollout_ranks and plan.elastic_rollouts
         self.follows = self.elastic and not self.is_trainer
         self.epoch_base = 0  # a resumed run's epochs count on from its checkpoint's
 
@@ -69,16 +69,16 @@ class RuntimeRun:
         # module, or loop.model's) and the normalisers' statistics.
         self.agent = Agent(loop.build_policy(self.algorithm, self.spaces), self.spaces,
                            loop.env, context=loop.model.history)
-        episode_cap = self.hp.num_envs * (self.hp.num_steps // 8 + 1)
-        self.layout = segment_layout(self.algorithm, self.spaces, self.agent,
-                                     self.hp.num_steps, self.hp.num_envs)
+        episode_cap = self.hparams.num_envs * (self.hparams.num_steps // 8 + 1)
+        self.segment_format = build_segment_format(self.algorithm, self.spaces, self.agent,
+                                     self.hparams.num_steps, self.hparams.num_envs)
         if self.elastic:  # a member's episodes travel in its segment
-            self.layout = with_episodes(self.layout, episode_cap)
+            self.segment_format = with_episodes(self.segment_format, episode_cap)
         self.worker = (RolloutWorker(self.algorithm, self.spaces, loop.env, self.agent,
                                      seed=env_seed(job.seed, self.rank))
                        if self.collects else None)
         if self.worker is not None:
-            self.worker.use_layout(self.layout)
+            self.worker.use_segment_format(self.segment_format)
         self.grid = TrainerGrid.of(plan)
         self.settings = run_settings(loop, self.spaces)  # what a checkpoint records
         self.generator = torch.Generator()
@@ -87,7 +87,7 @@ class RuntimeRun:
         # buffer (the parameters then live there).
         sharded = is_sharded(plan, loop.data_parallel)
         self.trained = self._trained_module() if sharded else None
-        self.hand_off = build_hand_off(ctx, job, self.agent, self.layout, self.trained,
+        self.hand_off = build_hand_off(ctx, job, self.agent, self.segment_format, self.trained,
                                        self._hand_off_settings(episode_cap, sharded))
         if not sharded:
             self.trained = self._trained_module()
@@ -152,7 +152,7 @@ class RuntimeRun:
                 break
             self.episodes.extend(handed.episodes)
             collected = int(handed.shared.pop("segments"))
-            self.env_steps += collected * self.hp.num_envs * self.hp.num_steps
+            self.env_steps += collected * self.hparams.num_envs * self.hparams.num_steps
             losses = self._train(handed.segments) if self.is_trainer else {}
             self.hand_off.update_done()
             self.update += 1

@@ -29,13 +29,13 @@ from app.runtime.handoff.elastic import ElasticLeader
 from app.runtime.handoff.elastic_member import ElasticMember
 from app.runtime.handoff.flat import FlatHandOff
 from app.runtime.handoff.sharded import ShardedHandOff
-from app.runtime.segments import Layout
+from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, ParallelMode
 
 __all__ = ["HandOff", "HandOffSettings", "Round", "build_hand_off"]
 
 
-def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, layout: Layout,
+def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_format: SegmentFormat,
                    trained: Any, settings: HandOffSettings) -> HandOff:
     """The hand-off the plan calls for; ``trained``: a trainer's TrainedModule (None on rollout
     ranks), whose shards a sharded hand-off sends. Before any wrapping of ``agent``: a flat or
@@ -45,9 +45,9 @@ def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, layout: Lay
     trainer = rank in plan.trainers
     if not plan.colocated and plan.elastic_rollouts:
         if trainer:
-            return ElasticLeader(ctx, agent, layout, settings, dict(job.hosts))
+            return ElasticLeader(ctx, agent, segment_format, settings, dict(job.hosts))
         leader = plan.groups_of(rank)[ParallelMode.WEIGHT_TRANSFER.value][0]
-        return ElasticMember(ctx, agent, layout, leader, settings, joining=job.joining)
+        return ElasticMember(ctx, agent, segment_format, leader, settings, joining=job.joining)
     if not plan.colocated and settings.sharded:
-        return ShardedHandOff(ctx, plan, agent, layout, trained, settings)
-    return FlatHandOff(ctx, plan, agent, layout, settings)
+        return ShardedHandOff(ctx, plan, agent, segment_format, trained, settings)
+    return FlatHandOff(ctx, plan, agent, segment_format, settings)
