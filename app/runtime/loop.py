@@ -53,7 +53,8 @@ from rlcomm import CommContext, LayoutPlan
 
 @dataclass
 class RLLoop:
-    """The runtime's settings; a subclass adds ``hparams`` (the algorithm's) and ``algorithm``."""
+    """A loop on the RL runtime: the runtime's settings (``loop.*``); a subclass adds
+    ``hparams`` (the algorithm's settings) and ``algorithm``."""
 
     total_env_steps: int = setting(400_000, "budget: stop here if the target is not reached")
     target_return: float | None = setting(

@@ -1,9 +1,9 @@
 """One rank's run: collect, hand off, train, record, until the stop rule fires.
 
-Every rank runs the same loop; its role decides which steps do work (rollouts collect, trainers
-train, colocated ranks do both). What moves between trainers and rollout ranks goes through one
+Every rank runs the same steps per update; its role decides which steps do work (rollouts
+collect, trainers train, colocated ranks do both). What moves between trainers and rollout ranks goes through one
 hand-off (app/runtime/handoff/), the kind the plan calls for. The stop decision is taken from
-the episodes the deciding ranks share, so they all leave the loop at the same update; an
+the episodes the deciding ranks share, so they all stop at the same update; an
 elastic run's rollout ranks learn it from their trainer. The algorithm only acts (in the
 worker) and updates (here, on trainers); everything else is this module's.
 """
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class RuntimeRun:
-    """One rank's state for one run of the loop."""
+    """One rank's state for one run of an :class:`RLLoop`."""
 
     def __init__(self, loop: RLLoop, ctx: CommContext, job: JobInfo) -> None:
         self.loop, self.ctx, self.job, self.hparams, plan = loop, ctx, job, loop.hparams, job.plan
@@ -206,7 +206,7 @@ class RuntimeRun:
             "trajectory_bytes_sent": hand_off.trajectory_bytes_sent,
             "wait_fraction": round(hand_off.wait_total_s / elapsed, 4) if elapsed else 0.0,
             "time_split_s": self._time_split(elapsed),
-            "cpu_s": round(cpu_s, 3),  # this process's CPU time over the loop (all threads)
+            "cpu_s": round(cpu_s, 3),  # this process's CPU time over the run (all threads)
             "param_checksum": float(sum(p.detach().double().sum()
                                         for p in self.agent.net.parameters())),
         }
@@ -268,12 +268,13 @@ class RuntimeRun:
         return figures
 
     def _time_split(self, elapsed: float) -> dict[str, float]:
-        """Where this rank's loop time (``loop``, this attempt's) went, measured: stepping the
-        envs (``env``), the policy's forward and sampling (``act``), the rest of collecting
-        (``collect_other``: normalising, packing), the update (``update``: DDP's gradient
-        all-reduce included), communication (``comm``: segments, weights, episodes and the
-        normalisers' statistics, time blocked on other ranks included) and the rest
-        (``other``: records, checkpoints, the progress line). Zero for what a role does not do."""
+        """Where this rank's time in the run (``loop``: all of it, this attempt's) went,
+        measured: stepping the envs (``env``), the policy's forward and sampling (``act``), the
+        rest of collecting (``collect_other``: normalising, packing), the update (``update``:
+        DDP's gradient all-reduce included), communication (``comm``: segments, weights,
+        episodes and the normalisers' statistics, time blocked on other ranks included) and the
+        rest (``other``: records, checkpoints, the progress line). Zero for what a role does not
+        do."""
         env = self.worker.env_s if self.worker is not None else 0.0
         act = self.worker.act_s if self.worker is not None else 0.0
         parts = {"env": env, "act": act, "collect_other": self.split_s["collect"] - env - act,

@@ -69,8 +69,9 @@ EPISODE_FIELDS = ("episodes", "episode_count", "wait_s")
 
 
 def with_episodes(segment_format: SegmentFormat, cap: int) -> SegmentFormat:
-    """``segment_format`` plus what a member's segment carries in an elastic run: its finished episodes
-    (at most ``cap``: return, length) and the seconds it waited since its last segment."""
+    """``segment_format`` plus what a member's segment carries in an elastic run: its finished
+    episodes (at most ``cap``: return, length) and the seconds it waited since its last
+    segment."""
     fields = dict(segment_format.fields)
     fields["episodes"] = Field((cap, 2), torch.float64)
     fields["episode_count"] = Field((1,), torch.int64)

@@ -100,7 +100,8 @@ class RolloutWorker:
                  seed: int) -> None:
         settings = algorithm.settings
         self.algorithm, self.spaces = algorithm, spaces
-        self.num_envs, self.num_steps, self.gamma = settings.num_envs, settings.num_steps, settings.gamma
+        self.num_envs, self.num_steps, self.gamma = (settings.num_envs, settings.num_steps,
+                                                     settings.gamma)
         self.envs = make_vector_env(env, settings.num_envs, seed)
         self.env_id = env.id if not env._target_ else f"{env.id} ({env._target_})"
         self.segment_format = build_segment_format(algorithm, spaces, agent, settings.num_steps,
@@ -120,7 +121,8 @@ class RolloutWorker:
         if self.history is not None:
             self.history.reset(self._flat(self.raw_obs))
         self.next_done = torch.zeros(settings.num_envs)
-        self.returns = ReturnTracker(settings.num_envs, settings.gamma) if agent.reward_norm is not None else None
+        self.returns = (ReturnTracker(settings.num_envs, settings.gamma)
+                        if agent.reward_norm is not None else None)
         box = hasattr(spaces.action, "low")  # Box actions are clipped to their bounds
         self.low: np.ndarray | None = spaces.action.low if box else None
         self.high: np.ndarray | None = spaces.action.high if box else None

@@ -1,7 +1,7 @@
 """The hand-off between trainers and rollout ranks: one interface, chosen by the plan.
 
 A trainer publishes weights through it and receives the segments it trains on; a rollout rank
-sends its segments and receives the weights it acts with. The run loop (app/runtime/run.py)
+sends its segments and receives the weights it acts with. The run (app/runtime/run.py)
 sees only :class:`HandOff`; the plan picks the implementation (:func:`build_hand_off`):
 
 - :class:`~app.runtime.handoff.flat.FlatHandOff`: a static layout (``layout.elastic_rollouts

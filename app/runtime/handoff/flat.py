@@ -149,7 +149,7 @@ class FlatHandOff:
         """Nothing to time: a static run's membership does not change."""
 
     def stop(self, updates: int, env_steps: int) -> None:
-        """Every rank left the loop at the same update: nobody waits for a last message."""
+        """Every rank stopped at the same update: nobody waits for a last message."""
 
     def result(self) -> dict[str, Any]:
         return {}
