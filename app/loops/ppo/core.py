@@ -158,8 +158,7 @@ def ppo_update(
     generator: torch.Generator,
     decoupled: bool = False,
 ) -> dict[str, float]:
-    """Run ``settings.update_epochs`` x ``settings.num_minibatches`` clipped-PPO steps on
-    ``segments``.
+    """Run ``settings.update_epochs`` x ``num_minibatches`` clipped-PPO steps on ``segments``.
 
     The behaviour policy is the one that collected the data: its log-probs were recorded then.
     With ``decoupled`` (data collected with older weights than ``policy``'s), the clip is
