@@ -33,7 +33,7 @@ GRIDS = {"ddp4": ("ddp", None), "fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2),
          "tp2-fsdp2": ("fsdp", 2)}
 HAND_OFF_PARAMS = {"1M": (1, 1000), "25M": (4, 2500), "100M": (4, 5000)}  # layers x width^2
 HAND_OFF_TRAINERS = 2
-# A split layout gives each trainer a rollout rank at least: 2 and 3 receivers, not 1.
+# A layout with rollout ranks gives each trainer a rollout rank at least: 2 and 3 receivers, not 1.
 HAND_OFF_ROLLOUTS = (2, 3)
 
 
@@ -93,7 +93,7 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
 
     from app.runtime.handoff.base import HandOffSettings
     from app.runtime.handoff.sharded import ShardedHandOff
-    from app.runtime.segments import Field, Layout
+    from app.runtime.segments import Field, SegmentFormat
     from app.runtime.sharding import TrainedModule
     from rlcomm import LayoutSpec, plan_layout, register_initializer
     from rlcomm.group_initializer import WeightTransferGroupInitializer
@@ -109,8 +109,8 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
         trained = TrainedModule(ctx, plan, agent.net, "fsdp") if rank in trainers else None
         settings = HandOffSettings(max_staleness=0, verify_every=0, min_rollouts=1,
                                    timeout_s=600, episode_cap=1, sharded=True)
-        layout = Layout({"version": Field((1,), torch.int64)})
-        sharded = ShardedHandOff(ctx, plan, agent, layout, trained, settings)
+        segment_format = SegmentFormat({"version": Field((1,), torch.int64)})
+        sharded = ShardedHandOff(ctx, plan, agent, segment_format, trained, settings)
         register_initializer("FLAT_HAND_OFF", WeightTransferGroupInitializer)
         ctx.init_group([0, *plan.rollouts], mode="FLAT_HAND_OFF", backend="gloo")
         flat_sender = flat_receiver = None

@@ -3,8 +3,8 @@
 Every call is recorded in ``ctx.recorder`` (:mod:`rlcomm.diagnostics.recorder`): the hang watchdog's
 evidence. The context is passed explicitly (no global), so one process could hold two contexts.
 Rank arguments (``src``, ``dst``) are GLOBAL ranks, as in ``torch.distributed``; to address a
-position inside the group use ``ctx.to_global_rank(mode, group_rank)`` (and
-``ctx.to_group_rank`` for the way back). ``src``/``dst`` default to the group's leader: the first
+position inside the group use ``ctx.get_ranks_in_group(mode)[group_rank]`` (and
+``.index(global_rank)`` for the way back). ``src``/``dst`` default to the group's leader: the first
 rank the layout declared (e.g. the trainer of a WEIGHT_TRANSFER group).
 """
 

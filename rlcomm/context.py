@@ -73,6 +73,10 @@ def _slices(mesh: torch.Tensor, dim: int) -> set[tuple[int, ...]]:
 class CommContext(metaclass=SingletonMeta):
     """Singleton communication context for PyTorch distributed.
 
+    What belongs to one mode's group is a ``get_<what>(comm_mode)`` method, as in the original
+    API (``get_group``, ``get_device``, ``get_declared_ranks``); what the context holds once
+    is a read-only property (``backend``, ``timeout``, ``store``, ``joined_running_job``).
+
     Attributes:
         _local_ranks: Mapping from mode to this rank's rank inside the group.
         _global_ranks: Mapping from mode to global rank (GLOBAL only).
@@ -449,25 +453,6 @@ class CommContext(metaclass=SingletonMeta):
         """The group's ranks in the order the layout listed them (the first is its leader,
         e.g. the trainer of a WEIGHT_TRANSFER group)."""
         return list(self._lookup(self._declared_ranks, comm_mode))
-
-    def to_global_rank(self, comm_mode: Mode, group_rank: int) -> int:
-        """Global rank of position ``group_rank`` in this rank's ``comm_mode`` group."""
-        ranks = self._lookup(self._ranks_in_group, comm_mode)
-        if not 0 <= group_rank < len(ranks):
-            raise IndexError(
-                f"group rank {group_rank} out of range for {mode_name(comm_mode)}"
-                f"{format_ranks(ranks)}"
-            )
-        return int(ranks[group_rank])
-
-    def to_group_rank(self, comm_mode: Mode, global_rank: int) -> int:
-        """Position of ``global_rank`` in this rank's ``comm_mode`` group."""
-        ranks = self._lookup(self._ranks_in_group, comm_mode)
-        if global_rank not in ranks:
-            raise ValueError(
-                f"global rank {global_rank} is not in {mode_name(comm_mode)}{format_ranks(ranks)}"
-            )
-        return int(ranks.index(global_rank))
 
     @property
     def timeout(self) -> datetime.timedelta:

@@ -40,7 +40,8 @@ def group_description(mode: str, ranks: Sequence[int]) -> str:
 
 
 class GroupInitializer:
-    """Creates one group per rank list of ``ranks`` (a flat list is one group)."""
+    """Creates one group per rank list of ``ranks`` (a flat list is one group) for the mode
+    ``mode=`` names (default: the class's ``mode``)."""
 
     mode: ClassVar[str] = ""
 
@@ -93,26 +94,6 @@ class GroupInitializer:
         return mine
 
 
-class TrainDPGroupInitializer(GroupInitializer):
-    """Trainer data parallelism (the DDP group)."""
-
-    mode = ParallelMode.TRAIN_DATA_PARALLEL.value
-
-
-class IntraNodeGroupInitializer(GroupInitializer):
-    mode = CommMode.INTRA_NODE.value
-
-
-class InterNodeGroupInitializer(GroupInitializer):
-    mode = CommMode.INTER_NODE.value
-
-
-class WeightTransferGroupInitializer(GroupInitializer):
-    """Trainer -> rollout workers; list each group with its trainer first."""
-
-    mode = ParallelMode.WEIGHT_TRANSFER.value
-
-
 class SizeGroupInitializer(GroupInitializer):
     """DATA/TENSOR/SEQUENCE_PARALLEL: explicit rank lists, or a flat list of ranks plus
     ``group_size`` for the usual Megatron grid (TP contiguous, SP inside TP blocks, DP strided;
@@ -132,29 +113,44 @@ class SizeGroupInitializer(GroupInitializer):
         return grid_groups(flat, self.mode_name, int(size), int(inner or 1))
 
 
-class TensorParallelGroupInitializer(SizeGroupInitializer):
-    mode = ParallelMode.TENSOR_PARALLEL.value
+# The original CommContext builds these three by name, without a mode
+# (``TrainDPGroupInitializer(rank, world_size, ranks)``): each is the plain initializer with its
+# mode fixed. ``init_group`` and ``init_groups`` pass ``mode=`` to the class registered below.
+class TrainDPGroupInitializer(GroupInitializer):
+    """Trainer data parallelism (the DDP group)."""
+
+    mode = ParallelMode.TRAIN_DATA_PARALLEL.value
 
 
-class SequenceParallelGroupInitializer(SizeGroupInitializer):
-    mode = ParallelMode.SEQUENCE_PARALLEL.value
+class IntraNodeGroupInitializer(GroupInitializer):
+    mode = CommMode.INTRA_NODE.value
 
 
-class DataParallelGroupInitializer(SizeGroupInitializer):
-    mode = ParallelMode.DATA_PARALLEL.value
+class WeightTransferGroupInitializer(GroupInitializer):
+    """Trainer -> rollout workers; list each group with its trainer first."""
+
+    mode = ParallelMode.WEIGHT_TRANSFER.value
 
 
+# mode -> the initializer built for it; the parametrised two cover every shipped mode.
 _INITIALIZERS: dict[str, type[GroupInitializer]] = {
-    cls.mode: cls
-    for cls in (
-        TrainDPGroupInitializer,
-        IntraNodeGroupInitializer,
-        InterNodeGroupInitializer,
-        WeightTransferGroupInitializer,
-        TensorParallelGroupInitializer,
-        SequenceParallelGroupInitializer,
-        DataParallelGroupInitializer,
-    )
+    **dict.fromkeys(
+        (
+            ParallelMode.TRAIN_DATA_PARALLEL.value,
+            CommMode.INTRA_NODE.value,
+            CommMode.INTER_NODE.value,
+            ParallelMode.WEIGHT_TRANSFER.value,
+        ),
+        GroupInitializer,
+    ),
+    **dict.fromkeys(
+        (
+            ParallelMode.TENSOR_PARALLEL.value,
+            ParallelMode.SEQUENCE_PARALLEL.value,
+            ParallelMode.DATA_PARALLEL.value,
+        ),
+        SizeGroupInitializer,
+    ),
 }
 
 

@@ -1,5 +1,5 @@
 """Algorithms plugged into the runtime, run through ``python -m app`` as a user runs them: the
-example plugin (examples/reinforce.py) on a split and a colocated layout, a sweep ranked by a
+example plugin (examples/reinforce.py) on a layout with rollout ranks and a colocated one, a sweep ranked by a
 metric it declares, and V-trace with rollouts that lag the trainers (docs/custom-algorithm.md)."""
 
 from __future__ import annotations

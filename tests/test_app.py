@@ -255,12 +255,12 @@ def test_help_lists_groups_and_every_setting_with_its_doc() -> None:
     assert "loop.hparams.gamma: float = 0.99  # discount factor, in (0, 1]" in out
     from app.config import AppConfig, CommConfig, LauncherConfig, LayoutConfig
     from app.loops.ppo import PPOLoop
-    from app.loops.ppo.core import PPOHyperParams
+    from app.loops.ppo.core import PPOSettings
     from app.runtime.envs import EnvConfig
 
     for prefix, schema in [("comm", CommConfig), ("layout", LayoutConfig),
                            ("launcher", LauncherConfig), ("loop", PPOLoop),
-                           ("loop.hparams", PPOHyperParams), ("loop.env", EnvConfig)]:
+                           ("loop.hparams", PPOSettings), ("loop.env", EnvConfig)]:
         for f in fields(schema):
             if f.name not in ("hparams", "env", "model"):  # nested: listed by their own fields
                 assert f.metadata["doc"], f"{prefix}.{f.name} has no doc"

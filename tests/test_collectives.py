@@ -25,9 +25,9 @@ def _collectives(rank: int, world_size: int) -> dict[str, Any]:
     out["all_reduce"] = C.all_reduce(ctx, TDP, torch.tensor([float(rank)])).item()
     out["mean"] = C.all_reduce_dict(ctx, "GLOBAL", {"r": rank, "one": 1.0}, average=True)
     out["bcast_leader"] = C.broadcast(ctx, WT, torch.tensor([rank])).item()
-    src = ctx.to_global_rank(TDP, 1)  # the group's second member, addressed by group rank
+    src = ctx.get_ranks_in_group(TDP)[1]  # the group's second member, addressed by group rank
     out["bcast_group_rank_1"] = C.broadcast(ctx, TDP, torch.tensor([rank]), src=src).item()
-    out["to_group_rank"] = ctx.to_group_rank(WT, rank)
+    out["group_rank"] = ctx.get_ranks_in_group(WT).index(rank)
     out["objects"] = C.broadcast_object_list(ctx, WT, [{"from": rank}])[0]
     out["all_gather"] = C.all_gather(ctx, TDP, torch.tensor([rank, 10 * rank])).tolist()
     gathered = C.gather(ctx, WT, torch.tensor([rank]))  # onto the leader
@@ -51,7 +51,7 @@ def test_collectives_give_the_right_numbers() -> None:
     assert r[1]["mean"] == {"one": 1.0, "r": 1.5}
     assert [r[i]["bcast_leader"] for i in range(4)] == [3, 2, 2, 3]
     assert [r[i]["bcast_group_rank_1"] for i in range(4)] == [1, 1, 3, 3]
-    assert [r[i]["to_group_rank"] for i in range(4)] == [0, 0, 1, 1]  # sorted: leader is last
+    assert [r[i]["group_rank"] for i in range(4)] == [0, 0, 1, 1]  # sorted: leader is last
     assert r[0]["objects"] == {"from": 3}
     assert r[2]["all_gather"] == [2, 20, 3, 30]
     assert r[3]["gather"] == [0, 3] and r[2]["gather"] == [1, 2] and r[0]["gather"] is None

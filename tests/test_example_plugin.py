@@ -67,7 +67,7 @@ def test_one_update_on_real_cartpole_data_runs_and_returns_its_declared_losses()
     worker = RolloutWorker(algorithm, spaces, env, agent, seed=0)
     packed, _ = worker.collect(agent, 0)
     worker.close()
-    segment = as_segment(worker.layout, packed)
+    segment = as_segment(worker.segment_format, packed)
     assert set(segment) >= {"obs", "actions", "rewards", "dones", "next_obs", "next_done"}
 
     before = [p.detach().clone() for p in agent.net.parameters()]

@@ -17,7 +17,7 @@ from app.api import JobInfo, RankEnv
 from app.runtime.envs import EnvConfig, probe_spaces
 from app.runtime.handoff import HandOffSettings, build_hand_off
 from app.runtime.handoff.sharded import ShardedHandOff
-from app.runtime.segments import Field, Layout
+from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule, is_sharded
 from app.runtime.transformer import TransformerActorCritic
 from rlcomm import LayoutSpec, plan_layout
@@ -62,7 +62,7 @@ def _hand_off(rank: int, world: int, data_parallel: str, tensor: int | None,
         agent = Acting()
         trainer = rank in plan.trainers
         trained = TrainedModule(ctx, plan, agent.net, data_parallel) if trainer else None
-        hand_off = ShardedHandOff(ctx, plan, agent, Layout({"v": Field((1,), torch.int64)}),
+        hand_off = ShardedHandOff(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
                                   trained, _settings(max_staleness, sharded=True))
         sent: dict[int, dict[str, np.ndarray]] = {}
         held: dict[int, dict[str, np.ndarray]] = {}
@@ -122,8 +122,8 @@ def _chosen(rank: int, world: int, elastic: bool, data_parallel: str) -> str:
         sharded = is_sharded(plan, data_parallel)
         trained = TrainedModule(ctx, plan, agent.net, data_parallel) if rank == 0 else None
         job = JobInfo(plan=plan, run_dir=Path("."), seed=0, rank=rank, env=RankEnv("local"))
-        layout = Layout({"version": Field((1,), torch.int64)})
-        return build_hand_off(ctx, job, agent, layout, trained,
+        segment_format = SegmentFormat({"version": Field((1,), torch.int64)})
+        return build_hand_off(ctx, job, agent, segment_format, trained,
                               _settings(0, sharded)).kind
 
 

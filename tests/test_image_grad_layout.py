@@ -35,7 +35,7 @@ WARNING = "Grad strides do not match bucket view strides"
 
 
 def wrap_trainer(ctx: CommContext, net: nn.Module) -> tuple[WeightSender, nn.Module]:
-    """A split layout's trainer, as app/runtime/exchange.py and run.py build it: the policy bound
+    """A trainer of a layout with rollout ranks, as app/runtime/exchange.py and run.py build it: the policy bound
     to the weights' send buffer first (its parameters become views there), then DDP over the
     trainers' data-parallel group."""
     sender = WeightSender(ctx, WT, verify_every=0)

@@ -1,6 +1,6 @@
 """Tests that learn: PPO on the runtime reaches a stated return within a bounded budget, for
 discrete actions (CartPole-v1, Acrobot-v1), continuous actions (Pendulum-v1) and image
-observations (the synthetic env of tests/helpers/image_env.py), on a split layout (2t2r: two DDP
+observations (the synthetic env of tests/helpers/image_env.py), on a layout with rollout ranks (2t2r: two DDP
 trainers, two rollout ranks) and on layout=single (one process).
 
 Each env's settings, target and budget live in its experiment config (conf/experiment/*.yaml;

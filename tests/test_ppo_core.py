@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.loops.ppo.core import PPO, PPOHyperParams, compute_gae
+from app.loops.ppo.core import PPO, PPOSettings, compute_gae
 from app.runtime import Segment, UpdateInfo
 from app.runtime.envs import EnvConfig, probe_spaces
-from app.runtime.segments import Field, Layout
+from app.runtime.segments import Field, SegmentFormat
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 
 pytestmark = pytest.mark.unit
@@ -21,50 +21,50 @@ def _single_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _parts(seed: int, hp: PPOHyperParams, env: EnvConfig | None = None
+def _parts(seed: int, settings: PPOSettings, env: EnvConfig | None = None
            ) -> tuple[PPO, Agent, RolloutWorker]:
     env = env or EnvConfig()
     torch.manual_seed(seed)
     spaces = probe_spaces(env)
-    algorithm = PPO(hp, spaces)
+    algorithm = PPO(settings, spaces)
     agent = Agent(algorithm.build(), spaces, env)
     return algorithm, agent, RolloutWorker(algorithm, spaces, env, agent, seed)
 
 
-def _train(seed: int, updates: int, hp: PPOHyperParams) -> tuple[Agent, list[tuple[float, int]]]:
+def _train(seed: int, updates: int, settings: PPOSettings) -> tuple[Agent, list[tuple[float, int]]]:
     """Single-worker PPO run; returns the agent and all finished episodes in order."""
-    algorithm, agent, worker = _parts(seed, hp)
+    algorithm, agent, worker = _parts(seed, settings)
     optimizer = algorithm.optimizer(agent.net)
     generator = torch.Generator().manual_seed(seed)
     episodes: list[tuple[float, int]] = []
     for update in range(updates):
         packed, finished = worker.collect(agent, update)
         episodes += finished
-        info = UpdateInfo(optimizer, generator, update * hp.num_envs * hp.num_steps, update, 0)
-        algorithm.update(agent.net, agent.net, [as_segment(worker.layout, packed)], info)
+        info = UpdateInfo(optimizer, generator, update * settings.num_envs * settings.num_steps, update, 0)
+        algorithm.update(agent.net, agent.net, [as_segment(worker.segment_format, packed)], info)
     worker.close()
     return agent, episodes
 
 
 def test_a_packed_segment_round_trips_exactly_with_every_dtype() -> None:
-    layout = Layout({"a": Field((3, 2), torch.float32), "b": Field((5,), torch.uint8),
-                     "c": Field((2, 2), torch.int64), "d": Field((1,), torch.float64)})
+    segment_format = SegmentFormat({"a": Field((3, 2), torch.float32), "b": Field((5,), torch.uint8),
+                                    "c": Field((2, 2), torch.int64), "d": Field((1,), torch.float64)})
     values = {"a": torch.randn(3, 2), "b": torch.arange(5, dtype=torch.uint8),
               "c": torch.tensor([[1, -2], [3, 2**40]]), "d": torch.tensor([1 / 3], dtype=torch.float64)}
-    packed = layout.pack(values)
-    assert packed.dtype == torch.uint8 and packed.numel() == layout.nbytes
-    back = layout.unpack(packed.clone())
+    packed = segment_format.pack(values)
+    assert packed.dtype == torch.uint8 and packed.numel() == segment_format.nbytes
+    back = segment_format.unpack(packed.clone())
     for name, value in values.items():
         assert back[name].dtype == value.dtype and torch.equal(back[name], value), name
     with pytest.raises(ValueError, match="uint8 bytes"):
-        layout.unpack(torch.zeros(layout.nbytes + 1, dtype=torch.uint8))
+        segment_format.unpack(torch.zeros(segment_format.nbytes + 1, dtype=torch.uint8))
 
 
 def test_a_collected_segment_holds_every_step_and_its_version() -> None:
-    hp = PPOHyperParams(num_envs=3, num_steps=20)
-    _, agent, worker = _parts(0, hp)
+    settings = PPOSettings(num_envs=3, num_steps=20)
+    _, agent, worker = _parts(0, settings)
     packed, _ = worker.collect(agent, version=7)
-    segment = as_segment(worker.layout, packed)
+    segment = as_segment(worker.segment_format, packed)
     worker.close()
     assert segment.version == 7 and segment.lag == 0
     assert segment["obs"].shape == (20, 3, 4) and segment["actions"].dtype == torch.int64
@@ -100,9 +100,9 @@ def test_gae_matches_hand_computation() -> None:
 
 
 def test_short_training_improves_return() -> None:
-    hp = PPOHyperParams(anneal_env_steps=30_000)  # anneal over this short run
-    updates = 30_000 // (hp.num_envs * hp.num_steps) + 1  # ~30k env steps
-    _, episodes = _train(seed=0, updates=updates, hp=hp)
+    settings = PPOSettings(anneal_env_steps=30_000)  # anneal over this short run
+    updates = 30_000 // (settings.num_envs * settings.num_steps) + 1  # ~30k env steps
+    _, episodes = _train(seed=0, updates=updates, settings=settings)
     returns = [r for r, _ in episodes]
     first, last = sum(returns[:20]) / 20, sum(returns[-20:]) / 20
 
@@ -113,9 +113,9 @@ def test_short_training_improves_return() -> None:
 
 
 def test_same_seed_gives_identical_parameters() -> None:
-    hp = PPOHyperParams(num_envs=4, num_steps=32)
-    a, episodes_a = _train(seed=3, updates=3, hp=hp)
-    b, episodes_b = _train(seed=3, updates=3, hp=hp)
+    settings = PPOSettings(num_envs=4, num_steps=32)
+    a, episodes_a = _train(seed=3, updates=3, settings=settings)
+    b, episodes_b = _train(seed=3, updates=3, settings=settings)
 
     assert episodes_a == episodes_b
     for pa, pb in zip(a.parameters(), b.parameters()):

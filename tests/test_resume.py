@@ -17,7 +17,7 @@ import torch
 
 from app.api import ConfigError
 from app.loops.ppo import PPOLoop
-from app.loops.ppo.core import PPOHyperParams, make_optimizer
+from app.loops.ppo.core import PPOSettings, make_optimizer
 from app.runtime.checkpoints import (
     load_checkpoint,
     newest_valid_checkpoint,
@@ -33,14 +33,14 @@ SMALL = ("loop.hparams.num_envs=4", "loop.hparams.num_steps=64", "loop.target_re
 
 
 def _loop(**hparams: Any) -> PPOLoop:
-    return PPOLoop(hparams=dataclasses.replace(PPOHyperParams(), **hparams))
+    return PPOLoop(hparams=dataclasses.replace(PPOSettings(), **hparams))
 
 
 def _save(run_dir: Path, update: int, loop: PPOLoop | None = None) -> Path:
     """A real checkpoint of a fresh policy, as rank 0 writes it."""
     loop = loop or _loop()
     policy = loop.build_algorithm(loop.spaces).build()
-    return save_checkpoint(run_dir, policy, make_optimizer(policy, loop.hp), update, update * 256,
+    return save_checkpoint(run_dir, policy, make_optimizer(policy, loop.hparams), update, update * 256,
                            [(10.0, 10)], [{"update": float(update)}], run_settings(loop, loop.spaces))
 
 

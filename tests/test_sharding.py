@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.loops.ppo.core import PPO, PPOHyperParams
+from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Segment, UpdateInfo
 from app.runtime.envs import EnvConfig, probe_spaces
 from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
@@ -22,7 +22,7 @@ UPDATES = 20
 # Every configuration trains each replica on the segments of its pair of ranks (2k, 2k + 1):
 # a tensor-parallel pair shares them (share_segments); elsewhere both ranks hold both.
 ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
-HP = PPOHyperParams(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, lr=3e-3)
+HP = PPOSettings(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, lr=3e-3)
 MODEL = {"width": 32, "layers": 2, "heads": 4, "context": 4}
 CONFIGS = {"ddp4": ("ddp", None), "fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2),
            "tp2-fsdp2": ("fsdp", 2)}
@@ -33,7 +33,7 @@ def _segments(agent: Agent, algorithm: PPO, seed: int) -> list[Segment]:
     exactly the same data)."""
     spaces = probe_spaces(ENV)
     worker = RolloutWorker(algorithm, spaces, ENV, agent, seed)
-    segments = [as_segment(worker.layout, worker.collect(agent, 0)[0].clone())
+    segments = [as_segment(worker.segment_format, worker.collect(agent, 0)[0].clone())
                 for _ in range(UPDATES)]
     worker.close()
     return segments

@@ -186,7 +186,7 @@ def _one_update(seed: int, settings: VTraceSettings) -> tuple[dict[str, float], 
     optimizer.register_step_post_hook(count)
     info = UpdateInfo(optimizer, torch.Generator().manual_seed(seed), 0, 0, 0)
     torch.manual_seed(1234 + seed)  # the global RNG must not matter: only info.generator shuffles
-    out = algorithm.update(agent.net, agent.net, [as_segment(worker.layout, packed)], info)
+    out = algorithm.update(agent.net, agent.net, [as_segment(worker.segment_format, packed)], info)
     return out, steps, algorithm, agent
 
 
@@ -222,7 +222,7 @@ def test_vtrace_learns_cartpole_with_weights_one_update_stale() -> None:
     for update in range(20):  # 20k env steps; random play returns about 22
         packed, finished = worker.collect(behaviour, update)
         episodes += [ret for ret, _ in finished]
-        segment: Segment = as_segment(worker.layout, packed, lag=1)
+        segment: Segment = as_segment(worker.segment_format, packed, lag=1)
         behaviour.load_state_dict(agent.state_dict())  # what the trainer sent before updating
         env_steps = (update + 1) * settings.num_envs * settings.num_steps
         info = UpdateInfo(optimizer, generator, env_steps, update, 1)

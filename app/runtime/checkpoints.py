@@ -125,7 +125,7 @@ def run_settings(loop: Any, spaces: Any) -> dict[str, Any]:
         "env.action_space": describe_space(spaces.action),
         "env.normalize_obs": env.normalize_obs,
         "env.normalize_reward": env.normalize_reward,
-        **{f"loop.hparams.{name}": value for name, value in asdict(loop.hp).items()},
+        **{f"loop.hparams.{name}": value for name, value in asdict(loop.hparams).items()},
         **{f"loop.model.{name}": value for name, value in asdict(loop.model).items()},
     }
 

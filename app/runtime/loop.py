@@ -2,11 +2,11 @@
 calls. An algorithm becomes a loop by subclassing :class:`RLLoop` with its settings as
 ``hparams`` and itself as ``algorithm`` (this is app/loops/ppo/__init__.py's)::
 
-    from app.loops.ppo.core import PPO, PPOHyperParams
+    from app.loops.ppo.core import PPO, PPOSettings
 
     @dataclass
     class PPOLoop(RLLoop):
-        hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
+        hparams: PPOSettings = setting(doc="PPO settings", factory=PPOSettings)
         algorithm: ClassVar[type[Algorithm[Any]]] = PPO
 
 Such a loop follows membership epochs (its rollout ranks may leave and join, as
@@ -52,7 +52,8 @@ from rlcomm import CommContext, LayoutPlan
 
 @dataclass
 class RLLoop:
-    """The runtime's settings; a subclass adds ``hparams`` (the algorithm's) and ``algorithm``."""
+    """A loop on the RL runtime: the runtime's settings (``loop.*``); a subclass adds
+    ``hparams`` (the algorithm's settings) and ``algorithm``."""
 
     total_env_steps: int = setting(400_000, "budget: stop here if the target is not reached")
     target_return: float | None = setting(
@@ -126,10 +127,6 @@ class RLLoop:
             self.model = ModelConfig(**_plain(self.model))
         self.env.kwargs = _plain(self.env.kwargs)
 
-    @property
-    def hp(self) -> Any:
-        return self.hparams
-
     @cached_property
     def spaces(self) -> Spaces:
         """The environment's spaces, from one env built once (errors name the setting), or
@@ -154,7 +151,7 @@ class RLLoop:
         # The ranks of a TENSOR_PARALLEL group train one replica on their segments together.
         replicas, _, _ = plan.grid_sizes
         batch_per_trainer = per_update // replicas
-        errors = [f"hparams.{e}" for e in self.hp.range_errors(batch_per_trainer)]
+        errors = [f"hparams.{e}" for e in self.hparams.range_errors(batch_per_trainer)]
         errors += self.env.range_errors()
         errors += [f"model.{e}" for e in self.model.range_errors()]
         if self.data_parallel not in DATA_PARALLEL_KINDS:
@@ -202,19 +199,19 @@ class RLLoop:
     def _per_update(self, plan: LayoutPlan) -> int:
         """Env steps per update: every collecting rank's ``num_envs`` x ``num_steps``."""
         collectors = len(plan.rollouts) if plan.rollouts else len(plan.trainers)
-        return int(collectors * self.hp.num_envs * self.hp.num_steps)
+        return int(collectors * self.hparams.num_envs * self.hparams.num_steps)
 
     def check_seed(self, seed: int, plan: LayoutPlan) -> None:
         """The top-level ``seed`` against the seeds every rank derives from it
         (app/runtime/seeds.py), run by the launcher after :meth:`validate`."""
         updates = self.total_env_steps // max(1, self._per_update(plan)) + 1
-        problem = seed_problem(seed, plan.world_size, self.hp.num_envs, updates,
+        problem = seed_problem(seed, plan.world_size, self.hparams.num_envs, updates,
                                envpool=self.env.vector == "envpool")
         if problem:
             raise ConfigError(problem)
 
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
-        return self.algorithm(self.hp, spaces)
+        return self.algorithm(self.hparams, spaces)
 
     def build_policy(self, algorithm: Algorithm[Any], spaces: Spaces) -> nn.Module:
         """The module the run trains and acts with: the algorithm's own, or the transformer

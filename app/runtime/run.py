@@ -1,9 +1,9 @@
 """One rank's run: collect, hand off, train, record, until the stop rule fires.
 
-Every rank runs the same loop; its role decides which steps do work (rollouts collect, trainers
-train, colocated ranks do both). What moves between trainers and rollout ranks goes through one
+Every rank runs the same steps per update; its role decides which steps do work (rollouts
+collect, trainers train, colocated ranks do both). What moves between trainers and rollout ranks goes through one
 hand-off (app/runtime/handoff/), the kind the plan calls for. The stop decision is taken from
-the episodes the deciding ranks share, so they all leave the loop at the same update; an
+the episodes the deciding ranks share, so they all stop at the same update; an
 elastic run's rollout ranks learn it from their trainer. The algorithm only acts (in the
 worker) and updates (here, on trainers); everything else is this module's.
 """
@@ -36,7 +36,7 @@ from app.runtime.records import MetricsFile, job_metrics, update_row
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
 from app.runtime.sharding import TrainedModule, TrainerGrid, is_sharded, share_segments
-from app.runtime.worker import Agent, Episode, RolloutWorker, segment_layout
+from app.runtime.worker import Agent, Episode, RolloutWorker, build_segment_format
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:
@@ -46,17 +46,17 @@ log = logging.getLogger(__name__)
 
 
 class RuntimeRun:
-    """One rank's state for one run of the loop."""
+    """One rank's state for one run of an :class:`RLLoop`."""
 
     def __init__(self, loop: RLLoop, ctx: CommContext, job: JobInfo) -> None:
-        self.loop, self.ctx, self.job, self.hp, plan = loop, ctx, job, loop.hp, job.plan
+        self.loop, self.ctx, self.job, self.hparams, plan = loop, ctx, job, loop.hparams, job.plan
         self.rank = ctx.get_global_rank()
         self.is_trainer = self.rank in plan.trainers
         self.collects = plan.colocated or self.rank in plan.rollouts
-        self.split = not plan.colocated
+        self.has_rollout_ranks = not plan.colocated
         # Rollout ranks may leave and join (app/runtime/handoff/elastic.py); such a rank follows
         # its trainer, which tells it when the run stops.
-        self.elastic = self.split and plan.elastic_rollouts
+        self.elastic = self.has_rollout_ranks and plan.elastic_rollouts
         self.follows = self.elastic and not self.is_trainer
         self.epoch_base = 0  # a resumed run's epochs count on from its checkpoint's
 
@@ -69,16 +69,16 @@ class RuntimeRun:
         # module, or loop.model's) and the normalisers' statistics.
         self.agent = Agent(loop.build_policy(self.algorithm, self.spaces), self.spaces,
                            loop.env, context=loop.model.history)
-        episode_cap = self.hp.num_envs * (self.hp.num_steps // 8 + 1)
-        self.layout = segment_layout(self.algorithm, self.spaces, self.agent,
-                                     self.hp.num_steps, self.hp.num_envs)
+        episode_cap = self.hparams.num_envs * (self.hparams.num_steps // 8 + 1)
+        self.segment_format = build_segment_format(self.algorithm, self.spaces, self.agent,
+                                     self.hparams.num_steps, self.hparams.num_envs)
         if self.elastic:  # a member's episodes travel in its segment
-            self.layout = with_episodes(self.layout, episode_cap)
+            self.segment_format = with_episodes(self.segment_format, episode_cap)
         self.worker = (RolloutWorker(self.algorithm, self.spaces, loop.env, self.agent,
                                      seed=env_seed(job.seed, self.rank))
                        if self.collects else None)
         if self.worker is not None:
-            self.worker.use_layout(self.layout)
+            self.worker.use_segment_format(self.segment_format)
         self.grid = TrainerGrid.of(plan)
         self.settings = run_settings(loop, self.spaces)  # what a checkpoint records
         self.generator = torch.Generator()
@@ -87,7 +87,7 @@ class RuntimeRun:
         # buffer (the parameters then live there).
         sharded = is_sharded(plan, loop.data_parallel)
         self.trained = self._trained_module() if sharded else None
-        self.hand_off = build_hand_off(ctx, job, self.agent, self.layout, self.trained,
+        self.hand_off = build_hand_off(ctx, job, self.agent, self.segment_format, self.trained,
                                        self._hand_off_settings(episode_cap, sharded))
         if not sharded:
             self.trained = self._trained_module()
@@ -152,7 +152,7 @@ class RuntimeRun:
                 break
             self.episodes.extend(handed.episodes)
             collected = int(handed.shared.pop("segments"))
-            self.env_steps += collected * self.hp.num_envs * self.hp.num_steps
+            self.env_steps += collected * self.hparams.num_envs * self.hparams.num_steps
             losses = self._train(handed.segments) if self.is_trainer else {}
             self.hand_off.update_done()
             self.update += 1
@@ -206,7 +206,7 @@ class RuntimeRun:
             "trajectory_bytes_sent": hand_off.trajectory_bytes_sent,
             "wait_fraction": round(hand_off.wait_total_s / elapsed, 4) if elapsed else 0.0,
             "time_split_s": self._time_split(elapsed),
-            "cpu_s": round(cpu_s, 3),  # this process's CPU time over the loop (all threads)
+            "cpu_s": round(cpu_s, 3),  # this process's CPU time over the run (all threads)
             "param_checksum": float(sum(p.detach().double().sum()
                                         for p in self.agent.net.parameters())),
         }
@@ -268,12 +268,13 @@ class RuntimeRun:
         return figures
 
     def _time_split(self, elapsed: float) -> dict[str, float]:
-        """Where this rank's loop time (``loop``, this attempt's) went, measured: stepping the
-        envs (``env``), the policy's forward and sampling (``act``), the rest of collecting
-        (``collect_other``: normalising, packing), the update (``update``: DDP's gradient
-        all-reduce included), communication (``comm``: segments, weights, episodes and the
-        normalisers' statistics, time blocked on other ranks included) and the rest
-        (``other``: records, checkpoints, the progress line). Zero for what a role does not do."""
+        """Where this rank's time in the run (``loop``: all of it, this attempt's) went,
+        measured: stepping the envs (``env``), the policy's forward and sampling (``act``), the
+        rest of collecting (``collect_other``: normalising, packing), the update (``update``:
+        DDP's gradient all-reduce included), communication (``comm``: segments, weights,
+        episodes and the normalisers' statistics, time blocked on other ranks included) and the
+        rest (``other``: records, checkpoints, the progress line). Zero for what a role does not
+        do."""
         env = self.worker.env_s if self.worker is not None else 0.0
         act = self.worker.act_s if self.worker is not None else 0.0
         parts = {"env": env, "act": act, "collect_other": self.split_s["collect"] - env - act,

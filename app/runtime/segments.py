@@ -1,4 +1,5 @@
-"""A segment on the wire: every field's bytes in one uint8 tensor of a fixed layout.
+"""A segment on the wire: every field's bytes in one uint8 tensor of a fixed format
+(:class:`SegmentFormat`).
 
 A collector packs its segment (and what travels with it: the weights version it was collected
 with, the normalisers' batch moments) into one buffer, so a trainer gathers one tensor per
@@ -28,7 +29,7 @@ class Field:
         return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
 
 
-class Layout:
+class SegmentFormat:
     """Named fields at fixed offsets in one byte buffer."""
 
     def __init__(self, fields: Mapping[str, Field]) -> None:
@@ -67,19 +68,20 @@ class Layout:
 EPISODE_FIELDS = ("episodes", "episode_count", "wait_s")
 
 
-def with_episodes(layout: Layout, cap: int) -> Layout:
-    """``layout`` plus what a member's segment carries in an elastic run: its finished episodes
-    (at most ``cap``: return, length) and the seconds it waited since its last segment."""
-    fields = dict(layout.fields)
+def with_episodes(segment_format: SegmentFormat, cap: int) -> SegmentFormat:
+    """``segment_format`` plus what a member's segment carries in an elastic run: its finished
+    episodes (at most ``cap``: return, length) and the seconds it waited since its last
+    segment."""
+    fields = dict(segment_format.fields)
     fields["episodes"] = Field((cap, 2), torch.float64)
     fields["episode_count"] = Field((1,), torch.int64)
     fields["wait_s"] = Field((1,), torch.float64)
-    return Layout(fields)
+    return SegmentFormat(fields)
 
 
-def pack_episodes(layout: Layout, packed: torch.Tensor, episodes: list[tuple[float, int]],
-                  wait_s: float) -> None:
-    views = layout.unpack(packed)
+def pack_episodes(segment_format: SegmentFormat, packed: torch.Tensor,
+                  episodes: list[tuple[float, int]], wait_s: float) -> None:
+    views = segment_format.unpack(packed)
     cap = views["episodes"].shape[0]
     kept = episodes[-cap:]
     views["episode_count"][0] = len(kept)
@@ -88,8 +90,9 @@ def pack_episodes(layout: Layout, packed: torch.Tensor, episodes: list[tuple[flo
     views["wait_s"][0] = wait_s
 
 
-def unpack_episodes(layout: Layout, packed: torch.Tensor) -> tuple[list[tuple[float, int]], float]:
-    views = layout.unpack(packed)
+def unpack_episodes(segment_format: SegmentFormat,
+                    packed: torch.Tensor) -> tuple[list[tuple[float, int]], float]:
+    views = segment_format.unpack(packed)
     count = int(views["episode_count"][0])
     episodes = [(float(r), int(n)) for r, n in views["episodes"][:count].tolist()]
     return episodes, float(views["wait_s"][0])

@@ -241,7 +241,7 @@ def share_segments(ctx: CommContext, segments: list[Segment], mode: ParallelMode
                    template: Segment | None = None) -> list[Segment]:
     """Every segment of this rank's ``mode`` group, in group-rank order (TENSOR_PARALLEL: the
     batch of the data-parallel replica the group holds, the same on each of its ranks).
-    ``template``: a segment of the same layout, for a rank that has none."""
+    ``template``: a segment of the same format, for a rank that has none."""
     template = segments[0] if segments else template
     if template is None:
         raise ValueError("share_segments: a rank without segments needs a template")

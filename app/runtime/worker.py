@@ -20,7 +20,7 @@ from app.runtime.envs import EnvConfig, EnvError, make_vector_env
 from app.runtime.history import ObsHistory
 from app.runtime.models import action_dtype, action_shape, obs_shape
 from app.runtime.normalize import ReturnTracker, RunningNorm
-from app.runtime.segments import Field, Layout
+from app.runtime.segments import Field, SegmentFormat
 
 # (episodic return, episode length) of one finished episode.
 Episode = tuple[float, int]
@@ -64,8 +64,8 @@ class Agent(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("net.")}
 
 
-def segment_layout(algorithm: Algorithm[Any], spaces: Spaces, agent: Agent, num_steps: int,
-                   num_envs: int) -> Layout:
+def build_segment_format(algorithm: Algorithm[Any], spaces: Spaces, agent: Agent, num_steps: int,
+                   num_envs: int) -> SegmentFormat:
     """Where each field of one packed segment lives (app/runtime/segments.py)."""
     T, N = num_steps, num_envs
     obs, obs_dtype = agent.policy_obs_shape(spaces), _obs_dtype(spaces, agent)
@@ -83,7 +83,7 @@ def segment_layout(algorithm: Algorithm[Any], spaces: Spaces, agent: Agent, num_
         fields["obs_moments"] = Field((RunningNorm.moments_size(obs),), torch.float64)
     if agent.reward_norm is not None:
         fields["return_moments"] = Field((RunningNorm.moments_size(()),), torch.float64)
-    return Layout(fields)
+    return SegmentFormat(fields)
 
 
 def _obs_dtype(spaces: Spaces, agent: Agent) -> torch.dtype:
@@ -98,17 +98,19 @@ class RolloutWorker:
 
     def __init__(self, algorithm: Algorithm[Any], spaces: Spaces, env: EnvConfig, agent: Agent,
                  seed: int) -> None:
-        hp = algorithm.settings
+        settings = algorithm.settings
         self.algorithm, self.spaces = algorithm, spaces
-        self.num_envs, self.num_steps, self.gamma = hp.num_envs, hp.num_steps, hp.gamma
-        self.envs = make_vector_env(env, hp.num_envs, seed)
+        self.num_envs, self.num_steps, self.gamma = (settings.num_envs, settings.num_steps,
+                                                     settings.gamma)
+        self.envs = make_vector_env(env, settings.num_envs, seed)
         self.env_id = env.id if not env._target_ else f"{env.id} ({env._target_})"
-        self.layout = segment_layout(algorithm, spaces, agent, hp.num_steps, hp.num_envs)
-        self.buffer = self.layout.empty()  # the segment being collected, packed
-        self.obs_dtype = self.layout.fields["obs"].dtype
+        self.segment_format = build_segment_format(algorithm, spaces, agent, settings.num_steps,
+                                                   settings.num_envs)
+        self.buffer = self.segment_format.empty()  # the segment being collected, packed
+        self.obs_dtype = self.segment_format.fields["obs"].dtype
         self.obs_shape = obs_shape(spaces)
         # A policy with a context sees each env's recent observations (raw: normalised as read).
-        self.history = (ObsHistory(hp.num_envs, agent.context, math.prod(self.obs_shape))
+        self.history = (ObsHistory(settings.num_envs, agent.context, math.prod(self.obs_shape))
                         if agent.context else None)
         # Seeded separately from the envs so action sampling is reproducible.
         self.generator = torch.Generator().manual_seed(seed)
@@ -118,8 +120,9 @@ class RolloutWorker:
         self.raw_obs = self._tensor(raw)
         if self.history is not None:
             self.history.reset(self._flat(self.raw_obs))
-        self.next_done = torch.zeros(hp.num_envs)
-        self.returns = ReturnTracker(hp.num_envs, hp.gamma) if agent.reward_norm is not None else None
+        self.next_done = torch.zeros(settings.num_envs)
+        self.returns = (ReturnTracker(settings.num_envs, settings.gamma)
+                        if agent.reward_norm is not None else None)
         box = hasattr(spaces.action, "low")  # Box actions are clipped to their bounds
         self.low: np.ndarray | None = spaces.action.low if box else None
         self.high: np.ndarray | None = spaces.action.high if box else None
@@ -128,15 +131,15 @@ class RolloutWorker:
         self.env_s = 0.0
         self.act_s = 0.0
 
-    def use_layout(self, layout: Layout) -> None:
-        """Collect into ``layout`` (the segment's fields plus what travels with it)."""
-        self.layout, self.buffer = layout, layout.empty()
+    def use_segment_format(self, segment_format: SegmentFormat) -> None:
+        """Collect into ``segment_format`` (the segment's fields plus what travels with it)."""
+        self.segment_format, self.buffer = segment_format, segment_format.empty()
 
     @torch.no_grad()
     def collect(self, agent: Agent, version: int) -> tuple[Tensor, list[Episode]]:
         """Step ``num_steps`` times with ``agent``; returns the packed segment (this worker's
         buffer, valid until the next call) and the episodes that finished."""
-        seg = self.layout.unpack(self.buffer)
+        seg = self.segment_format.unpack(self.buffer)
         seg["version"][0] = version
         net, episodes, seen = agent.net, [], []
         for t in range(self.num_steps):
@@ -227,9 +230,9 @@ class RolloutWorker:
         self.envs.close()
 
 
-def as_segment(layout: Layout, packed: Tensor, lag: int = 0) -> Segment:
+def as_segment(segment_format: SegmentFormat, packed: Tensor, lag: int = 0) -> Segment:
     """A packed segment as the :class:`Segment` an update receives (views, no copy)."""
-    fields = layout.unpack(packed)
+    fields = segment_format.unpack(packed)
     version = int(fields.pop("version")[0])
     moments = {k: fields.pop(k) for k in MOMENTS if k in fields}
     segment = Segment(fields)

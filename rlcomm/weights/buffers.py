@@ -1,5 +1,5 @@
-"""The flat buffers of one layout: the wire bytes of :mod:`rlcomm.weights.protocol` and every
-tensor's view into them."""
+"""The flat buffers of one metadata (names, dtypes, shapes): the wire bytes of
+:mod:`rlcomm.weights.protocol` and every tensor's view into them."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ class FlatBuffers:
     def view_checksums(self, helper: ChecksumHelper | None = None) -> Tensor:
         """Every view's :func:`tensor_checksum`, in metadata order, as one int64 tensor.
 
-        The word and tail views are sliced once per layout, so this is one reduction per
+        The word and tail views are sliced once per set of buffers, so this is one reduction per
         tensor and no per-tensor Python beyond it: verifying a version costs about one read of
         its bytes, not one call of :func:`tensor_checksum` per tensor. Large CPU buffers are
         summed by two threads, each over half the bytes, where the process allows two (see

@@ -11,12 +11,12 @@ in the order the metadata lists the dtypes, each starting at a multiple of 64 by
 
 1. an int64 header ``[version, metadata_flag, metadata_len, checksummed]``. Before any metadata
    was accepted it is broadcast alone; after that it travels in the header slot of the buffer of
-   the layout the receivers hold, so a transfer whose metadata is unchanged is a single
+   the metadata the receivers hold, so a transfer whose metadata is unchanged is a single
    broadcast (the header and the data together) and nothing follows;
 2. when the flag is ``1`` (the names, dtypes or shapes changed, always on the first transfer):
    the metadata as UTF-8 JSON in a uint8 tensor, then an all_reduce of one reject flag per group
    member, so a rejected transfer fails on every member instead of leaving anyone waiting, then
-   the data in a buffer of the new layout.
+   the data in a buffer of the new metadata.
 
 When the header rides in a buffer whose flag is not ``0``, that buffer's data is not a version:
 receivers ignore it (their views of the last version are overwritten, as by any receive).

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class ReceiveBuffer:
-    """One receive buffer of the receiver's layout and what belongs to it."""
+    """One receive buffer of the receiver's metadata and what belongs to it."""
 
     flat: FlatBuffers  # its wire bytes, metadata and views
     version: int = 0  # the version it last completed (0: none yet)
@@ -77,9 +77,9 @@ class WeightReceiver(Endpoint):
         super().__init__(ctx, mode, device)
         self._expected = expected
         self._bound: nn.Module | None = None
-        # Every receive buffer of the current layout, in the order they were allocated; a spare
+        # Every receive buffer of the current metadata, in the order they were allocated; a spare
         # is one that is neither the newest, nor the bound module's, nor a posted receive's.
-        self._layout: list[ReceiveBuffer] = []
+        self._buffers: list[ReceiveBuffer] = []
         self._newest: ReceiveBuffer | None = None  # its header slot carries the next header
         self._posted: deque[ReceiveBuffer] = deque()  # in the order they were posted
 
@@ -97,7 +97,7 @@ class WeightReceiver(Endpoint):
         be idle until the receive is done), else beside it."""
         if self._posted:
             return self._complete_posted()
-        carrier = self._newest  # the layout this receiver holds carries the header
+        carrier = self._newest  # the buffers this receiver holds carry the header
         in_module = self._in_module()
         if carrier is not None and in_module is not None:
             if in_place:
@@ -117,7 +117,7 @@ class WeightReceiver(Endpoint):
             assert newest is not None
             self._receive_wire(newest.flat.wire)
             checksummed = int(newest.flat.header[3])
-        elif carrier is None:  # flag 0 for a receiver without a layout: the data came with it
+        elif carrier is None:  # flag 0 for a receiver without metadata: the data came with it
             raise WeightTransferError(
                 f"{self._name}: version {version} came without metadata; create the "
                 f"WeightReceiver before the sender's first send and keep using it"
@@ -134,12 +134,12 @@ class WeightReceiver(Endpoint):
         The transfer completes while the caller goes on (acting with the weights it holds);
         :meth:`load` or :meth:`receive` completes it. Posted receives are issued on the group
         like any collective, so the sender's sends and every other operation on the group must
-        be issued in the same order on all members. Needs a layout (a completed receive) and a
+        be issued in the same order on all members. Needs the metadata of a completed receive and a
         sender whose metadata does not change while receives are posted.
         """
         if self._newest is None:
             raise WeightTransferError(
-                f"{self._name}: post() needs the layout of a completed receive first"
+                f"{self._name}: post() needs the metadata of a completed receive first"
             )
         spare = self._spare()
         spare.posted = self._launch(spare.flat.wire)
@@ -199,14 +199,14 @@ class WeightReceiver(Endpoint):
 
     def bind(self, module: nn.Module) -> None:
         """Let :meth:`load` point ``module``'s parameters and buffers at the received bytes
-        instead of copying them (zero-copy receives). Without an ``expected`` layout, the
-        module's state dict becomes it, so a sender's name, shape or dtype change is rejected
+        instead of copying them (zero-copy receives). Without an ``expected`` state dict, the
+        module's becomes it, so a sender's name, shape or dtype change is rejected
         before data moves. The module's tensors change only inside :meth:`load` (and
         :meth:`receive_into`, which receives in place)."""
         if self._expected is None:
             self._expected = {k: v.detach() for k, v in module.state_dict().items()}
         self._bound = module
-        for buffer in self._layout:
+        for buffer in self._buffers:
             buffer.pairs = None  # of the module bound before
 
     def _receive_wire(self, wire: Tensor) -> None:
@@ -221,7 +221,7 @@ class WeightReceiver(Endpoint):
         version, flag, _, checksummed = self._check_header(buffer.flat.header)
         if flag != SAME_METADATA:
             raise WeightTransferError(
-                f"{self._name}: weights version {version} changes the layout while receives "
+                f"{self._name}: weights version {version} changes its metadata while receives "
                 f"are posted; post() needs a sender whose names, dtypes and shapes stay fixed"
             )
         self._newest = buffer
@@ -249,18 +249,18 @@ class WeightReceiver(Endpoint):
         return version, flag, length, checksummed
 
     def _in_module(self) -> ReceiveBuffer | None:
-        """The buffer of the current layout the bound module points at, if any."""
-        return next((buffer for buffer in self._layout if buffer.in_module), None)
+        """The buffer of the current metadata the bound module points at, if any."""
+        return next((buffer for buffer in self._buffers if buffer.in_module), None)
 
     def _spare(self) -> ReceiveBuffer:
-        """A buffer of the current layout that holds nothing in use (allocated when none is
+        """A buffer of the current metadata that holds nothing in use (allocated when none is
         free): neither the newest version, nor the bound module's, nor a posted receive's."""
         assert self._newest is not None
-        for buffer in self._layout:
+        for buffer in self._buffers:
             if buffer is not self._newest and not buffer.in_module and buffer.posted is None:
                 return buffer
         spare = ReceiveBuffer(FlatBuffers(self._newest.metadata, self._device))
-        self._layout.append(spare)
+        self._buffers.append(spare)
         return spare
 
     @torch.no_grad()
@@ -273,12 +273,12 @@ class WeightReceiver(Endpoint):
         for tensor, view in buffer.pairs:
             if tensor.data_ptr() != view.data_ptr():
                 tensor.data = view
-        for each in self._layout:
+        for each in self._buffers:
             each.in_module = each is buffer
 
     def _pair_up(self, module: nn.Module, flat: FlatBuffers) -> list[tuple[Tensor, Tensor]]:
         """The bound module's tensor for each tensor of the metadata, in its order, with its
-        view in ``flat``; checks the layout."""
+        view in ``flat``; checks names, shapes and dtypes."""
         named = {
             **dict(module.named_parameters(remove_duplicate=False)),
             **dict(module.named_buffers(remove_duplicate=False)),
@@ -346,8 +346,8 @@ class WeightReceiver(Endpoint):
                 f"rank(s) {', '.join(map(str, rejected))} rejected it"
             )
         if metadata != self._metadata:
-            # The old layout's buffers go (the bound module keeps the ones it points at until
-            # its next load); the data that follows lands in the new layout's first buffer.
+            # The old metadata's buffers go (the bound module keeps the ones it points at until
+            # its next load); the data that follows lands in the new metadata's first buffer.
             self._metadata = metadata
             self._newest = ReceiveBuffer(FlatBuffers(metadata, self._device))
-            self._layout = [self._newest]
+            self._buffers = [self._newest]

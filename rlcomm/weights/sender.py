@@ -57,9 +57,9 @@ class WeightSender(Endpoint):
         self._version = first_version
         self._verify_every = verify_every
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self._device)
-        # The send buffers of the newest layout (bind, a change): maybe not the receivers' yet.
+        # The send buffers of the newest metadata (bind, a change): maybe not the receivers' yet.
         self._buffers: FlatBuffers | None = None
-        # The buffers of the layout the receivers hold (metadata ``self._metadata``): the header
+        # The buffers of the metadata the receivers hold (``self._metadata``): the header
         # travels in them.
         self._sent: FlatBuffers | None = None
         self._pending: list[dist.Work] = []
@@ -94,7 +94,7 @@ class WeightSender(Endpoint):
                     state_dict = state_dict.state_dict()
                 metadata = describe_state_dict(state_dict)
                 changed = metadata != self._metadata
-                buffers = self._layout(metadata, changed)
+                buffers = self._buffers_for(metadata, changed)
                 self._copied = buffers.pack(state_dict)
             checksummed = verify or (
                 bool(self._verify_every) and version % self._verify_every == 0)
@@ -116,7 +116,7 @@ class WeightSender(Endpoint):
                     f"weights version {version} (see their errors); nothing was sent"
                 )
             self._metadata = buffers.metadata  # the same object, so the next check is cheap
-        self._sent = buffers  # unchanged: the receivers' layout; changed: now it is
+        self._sent = buffers  # unchanged: the receivers' metadata; changed: now it is
         self._write_header(buffers.header, version, int(changed), len(raw), int(checksummed))
         works, call = self._launch(buffers.wire)
         self._pending += works
@@ -150,7 +150,7 @@ class WeightSender(Endpoint):
         self.wait()  # in-flight broadcasts still read the buffers about to be rewritten
         state_dict = module.state_dict()
         metadata = describe_state_dict(state_dict)
-        buffers = self._layout(metadata, metadata != self._metadata)
+        buffers = self._buffers_for(metadata, metadata != self._metadata)
         targets: list[tuple[Tensor, Tensor]] = []
         seen: set[int] = set()
         named = [
@@ -183,16 +183,16 @@ class WeightSender(Endpoint):
         if self._bound is None or self._bound[0] is not module or self._buffers is None:
             return False
         if self._buffers.metadata is not self._metadata:
-            return False  # the receivers do not hold this layout yet: the full path sends it
+            return False  # the receivers do not hold this metadata yet: the full path sends it
         return all(
             t.data_ptr() == v.data_ptr() and t.shape == v.shape for t, v in self._bound[1]
         )
 
-    def _layout(self, metadata: Metadata, changed: bool) -> FlatBuffers:
+    def _buffers_for(self, metadata: Metadata, changed: bool) -> FlatBuffers:
         """The send buffers for ``metadata``: the current ones when it matches, else new ones.
 
         New buffers replace the current ones even if the receivers then reject the metadata;
-        a later send of the old metadata just allocates again (the receivers' layout follows
+        a later send of the old metadata just allocates again (the receivers' metadata follows
         ``self._metadata``, which only changes once they all accept).
         """
         current = self._buffers
@@ -252,7 +252,7 @@ class WeightSender(Endpoint):
 
     def _send_header(self, version: int, flag: int, length: int, async_op: bool = False) -> None:
         """A header whose data does not follow in the same broadcast (flag ``1`` or ``-1``):
-        alone before the receivers hold a layout, else in a buffer of the layout they hold.
+        alone before the receivers hold metadata, else in a buffer of the metadata they hold.
         ``async_op`` leaves it in flight until :meth:`wait`."""
         carrier = self._sent
         header = self._header if carrier is None else carrier.header

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from app.api import setting
-from app.loops.ppo.core import PPO, PPOHyperParams
+from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Algorithm, RLLoop
 from app.runtime.handoff.flat import StaleDataError, check_staleness, policy_receiver
 
@@ -25,5 +25,5 @@ __all__ = ["PPOLoop", "StaleDataError", "check_staleness", "policy_receiver"]
 
 @dataclass
 class PPOLoop(RLLoop):
-    hparams: PPOHyperParams = setting(doc="PPO hyperparameters", factory=PPOHyperParams)
+    hparams: PPOSettings = setting(doc="PPO settings", factory=PPOSettings)
     algorithm: ClassVar[type[Algorithm[Any]]] = PPO

@@ -18,7 +18,7 @@ from app.runtime.models import ActorCritic, space_problem
 
 
 @dataclass
-class PPOHyperParams(AlgorithmSettings):
+class PPOSettings(AlgorithmSettings):
     """PPO settings; defaults are tuned to solve CartPole-v1 quickly on the default layout.
 
     16 envs x 64 steps per collecting rank, because the per-vector-step overhead dominates
@@ -74,7 +74,7 @@ class PPOHyperParams(AlgorithmSettings):
         return errors
 
 
-class PPO(Algorithm[PPOHyperParams]):
+class PPO(Algorithm[PPOSettings]):
     """Clipped PPO with GAE; decoupled (Hilton et al. 2021) when the data lags the weights."""
 
     records: ClassVar = {"logprobs": Record(), "values": Record()}
@@ -127,22 +127,23 @@ def compute_gae(
     return advantages, advantages + values
 
 
-def make_optimizer(policy: nn.Module, hp: PPOHyperParams) -> torch.optim.Adam:
+def make_optimizer(policy: nn.Module, settings: PPOSettings) -> torch.optim.Adam:
     """Adam with CleanRL's eps=1e-5 (the PyTorch default 1e-8 is less stable for PPO)."""
-    return torch.optim.Adam(policy.parameters(), lr=hp.lr, eps=1e-5)
+    return torch.optim.Adam(policy.parameters(), lr=settings.lr, eps=1e-5)
 
 
-def lr_at(hp: PPOHyperParams, env_steps: int) -> float:
-    """Learning rate after ``env_steps``: linear decay over ``hp.anneal_env_steps`` if annealing."""
-    if not hp.anneal_lr:
-        return hp.lr
-    frac = max(1.0 - env_steps / hp.anneal_env_steps, 0.0)
-    return frac * hp.lr
+def lr_at(settings: PPOSettings, env_steps: int) -> float:
+    """Learning rate after ``env_steps``: linear decay over ``settings.anneal_env_steps`` if
+    annealing."""
+    if not settings.anneal_lr:
+        return settings.lr
+    frac = max(1.0 - env_steps / settings.anneal_env_steps, 0.0)
+    return frac * settings.lr
 
 
-def set_lr(optimizer: torch.optim.Optimizer, hp: PPOHyperParams, env_steps: int) -> float:
+def set_lr(optimizer: torch.optim.Optimizer, settings: PPOSettings, env_steps: int) -> float:
     """Apply :func:`lr_at` to every param group; returns the new learning rate."""
-    lr = lr_at(hp, env_steps)
+    lr = lr_at(settings, env_steps)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
@@ -153,11 +154,11 @@ def ppo_update(
     policy: nn.Module,
     optimizer: torch.optim.Optimizer,
     segments: list[Segment],
-    hp: PPOHyperParams,
+    settings: PPOSettings,
     generator: torch.Generator,
     decoupled: bool = False,
 ) -> dict[str, float]:
-    """Run ``hp.update_epochs`` x ``hp.num_minibatches`` clipped-PPO steps on ``segments``.
+    """Run ``settings.update_epochs`` x ``num_minibatches`` clipped-PPO steps on ``segments``.
 
     The behaviour policy is the one that collected the data: its log-probs were recorded then.
     With ``decoupled`` (data collected with older weights than ``policy``'s), the clip is
@@ -168,7 +169,7 @@ def ppo_update(
 
     ``model`` is ``policy`` or a DDP wrapper around it: losses go through
     ``model(...)`` so gradient all-reduce hooks fire, while the no-grad value
-    bootstrap uses ``policy`` directly. The step count depends only on ``hp``,
+    bootstrap uses ``policy`` directly. The step count depends only on ``settings``,
     so all DDP ranks stay in lockstep (hence no KL early stopping).
     """
     if not segments:
@@ -177,7 +178,7 @@ def ppo_update(
     with torch.no_grad():
         for s in segments:
             next_value = policy.value(s["next_obs"])  # type: ignore[operator]
-            adv, ret = compute_gae(s, next_value, hp.gamma, hp.gae_lambda)
+            adv, ret = compute_gae(s, next_value, settings.gamma, settings.gae_lambda)
             obs_l.append(_steps(s["obs"]))
             act_l.append(_steps(s["actions"]))
             logp_l.append(s["logprobs"].reshape(-1))
@@ -193,11 +194,11 @@ def ppo_update(
         b_weight = (b_anchor - b_logprobs).exp()
 
     batch_size = b_obs.shape[0]
-    minibatch_size = batch_size // hp.num_minibatches
+    minibatch_size = batch_size // settings.num_minibatches
     stats = {"pg_loss": 0.0, "v_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clipfrac": 0.0}
-    for _ in range(hp.update_epochs):
+    for _ in range(settings.update_epochs):
         perm = torch.randperm(batch_size, generator=generator)
-        for k in range(hp.num_minibatches):
+        for k in range(settings.num_minibatches):
             mb = perm[k * minibatch_size : (k + 1) * minibatch_size]
             newlogprob, entropy, newvalue = model(b_obs[mb], b_actions[mb])
             logratio = newlogprob - b_anchor[mb]
@@ -206,38 +207,38 @@ def ppo_update(
             mb_adv = b_advantages[mb]
             mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
             pg_losses = torch.max(
-                -mb_adv * ratio, -mb_adv * ratio.clamp(1 - hp.clip_coef, 1 + hp.clip_coef)
+                -mb_adv * ratio, -mb_adv * ratio.clamp(1 - settings.clip_coef, 1 + settings.clip_coef)
             )
             if b_weight is not None:
                 pg_losses = pg_losses * b_weight[mb]
             pg_loss = pg_losses.mean()
 
             v_unclipped = (newvalue - b_returns[mb]) ** 2
-            if hp.clip_vloss:
+            if settings.clip_vloss:
                 v_clipped = b_values[mb] + (newvalue - b_values[mb]).clamp(
-                    -hp.clip_coef, hp.clip_coef
+                    -settings.clip_coef, settings.clip_coef
                 )
                 v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
             else:
                 v_loss = 0.5 * v_unclipped.mean()
 
             entropy_loss = entropy.mean()
-            loss = pg_loss - hp.ent_coef * entropy_loss + hp.vf_coef * v_loss
+            loss = pg_loss - settings.ent_coef * entropy_loss + settings.vf_coef * v_loss
 
             optimizer.zero_grad()
             loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
+            nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
             optimizer.step()
 
             with torch.no_grad():
                 # http://joschu.net/blog/kl-approx.html (k3 estimator)
                 stats["approx_kl"] += ((ratio - 1) - logratio).mean().item()
-                stats["clipfrac"] += ((ratio - 1.0).abs() > hp.clip_coef).float().mean().item()
+                stats["clipfrac"] += ((ratio - 1.0).abs() > settings.clip_coef).float().mean().item()
             stats["pg_loss"] += pg_loss.item()
             stats["v_loss"] += v_loss.item()
             stats["entropy"] += entropy_loss.item()
 
-    n = hp.update_epochs * hp.num_minibatches
+    n = settings.update_epochs * settings.num_minibatches
     return {k: v / n for k, v in stats.items()}
 
 

@@ -1,7 +1,7 @@
 """The hand-off between trainers and rollout ranks: one interface, chosen by the plan.
 
 A trainer publishes weights through it and receives the segments it trains on; a rollout rank
-sends its segments and receives the weights it acts with. The run loop (app/runtime/run.py)
+sends its segments and receives the weights it acts with. The run (app/runtime/run.py)
 sees only :class:`HandOff`; the plan picks the implementation (:func:`build_hand_off`):
 
 - :class:`~app.runtime.handoff.flat.FlatHandOff`: a static layout (``layout.elastic_rollouts
@@ -35,13 +35,13 @@ from app.runtime.handoff.elastic_member import ElasticMember
 from app.runtime.handoff.elastic_sharded import ElasticShardedLeader, ElasticShardedMember
 from app.runtime.handoff.flat import FlatHandOff
 from app.runtime.handoff.sharded import ShardedHandOff
-from app.runtime.segments import Layout
+from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, ParallelMode
 
 __all__ = ["HandOff", "HandOffSettings", "Round", "build_hand_off"]
 
 
-def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, layout: Layout,
+def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_format: SegmentFormat,
                    trained: Any, settings: HandOffSettings) -> HandOff:
     """The hand-off the plan calls for; ``trained``: a trainer's TrainedModule (None on rollout
     ranks), whose shards a sharded hand-off sends. Before any wrapping of ``agent``: a flat or
@@ -51,12 +51,12 @@ def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, layout: Lay
     trainer = rank in plan.trainers
     if not plan.colocated and plan.elastic_rollouts:
         if trainer and settings.sharded:
-            return ElasticShardedLeader(ctx, agent, layout, settings, dict(job.hosts), trained)
+            return ElasticShardedLeader(ctx, agent, segment_format, settings, dict(job.hosts), trained)
         if trainer:
-            return ElasticLeader(ctx, agent, layout, settings, dict(job.hosts))
+            return ElasticLeader(ctx, agent, segment_format, settings, dict(job.hosts))
         leader = plan.groups_of(rank)[ParallelMode.WEIGHT_TRANSFER.value][0]
         member = ElasticShardedMember if settings.sharded else ElasticMember
-        return member(ctx, agent, layout, leader, settings, joining=job.joining)
+        return member(ctx, agent, segment_format, leader, settings, joining=job.joining)
     if not plan.colocated and settings.sharded:
-        return ShardedHandOff(ctx, plan, agent, layout, trained, settings)
-    return FlatHandOff(ctx, plan, agent, layout, settings)
+        return ShardedHandOff(ctx, plan, agent, segment_format, trained, settings)
+    return FlatHandOff(ctx, plan, agent, segment_format, settings)

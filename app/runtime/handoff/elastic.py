@@ -1,4 +1,4 @@
-"""Elastic rollout ranks (``layout.elastic_rollouts``, the default): the hand-off of a split
+"""Elastic rollout ranks (``layout.elastic_rollouts``, the default): the hand-off of a
 layout when rollout ranks may leave and join (rlcomm.elastic's membership epochs).
 
 A trainer leads its WEIGHT_TRANSFER group. Per update it receives one segment from each live
@@ -36,7 +36,7 @@ import torch
 from app.runtime.algorithm import Segment
 from app.runtime.handoff.base import HandOffSettings, Round
 from app.runtime.handoff.flat import check_staleness
-from app.runtime.segments import EPISODE_FIELDS, Layout, unpack_episodes
+from app.runtime.segments import EPISODE_FIELDS, SegmentFormat, unpack_episodes
 from app.runtime.sharding import share_segments
 from app.runtime.worker import Episode, as_segment
 from rlcomm import CommContext, ParallelMode, collectives
@@ -56,9 +56,9 @@ WT, TDP = ParallelMode.WEIGHT_TRANSFER, ParallelMode.TRAIN_DATA_PARALLEL
 log = logging.getLogger(__name__)
 
 
-def segment_fields(layout: Layout, packed: torch.Tensor) -> Segment:
+def segment_fields(segment_format: SegmentFormat, packed: torch.Tensor) -> Segment:
     """The segment an update sees (views into ``packed``), without the episode fields."""
-    segment = as_segment(layout, packed)
+    segment = as_segment(segment_format, packed)
     for name in EPISODE_FIELDS:
         segment.pop(name, None)
     return segment
@@ -102,9 +102,9 @@ class ElasticLeader:
 
     kind = "elastic"
 
-    def __init__(self, ctx: CommContext, agent: torch.nn.Module, layout: Layout,
+    def __init__(self, ctx: CommContext, agent: torch.nn.Module, segment_format: SegmentFormat,
                  settings: HandOffSettings, hosts: dict[int, str]) -> None:
-        self.ctx, self.agent, self.layout = ctx, agent, layout
+        self.ctx, self.agent, self.segment_format = ctx, agent, segment_format
         self.rank = ctx.get_global_rank()
         self.max_staleness, self.verify_every = settings.max_staleness, settings.verify_every
         self.min_rollouts, self.timeout_s = settings.min_rollouts, settings.timeout_s
@@ -219,7 +219,7 @@ class ElasticLeader:
         epoch = self.membership.announce(members, joins)
         self._end_weights(moved=True)
         if self.max_staleness:  # what the members sent ahead on the old group
-            drain(old_group, list(positions.values()), self.layout.nbytes,
+            drain(old_group, list(positions.values()), self.segment_format.nbytes,
                   self.max_staleness + 1)
         tick = time.perf_counter()
         for rank in self.membership.confirm(self.patience_s):  # gone since, or cut off
@@ -283,7 +283,7 @@ class ElasticLeader:
         self, segments: list[Segment], episodes: list[Episode], member_wait: float, lag: int
     ) -> tuple[list[Episode], dict[str, float]]:
         """Every trainer's episodes, counts and waits, over TRAIN_DATA_PARALLEL."""
-        cap = self.layout.fields["episodes"].shape[0] * max(1, len(self.members))
+        cap = self.segment_format.fields["episodes"].shape[0] * max(1, len(self.members))
         kept = episodes[-cap:]
         row = torch.full((cap + 2, 3), float("nan"), dtype=torch.float64)
         row[0] = torch.tensor([len(kept), len(segments), len(self.live)])
@@ -325,10 +325,10 @@ class ElasticLeader:
         segments, episodes, waits = [], [], []
         versions = []
         for rank, packed in received:
-            new, wait = unpack_episodes(self.layout, packed)
+            new, wait = unpack_episodes(self.segment_format, packed)
             episodes += new
             waits.append(wait)
-            segment = segment_fields(self.layout, packed)
+            segment = segment_fields(self.segment_format, packed)
             segments.append(segment)
             versions.append((rank, segment.version))
         lags = check_staleness(versions, self.version(updates), self.max_staleness, updates + 1)
@@ -404,7 +404,7 @@ class ElasticLeader:
         """Some trainer got no segment this update but the job did: the job's segments are
         dealt over the trainers (round robin; with fewer segments than trainers, a trainer
         trains on a copy of one whose statistics another trainer folds in)."""
-        template = segment_fields(self.layout, self.layout.empty())
+        template = segment_fields(self.segment_format, self.segment_format.empty())
         template.moments = {k: torch.zeros_like(v) for k, v in template.moments.items()}
         everyone = share_segments(self.ctx, segments, TDP, template=template)
         trainers = len(self.counts)
@@ -419,7 +419,7 @@ class ElasticLeader:
     def _receive(self) -> list[tuple[int, torch.Tensor]]:
         live = [m for m in self.members if m not in self.dropped]
         positions = {m: i + 1 for i, m in enumerate(self.members)}
-        buffers = {m: self.layout.empty() for m in live}
+        buffers = {m: self.segment_format.empty() for m in live}
         lost = receive_from_members(self.ctx.get_group(WT), buffers,
                                     {m: positions[m] for m in live})
         for rank, reason in lost.items():
@@ -436,7 +436,7 @@ class ElasticLeader:
         self.ctx.store.set(f"elastic/{self.rank}/final", json.dumps(
             {"members": self.live, "updates": updates, "env_steps": env_steps}))
         self._end_weights(moved=False)
-        drain(group, live, self.layout.nbytes, self.max_staleness + 1)
+        drain(group, live, self.segment_format.nbytes, self.max_staleness + 1)
 
 
 def epoch_timeout(ctx: CommContext, timeout_s: float) -> datetime.timedelta:

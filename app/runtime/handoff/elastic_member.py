@@ -18,7 +18,7 @@ import torch
 from app.runtime.handoff.base import HandOffSettings, Round
 from app.runtime.handoff.elastic import WT, epoch_timeout
 from app.runtime.handoff.flat import policy_receiver
-from app.runtime.segments import Layout, pack_episodes
+from app.runtime.segments import SegmentFormat, pack_episodes
 from app.runtime.worker import Episode
 from rlcomm import CommContext
 from rlcomm.elastic import (
@@ -42,9 +42,9 @@ class ElasticMember:
 
     kind = "elastic"
 
-    def __init__(self, ctx: CommContext, agent: torch.nn.Module, layout: Layout,
+    def __init__(self, ctx: CommContext, agent: torch.nn.Module, segment_format: SegmentFormat,
                  leader: int, settings: HandOffSettings, joining: bool) -> None:
-        self.ctx, self.agent, self.layout = ctx, agent, layout
+        self.ctx, self.agent, self.segment_format = ctx, agent, segment_format
         self.rank = ctx.get_global_rank()
         self.leader, self.max_staleness = leader, settings.max_staleness
         self.timeout_s = settings.timeout_s
@@ -193,7 +193,7 @@ class ElasticMember:
         """Sends this segment; None if it was sent, else whether to go on (it was lost with the
         group: True when this rank followed its trainer to a new epoch and holds its weights,
         False when the run stopped)."""
-        pack_episodes(self.layout, packed, episodes, self.wait_s)
+        pack_episodes(self.segment_format, packed, episodes, self.wait_s)
         self.wait_total_s += self.wait_s
         self.wait_s = 0.0
         tick = time.perf_counter()

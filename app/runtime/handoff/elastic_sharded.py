@@ -53,7 +53,7 @@ from app.runtime.handoff.sharded import (
     shards_mode,
     slices_for,
 )
-from app.runtime.segments import Layout
+from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, collectives
 from rlcomm.elastic import Join, build_epoch_group, describe_loss, graveyard
 from rlcomm.weights import WeightReceiver, WeightSender
@@ -86,10 +86,10 @@ class ElasticShardedLeader(ElasticLeader):
 
     kind = "elastic-sharded"
 
-    def __init__(self, ctx: CommContext, agent: torch.nn.Module, layout: Layout,
+    def __init__(self, ctx: CommContext, agent: torch.nn.Module, segment_format: SegmentFormat,
                  settings: HandOffSettings, hosts: dict[int, str], trained: Any) -> None:
         self.trained = trained  # the sharded module whose local shards are sent
-        super().__init__(ctx, agent, layout, settings, hosts)
+        super().__init__(ctx, agent, segment_format, settings, hosts)
 
     def _start_weights(self) -> None:
         trainers = self.ctx.get_ranks_in_group(TDP)
@@ -192,13 +192,13 @@ class ElasticShardedMember(ElasticMember):
 
     kind = "elastic-sharded"
 
-    def __init__(self, ctx: CommContext, agent: torch.nn.Module, layout: Layout,
+    def __init__(self, ctx: CommContext, agent: torch.nn.Module, segment_format: SegmentFormat,
                  leader: int, settings: HandOffSettings, joining: bool) -> None:
         # Each owner's receiver, the slices it loads and where they go in the whole weights.
         self.parts: list[tuple[WeightReceiver, Slices, dict[str, Placement]]] = []
         self.indices: dict[int, dict[str, torch.Tensor | None]] = {}  # by owner, read once
         self.generation = -1
-        super().__init__(ctx, agent, layout, leader, settings, joining)
+        super().__init__(ctx, agent, segment_format, leader, settings, joining)
 
     def _start_weights(self) -> None:  # epoch 0: generation 0
         self._enter_generation(0)

@@ -1,7 +1,7 @@
 """The flat hand-off of a static layout: whole weights, one broadcast per trainer.
 
 Over WEIGHT_TRANSFER a trainer gathers one packed segment per rollout rank (bytes of a fixed
-layout, tagged with the weights version it was collected with: app/runtime/segments.py) and
+segment format, tagged with the weights version it was collected with: app/runtime/segments.py) and
 sends the weights back (zero-copy, from the bound agent: the acting module and the normalisers'
 statistics); over GLOBAL every rank learns every finished episode, so all stop at the same
 update. With a colocated layout (no rollout ranks) only the episodes move.
@@ -18,7 +18,7 @@ import torch
 
 from app.runtime.algorithm import Segment
 from app.runtime.handoff.base import HandOffSettings, Round
-from app.runtime.segments import Layout
+from app.runtime.segments import SegmentFormat
 from app.runtime.worker import Episode, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 from rlcomm.weights import WeightReceiver, WeightSender, WeightTransferError
@@ -65,14 +65,14 @@ class FlatHandOff:
     kind = "flat"
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, agent: torch.nn.Module,
-                 layout: Layout, settings: HandOffSettings, weights: bool = True) -> None:
+                 segment_format: SegmentFormat, settings: HandOffSettings, weights: bool = True) -> None:
         """``weights=False``: a subclass sends the weights its own way."""
         self.ctx, self.agent = ctx, agent
         self.rank = ctx.get_global_rank()
         self.is_trainer = self.rank in plan.trainers
-        self.split = not plan.colocated
+        self.has_rollout_ranks = not plan.colocated
         self.collectors = len(plan.trainers) if plan.colocated else len(plan.rollouts)
-        self.layout, self.max_staleness = layout, settings.max_staleness
+        self.segment_format, self.max_staleness = segment_format, settings.max_staleness
         self.episode_cap = settings.episode_cap
         self.on_wait: Callable[[str], None] | None = None  # a static run never waits for joiners
         self.transfer_s = 0.0  # trainers: sending weights
@@ -89,10 +89,10 @@ class FlatHandOff:
         self.receiver: WeightReceiver | None = None
         if not weights:
             return
-        if self.split and self.is_trainer:
+        if self.has_rollout_ranks and self.is_trainer:
             self.sender = WeightSender(ctx, WT, verify_every=settings.verify_every)
             self.sender.bind(agent)
-        elif self.split:
+        elif self.has_rollout_ranks:
             self.receiver = policy_receiver(ctx, agent)
             self.receiver.bind(agent)
 
@@ -135,12 +135,12 @@ class FlatHandOff:
             self.transfer_s += time.perf_counter() - tick
 
     def exchange(self, own: torch.Tensor | None, mine: list[Episode], updates: int) -> Round:
-        """This update's segments (a split layout's trainer: its rollouts'; colocated: its own)
+        """This update's segments (a trainer with rollout ranks: theirs; colocated: its own)
         and every rank's finished episodes."""
-        if self.split:
+        if self.has_rollout_ranks:
             segments = self._gather_segments(own, updates)
         else:
-            segments = [as_segment(self.layout, own)] if own is not None else []
+            segments = [as_segment(self.segment_format, own)] if own is not None else []
         lag = max((s.lag for s in segments), default=0)
         episodes, shared = self._share_episodes(mine, lag)
         return Round(segments, episodes, {"segments": float(self.collectors), **shared})
@@ -149,7 +149,7 @@ class FlatHandOff:
         """Nothing to time: a static run's membership does not change."""
 
     def stop(self, updates: int, env_steps: int) -> None:
-        """Every rank left the loop at the same update: nobody waits for a last message."""
+        """Every rank stopped at the same update: nobody waits for a last message."""
 
     def result(self) -> dict[str, Any]:
         return {}
@@ -157,7 +157,7 @@ class FlatHandOff:
     def _gather_segments(self, own: torch.Tensor | None, updates: int) -> list[Segment]:
         """The segments the trainer trains on next, each with its version lag (a rollout rank
         gets none). ``own``: this rollout rank's packed segment; ``updates``: the number done."""
-        packed = own if own is not None else self.layout.empty()
+        packed = own if own is not None else self.segment_format.empty()
         trainer = self.ctx.get_declared_ranks(WT)[0]
         tick = time.perf_counter()
         gathered = collectives.gather(self.ctx, WT, packed, dst=trainer)
@@ -167,7 +167,7 @@ class FlatHandOff:
         if gathered is None:
             return []
         members = self.ctx.get_ranks_in_group(WT)
-        segments = [(r, as_segment(self.layout, t)) for r, t in zip(members, gathered)
+        segments = [(r, as_segment(self.segment_format, t)) for r, t in zip(members, gathered)
                     if r != trainer]
         versions = [(r, s.version) for r, s in segments]
         lags = check_staleness(versions, self.version(updates), self.max_staleness, updates + 1)

@@ -26,7 +26,7 @@ from torch import distributed as dist
 
 from app.runtime.handoff.base import HandOffSettings
 from app.runtime.handoff.flat import FlatHandOff, receive_weights
-from app.runtime.segments import Layout
+from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives, register_initializer
 from rlcomm.group_initializer import WeightTransferGroupInitializer
 from rlcomm.weights import WeightReceiver, WeightSender
@@ -141,10 +141,10 @@ class ShardedHandOff(FlatHandOff):
 
     kind = "sharded"
 
-    def __init__(self, ctx: CommContext, plan: LayoutPlan, agent: nn.Module, layout: Layout,
+    def __init__(self, ctx: CommContext, plan: LayoutPlan, agent: nn.Module, segment_format: SegmentFormat,
                  trained: Any, settings: HandOffSettings) -> None:
         # The flat hand-off's weights side is not made: nothing here is bound to the agent.
-        super().__init__(ctx, plan, agent, layout, settings, weights=False)
+        super().__init__(ctx, plan, agent, segment_format, settings, weights=False)
         self.rollouts = list(plan.rollouts)
         first_trainer = min(plan.trainers)
         owned = (OwnedSlices(agent, trained.trained, self.rank == first_trainer)
