@@ -20,7 +20,7 @@ from torch import nn
 from app.api import JobInfo, RankEnv
 from app.runtime.envs import EnvConfig, probe_spaces
 from app.runtime.handoff import HandOff, HandOffSettings, build_hand_off
-from app.runtime.segments import Field, Layout, with_episodes
+from app.runtime.segments import Field, SegmentFormat, with_episodes
 from app.runtime.sharding import TrainedModule
 from app.runtime.transformer import TransformerActorCritic
 from rlcomm import CommContext, LayoutSpec, plan_layout
@@ -32,7 +32,7 @@ ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked
 TRAINERS, ROLLOUTS = 2, 2  # trainer 0 leads rollout rank 2, trainer 1 rollout rank 3
 UPDATES = 6
 VICTIM, KILL_AT = 3, 2  # SIGKILLed once it acts with weights version 2
-LAYOUT = with_episodes(Layout({"version": Field((1,), torch.int64)}), 1)
+SEGMENT_FORMAT = with_episodes(SegmentFormat({"version": Field((1,), torch.int64)}), 1)
 
 
 class Acting(nn.Module):
@@ -62,7 +62,7 @@ def _setup(rank: int, world: int, ctx: Any, max_staleness: int = 0
                   rollout_restarts=0)
     settings = HandOffSettings(max_staleness=max_staleness, verify_every=1, min_rollouts=1,
                                timeout_s=60, episode_cap=1, sharded=True, rollout_restarts=0)
-    return agent, trained, build_hand_off(ctx, job, agent, LAYOUT, trained, settings)
+    return agent, trained, build_hand_off(ctx, job, agent, SEGMENT_FORMAT, trained, settings)
 
 
 def _plan(world: int) -> Any:
@@ -120,8 +120,8 @@ def _rollout(agent: Acting, hand_off: HandOff, report: Any = None) -> dict[str, 
         held[version] = _values(agent)
         if report is not None:
             report(version)
-        own = LAYOUT.empty()
-        LAYOUT.unpack(own)["version"][0] = version
+        own = SEGMENT_FORMAT.empty()
+        SEGMENT_FORMAT.unpack(own)["version"][0] = version
         if hand_off.exchange(own, [], update) is None:
             break
         update += 1
