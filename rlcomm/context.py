@@ -143,12 +143,7 @@ class CommContext(metaclass=SingletonMeta):
         world_size, rank = env.world_size_and_rank(world_size, rank)
         wait = datetime.timedelta(seconds=timeout)
 
-        device_id = None
-        if backend == "nccl":
-            # Bind the device before any collective, or NCCL guesses one ("using GPU 0").
-            device_id = torch.device("cuda", self.get_in_node_rank() % self._node_cuda_num)
-            torch.cuda.set_device(device_id)
-
+        device_id = self._bind_device() if backend == "nccl" else None
         from rlcomm.net.rendezvous import join_world
 
         store = join_world(backend, dist_url, rank, world_size, wait)
@@ -158,14 +153,8 @@ class CommContext(metaclass=SingletonMeta):
             if is_running(store):
                 self.join_running_job(store, rank, world_size, timeout)
                 return
-        dist.init_process_group(
-            backend=backend,
-            store=store,
-            world_size=world_size,
-            rank=rank,
-            timeout=wait,
-            device_id=device_id,
-        )
+        dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank,
+                                timeout=wait, device_id=device_id)
         self._backend = backend
         self._store = store
         self._timeout = wait
@@ -173,18 +162,29 @@ class CommContext(metaclass=SingletonMeta):
             rank, world_size, dist.GroupMember.WORLD, list(range(world_size)), CommMode.GLOBAL
         )
         self._global_ranks[CommMode.GLOBAL] = rank
+        self._start_recording(record, debug, hang_timeout or default_hang_timeout(timeout))
+
+    def _start_recording(self, record: bool, debug: bool, hang_timeout: float) -> None:
+        """The flight recorder, ``debug``'s agreement check and the watchdog, as
+        :meth:`init_distributed_env` describes them."""
         self.recorder.enabled = record
         self.recorder.agree = functools.partial(agree_on_call, self) if debug else None
-        if record and backend != FAKE:
+        if record and self._backend != FAKE:
             self.watchdog = Watchdog(
                 self.recorder,
                 lambda: {mode: info.declared_ranks for mode, info in self.describe().items()},
-                store,
-                rank,
-                world_size,
-                hang_timeout or default_hang_timeout(timeout),
-                timeout,
+                self.store,
+                self.get_global_rank(),
+                self.get_world_size(CommMode.GLOBAL),
+                hang_timeout,
+                self.timeout.total_seconds(),
             )
+
+    def _bind_device(self) -> torch.device:
+        """This rank's GPU, bound before any collective, or NCCL guesses one ("using GPU 0")."""
+        device_id = torch.device("cuda", self.get_in_node_rank() % self._node_cuda_num)
+        torch.cuda.set_device(device_id)
+        return device_id
 
     def _register_group(
         self,

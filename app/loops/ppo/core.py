@@ -174,6 +174,48 @@ def ppo_update(
     """
     if not segments:
         raise ValueError("ppo_update needs at least one segment")
+    batch = _batch(policy, segments, settings, decoupled)
+    batch_size = batch.obs.shape[0]
+    minibatch_size = batch_size // settings.num_minibatches
+    stats = {"pg_loss": 0.0, "v_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clipfrac": 0.0}
+    for _ in range(settings.update_epochs):
+        perm = torch.randperm(batch_size, generator=generator)
+        for k in range(settings.num_minibatches):
+            mb = perm[k * minibatch_size : (k + 1) * minibatch_size]
+            loss, ratio, logratio, parts = _minibatch_loss(model, batch, mb, settings)
+
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+            optimizer.step()
+
+            with torch.no_grad():
+                # http://joschu.net/blog/kl-approx.html (k3 estimator)
+                stats["approx_kl"] += ((ratio - 1) - logratio).mean().item()
+                stats["clipfrac"] += ((ratio - 1.0).abs() > settings.clip_coef).float().mean().item()
+            for name, part in parts.items():
+                stats[name] += part.item()
+
+    n = settings.update_epochs * settings.num_minibatches
+    return {k: v / n for k, v in stats.items()}
+
+
+@dataclass
+class _Batch:
+    """One update's samples, flattened over segments and steps."""
+
+    obs: Tensor
+    actions: Tensor
+    anchor: Tensor  # the log-probs the clip is centred on
+    weight: Tensor | None  # decoupled PPO's proximal / behaviour probability
+    advantages: Tensor
+    returns: Tensor
+    values: Tensor
+
+
+def _batch(policy: nn.Module, segments: list[Segment], settings: PPOSettings,
+           decoupled: bool) -> _Batch:
+    """GAE per segment (bootstrapped from ``policy``'s values), then one flat batch."""
     obs_l, act_l, logp_l, adv_l, ret_l, val_l = [], [], [], [], [], []
     with torch.no_grad():
         for s in segments:
@@ -186,60 +228,43 @@ def ppo_update(
             adv_l.append(adv.reshape(-1))
             ret_l.append(ret.reshape(-1))
     b_obs, b_actions, b_logprobs = torch.cat(obs_l), torch.cat(act_l), torch.cat(logp_l)
-    b_advantages, b_returns, b_values = torch.cat(adv_l), torch.cat(ret_l), torch.cat(val_l)
     b_anchor, b_weight = b_logprobs, None
     if decoupled:
         with torch.no_grad():
             b_anchor, _, _ = policy.evaluate(b_obs, b_actions)  # type: ignore[operator]
         b_weight = (b_anchor - b_logprobs).exp()
+    return _Batch(b_obs, b_actions, b_anchor, b_weight, torch.cat(adv_l), torch.cat(ret_l),
+                  torch.cat(val_l))
 
-    batch_size = b_obs.shape[0]
-    minibatch_size = batch_size // settings.num_minibatches
-    stats = {"pg_loss": 0.0, "v_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clipfrac": 0.0}
-    for _ in range(settings.update_epochs):
-        perm = torch.randperm(batch_size, generator=generator)
-        for k in range(settings.num_minibatches):
-            mb = perm[k * minibatch_size : (k + 1) * minibatch_size]
-            newlogprob, entropy, newvalue = model(b_obs[mb], b_actions[mb])
-            logratio = newlogprob - b_anchor[mb]
-            ratio = logratio.exp()
 
-            mb_adv = b_advantages[mb]
-            mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-            pg_losses = torch.max(
-                -mb_adv * ratio, -mb_adv * ratio.clamp(1 - settings.clip_coef, 1 + settings.clip_coef)
-            )
-            if b_weight is not None:
-                pg_losses = pg_losses * b_weight[mb]
-            pg_loss = pg_losses.mean()
+def _minibatch_loss(
+    model: nn.Module, batch: _Batch, mb: Tensor, settings: PPOSettings,
+) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+    """The clipped-PPO loss on the samples ``mb``: (loss, ratio, log-ratio, its parts)."""
+    newlogprob, entropy, newvalue = model(batch.obs[mb], batch.actions[mb])
+    logratio = newlogprob - batch.anchor[mb]
+    ratio = logratio.exp()
 
-            v_unclipped = (newvalue - b_returns[mb]) ** 2
-            if settings.clip_vloss:
-                v_clipped = b_values[mb] + (newvalue - b_values[mb]).clamp(
-                    -settings.clip_coef, settings.clip_coef
-                )
-                v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - b_returns[mb]) ** 2).mean()
-            else:
-                v_loss = 0.5 * v_unclipped.mean()
+    mb_adv = batch.advantages[mb]
+    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+    pg_losses = torch.max(
+        -mb_adv * ratio, -mb_adv * ratio.clamp(1 - settings.clip_coef, 1 + settings.clip_coef)
+    )
+    if batch.weight is not None:
+        pg_losses = pg_losses * batch.weight[mb]
+    pg_loss = pg_losses.mean()
 
-            entropy_loss = entropy.mean()
-            loss = pg_loss - settings.ent_coef * entropy_loss + settings.vf_coef * v_loss
+    returns, values = batch.returns[mb], batch.values[mb]
+    v_unclipped = (newvalue - returns) ** 2
+    if settings.clip_vloss:
+        v_clipped = values + (newvalue - values).clamp(-settings.clip_coef, settings.clip_coef)
+        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+    else:
+        v_loss = 0.5 * v_unclipped.mean()
 
-            optimizer.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-            optimizer.step()
-
-            with torch.no_grad():
-                # http://joschu.net/blog/kl-approx.html (k3 estimator)
-                stats["approx_kl"] += ((ratio - 1) - logratio).mean().item()
-                stats["clipfrac"] += ((ratio - 1.0).abs() > settings.clip_coef).float().mean().item()
-            stats["pg_loss"] += pg_loss.item()
-            stats["v_loss"] += v_loss.item()
-            stats["entropy"] += entropy_loss.item()
-
-    n = settings.update_epochs * settings.num_minibatches
-    return {k: v / n for k, v in stats.items()}
+    entropy_loss = entropy.mean()
+    loss = pg_loss - settings.ent_coef * entropy_loss + settings.vf_coef * v_loss
+    return loss, ratio, logratio, {"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy_loss}
 
 
 def _steps(x: Tensor) -> Tensor:

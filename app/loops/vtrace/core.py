@@ -202,7 +202,7 @@ class VTrace(Algorithm[VTraceSettings]):
         next_obs = torch.cat([seg["next_obs"] for seg in segments])
         next_done = torch.cat([seg["next_done"] for seg in segments])
         discounts = discounts_from_dones(cat("dones"), next_done, s.gamma)
-        T, N = rewards.shape
+        N = rewards.shape[1]
         columns = N // s.num_minibatches
 
         stats = dict.fromkeys(self.losses, 0.0)
@@ -213,36 +213,45 @@ class VTrace(Algorithm[VTraceSettings]):
                 mb = perm[k * columns : (k + 1) * columns]
                 with torch.no_grad():
                     bootstrap_value = cast(ActorCritic, module).value(next_obs[mb])
-                logprob, entropy, value = (
-                    x.view(T, -1)
-                    for x in model(obs[:, mb].flatten(0, 1), actions[:, mb].flatten(0, 1))
-                )
-
-                # The targets are constants: V-trace regresses towards them, never through them.
-                with torch.no_grad():
-                    vs, pg_adv = vtrace_targets(
-                        behaviour_logprob[:, mb], logprob, rewards[:, mb], value,
-                        bootstrap_value, discounts[:, mb], s.rho_bar, s.c_bar, s.trace_lambda,
-                    )
-                    if s.normalize_advantages:
-                        pg_adv = (pg_adv - pg_adv.mean()) / (pg_adv.std() + 1e-8)
-                    rhos = (logprob - behaviour_logprob[:, mb]).exp()
-
-                pg_loss = -(pg_adv * logprob).mean()
-                v_loss = 0.5 * ((value - vs) ** 2).mean()
-                entropy_mean = entropy.mean()
-                loss = pg_loss + s.vf_coef * v_loss - s.ent_coef * entropy_mean
+                loss, parts = self._minibatch_loss(
+                    model, obs[:, mb], actions[:, mb], behaviour_logprob[:, mb], rewards[:, mb],
+                    discounts[:, mb], bootstrap_value)
 
                 info.optimizer.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(model.parameters(), s.max_grad_norm)
                 info.optimizer.step()
 
-                stats["pg_loss"] += pg_loss.item()
-                stats["v_loss"] += v_loss.item()
-                stats["entropy"] += entropy_mean.item()
-                stats["rho_mean"] += rhos.mean().item()
-                stats["rho_clipfrac"] += (rhos > s.rho_bar).float().mean().item()
+                for name, part in parts.items():
+                    stats[name] += part.item()
 
         steps = s.update_epochs * s.num_minibatches
         return {name: total / steps for name, total in stats.items()}
+
+    def _minibatch_loss(
+        self, model: nn.Module, obs: Tensor, actions: Tensor, behaviour_logprob: Tensor,
+        rewards: Tensor, discounts: Tensor, bootstrap_value: Tensor,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The V-trace loss on whole env columns ([T, n, ...]), and its parts."""
+        s = self.settings
+        T = rewards.shape[0]
+        logprob, entropy, value = (
+            x.view(T, -1) for x in model(obs.flatten(0, 1), actions.flatten(0, 1))
+        )
+
+        # The targets are constants: V-trace regresses towards them, never through them.
+        with torch.no_grad():
+            vs, pg_adv = vtrace_targets(
+                behaviour_logprob, logprob, rewards, value, bootstrap_value, discounts,
+                s.rho_bar, s.c_bar, s.trace_lambda,
+            )
+            if s.normalize_advantages:
+                pg_adv = (pg_adv - pg_adv.mean()) / (pg_adv.std() + 1e-8)
+            rhos = (logprob - behaviour_logprob).exp()
+
+        pg_loss = -(pg_adv * logprob).mean()
+        v_loss = 0.5 * ((value - vs) ** 2).mean()
+        entropy_mean = entropy.mean()
+        loss = pg_loss + s.vf_coef * v_loss - s.ent_coef * entropy_mean
+        return loss, {"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy_mean,
+                      "rho_mean": rhos.mean(), "rho_clipfrac": (rhos > s.rho_bar).float().mean()}
