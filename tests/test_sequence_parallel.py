@@ -1,7 +1,7 @@
 """Sequence (context) parallel trainers (app/runtime/sharding.py, the transformer's
 ``context_parallel``): the window split over SEQUENCE_PARALLEL trains as DDP does, alone, under
-FSDP and with tensor parallelism, to float precision; and a gather that drops the gradient other
-chunks send back is caught."""
+FSDP and with tensor parallelism (under DDP and FSDP), to float precision; and a gather that
+drops the gradient other chunks send back is caught."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ HP = PPOHyperParams(num_envs=4, num_steps=8, num_minibatches=2, update_epochs=2,
 MODEL = {"width": 16, "layers": 2, "heads": 2, "context": 4}
 # name: (loop.data_parallel, sequence size, tensor size), over 4 trainers.
 CONFIGS = {"sp2-ddp2": ("ddp", 2, None), "sp2-fsdp2": ("fsdp", 2, None),
-           "sp2-tp2": ("ddp", 2, 2)}
+           "sp2-tp2": ("ddp", 2, 2), "sp2-tp2-fsdp": ("fsdp", 2, 2)}
 
 
 def _segments(agent: Agent, algorithm: PPO, seed: int) -> list[Segment]:
