@@ -353,8 +353,11 @@ BAD_OVERRIDES = [
       "loop.model.width=48"],
      "loop.model.heads: 3 is not divisible by tensor_parallel_size 2"),
     (["loop=ppo", "layout=tp2dp2", "layout.tensor_parallel_size=1", "layout.sequence_parallel_size=2",
-      "loop.model.kind=transformer"],
-     "layout.sequence_parallel_size: the runtime trains over DATA and TENSOR_PARALLEL only"),
+      "loop.model.kind=transformer", "loop.model.context=5"],
+     "loop.model.context: 5 is not divisible by sequence_parallel_size 2"),
+    (["loop=ppo", "layout=tp2dp2", "layout.tensor_parallel_size=1", "layout.sequence_parallel_size=2"],
+     "loop.model.kind: mlp, but layout.sequence_parallel_size 2 splits a transformer's window; "
+     "use loop.model.kind=transformer"),
     (["loop=ppo", "loop.model.kind=transformer", "loop.model.width=30", "loop.model.heads=4"],
      "loop.model.width: must be divisible by heads (4), got 30"),
     (["loop=ppo", "loop.model.kind=rnn"], "loop.model.kind: must be one of mlp, transformer, got 'rnn'"),

@@ -226,10 +226,14 @@ class RLLoop:
         """The trainer grid against the policy: its sizes must split the model
         (docs/sharding.md)."""
         _, sequence, tensor = plan.grid_sizes
-        if sequence > 1:
-            raise ConfigError(
-                f"layout.sequence_parallel_size: the runtime trains over DATA and "
-                f"TENSOR_PARALLEL only (loop=commcheck uses SEQUENCE_PARALLEL), got {sequence}")
+        if sequence > 1:  # context parallelism: the transformer's window is split
+            if self.model.kind != "transformer":
+                raise ConfigError(
+                    f"loop.model.kind: {self.model.kind}, but layout.sequence_parallel_size "
+                    f"{sequence} splits a transformer's window; use loop.model.kind=transformer")
+            if self.model.context % sequence:
+                raise ConfigError(f"loop.model.context: {self.model.context} is not divisible "
+                                  f"by sequence_parallel_size {sequence}")
         if tensor == 1:
             return
         if self.model.kind == "transformer":

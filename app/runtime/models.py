@@ -294,7 +294,8 @@ class ModelConfig:
     width: int = setting(64, "transformer: model width (divisible by heads)")
     layers: int = setting(2, "transformer: blocks")
     heads: int = setting(4, "transformer: attention heads (divisible by tensor_parallel_size)")
-    context: int = setting(8, "transformer: past steps the policy attends to, this one included")
+    context: int = setting(8, "transformer: past steps the policy attends to, this one included "
+                              "(divisible by layout.sequence_parallel_size)")
 
     @property
     def history(self) -> int:

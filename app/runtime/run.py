@@ -35,7 +35,13 @@ from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, update_row
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
-from app.runtime.sharding import TrainedModule, TrainerGrid, is_sharded, share_segments
+from app.runtime.sharding import (
+    TrainedModule,
+    TrainerGrid,
+    is_sharded,
+    replica_rank,
+    share_replica_segments,
+)
 from app.runtime.worker import Agent, Episode, RolloutWorker, build_segment_format
 from rlcomm import CommContext, ParallelMode, collectives
 
@@ -93,11 +99,9 @@ class RuntimeRun:
             self.trained = self._trained_module()
         self.optimizer = (self.algorithm.optimizer(self.trained.trained)
                           if self.trained is not None else None)
-        # The ranks of one TENSOR_PARALLEL group train one replica on the same batch, in the
-        # same minibatch order: they seed it from the group's first rank.
-        self.replica_rank = self.rank
-        if self.is_trainer and self.grid.tensor > 1:
-            self.replica_rank = min(plan.groups_of(self.rank)[ParallelMode.TENSOR_PARALLEL.value])
+        # The ranks of one TENSOR x SEQUENCE block train one replica on the same batch, in the
+        # same minibatch order: they seed it from the block's first rank.
+        self.replica_rank = replica_rank(plan, self.rank) if self.is_trainer else self.rank
 
         self.update = 0
         self.env_steps = 0
@@ -314,8 +318,8 @@ class RuntimeRun:
         tick = time.perf_counter()
         self.hand_off.before_optimizer_step()  # the bound agent is about to change
         self._fold_moments(segments)  # each segment's moments once, before they are shared
-        if self.grid.tensor > 1:
-            segments = share_segments(self.ctx, segments)
+        if self.grid.replica_size > 1:
+            segments = share_replica_segments(self.ctx, self.grid, segments)
             self.lag = max(s.lag for s in segments)
         self.split_s["comm"] += time.perf_counter() - tick
         # Minibatch order is a function of (seed, replica, update): a resumed run shuffles as

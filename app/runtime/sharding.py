@@ -1,7 +1,7 @@
 """Sharded trainers: the plan's trainer grid applied to the module a trainer trains.
 
-The layout lays DATA x TENSOR parallel groups over the trainer ranks (rlcomm.plan). A trainer's
-module is trained in one of these ways, picked by the grid and ``loop.data_parallel``:
+The layout lays DATA x SEQUENCE x TENSOR parallel groups over the trainer ranks (rlcomm.plan). A
+trainer's module is trained in one of these ways, picked by the grid and ``loop.data_parallel``:
 
 - ``ddp`` without tensor parallelism: ``DistributedDataParallel`` over the trainers, on the
   acting module itself (the runtime's behaviour before sharding, number for number);
@@ -10,9 +10,14 @@ module is trained in one of these ways, picked by the grid and ``loop.data_paral
 - ``fsdp``: the tensor-parallel plan if any, then ``fully_shard`` over DATA_PARALLEL (each block
   first, then the root: torchtitan's order).
 
-The ranks of one TENSOR_PARALLEL group hold one data-parallel replica: they train on the same
-batch (their segments, shared between them, :func:`share_segments`) with the same minibatch
-order. A sharded module is a copy of the acting module; after each update the trainer writes its
+With sequence parallelism the module splits its window over SEQUENCE_PARALLEL (context
+parallelism, :meth:`app.runtime.transformer.TransformerActorCritic.context_parallel`) and data
+parallelism spans data x sequence (torchtitan's ``dp_shard_cp``), since the sequence ranks hold
+the same parameters and each computes the replica's whole loss.
+
+The ranks of one TENSOR x SEQUENCE block hold one data-parallel replica: they train on the same
+batch (their segments, shared between them, :func:`share_replica_segments`) with the same
+minibatch order (seeded from :func:`replica_rank`). A sharded module is a copy of the acting module; after each update the trainer writes its
 full weights back into the acting module (:meth:`TrainedModule.publish`), which is what acts and
 what the hand-off sends.
 """
@@ -34,8 +39,10 @@ from app.runtime.algorithm import Segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp")
-DP, TP, TDP = (ParallelMode.DATA_PARALLEL, ParallelMode.TENSOR_PARALLEL,
-               ParallelMode.TRAIN_DATA_PARALLEL)
+DP, SP, TP, TDP = (ParallelMode.DATA_PARALLEL, ParallelMode.SEQUENCE_PARALLEL,
+                   ParallelMode.TENSOR_PARALLEL, ParallelMode.TRAIN_DATA_PARALLEL)
+# The mesh dimension of data x sequence when tensor parallelism splits the trainers too.
+DATA_SEQUENCE = "DATA_SEQUENCE_PARALLEL"
 
 
 @dataclass(frozen=True)
@@ -107,20 +114,21 @@ class TrainedModule:
             self.trained: nn.Module = net
             return
         self.trained = copy.deepcopy(net)
-        planned = plan.group(DP) is not None
-        mesh = ctx.device_mesh([DP, TP] if planned else [TDP])
-        data_mesh = mesh[DP.value] if planned else mesh
-        if self.grid.tensor > 1:
+        data_mesh, tensor_mesh = _meshes(ctx, plan, self.grid)
+        if self.grid.sequence > 1:
+            self.trained.context_parallel(ctx.get_group(SP))  # type: ignore[operator]
+        if tensor_mesh is not None:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            parallelize_module(self.trained, mesh[TP.value],
+            parallelize_module(self.trained, tensor_mesh,
                                self.trained.tensor_parallel_plan())  # type: ignore[operator]
+        # Before FSDP's own hook (``replicate`` is built on it), which warns of outputs that
+        # are views (an in-place op on one would skip its backward all-gather): the policy's
+        # are (``squeeze``).
+        self.trained.register_forward_hook(_outputs_not_views)
         if data_parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            # Before FSDP's own hook, which warns of outputs that are views (an in-place op on
-            # one would skip its backward all-gather): the policy's are (``squeeze``).
-            self.trained.register_forward_hook(_outputs_not_views)
             for block in _blocks(self.trained):
                 fully_shard(block, mesh=data_mesh)
             fully_shard(self.trained, mesh=data_mesh)
@@ -204,6 +212,30 @@ class TrainedModule:
         set_optimizer_state_dict(self.trained, optimizer, by_name, options=options)
 
 
+def _meshes(ctx: CommContext, plan: LayoutPlan,
+            grid: TrainerGrid) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The mesh gradients are reduced over (the data replicas, times the SEQUENCE_PARALLEL ranks
+    of each) and the TENSOR_PARALLEL mesh (None without tensor parallelism)."""
+    if plan.group(DP) is None or (grid.sequence > 1 and grid.tensor == 1):
+        return ctx.device_mesh([TDP]), None  # data x sequence is every trainer
+    if grid.sequence == 1:
+        mesh = ctx.device_mesh([DP, TP])
+        return mesh[DP.value], (mesh[TP.value] if grid.tensor > 1 else None)
+    import torch.distributed as dist
+
+    # No mode plans data x sequence under tensor parallelism: the ranks at one TENSOR_PARALLEL
+    # coordinate make it, locally (a group every rank of the world made, as DeviceMesh._flatten
+    # makes it, would need the rollout ranks too).
+    trainers = sorted(plan.trainers)
+    column = trainers[trainers.index(ctx.get_global_rank()) % grid.tensor :: grid.tensor]
+    group = dist.new_group(column, use_local_synchronization=True)
+    mesh = DeviceMesh.from_group(
+        [group, ctx.get_group(TP)], ctx.get_device(TP).type,
+        mesh=torch.tensor(trainers).reshape(-1, grid.tensor),
+        mesh_dim_names=(DATA_SEQUENCE, TP.value))
+    return mesh[DATA_SEQUENCE], mesh[TP.value]
+
+
 def _outputs_not_views(module: nn.Module, inputs: Any, outputs: Any) -> Any:
     if isinstance(outputs, tuple):
         return tuple(o.clone() if isinstance(o, Tensor) and o._base is not None else o
@@ -258,6 +290,28 @@ def share_segments(ctx: CommContext, segments: list[Segment], mode: ParallelMode
     return [segment for member in shared for segment in member]
 
 
+def share_replica_segments(ctx: CommContext, grid: TrainerGrid,
+                           segments: list[Segment]) -> list[Segment]:
+    """Every segment of this rank's data-parallel replica (its TENSOR x SEQUENCE block), the same
+    list on each of its ranks: shared over TENSOR_PARALLEL, then those lists over
+    SEQUENCE_PARALLEL."""
+    if grid.tensor > 1:
+        segments = share_segments(ctx, segments, TP)
+    if grid.sequence > 1:
+        segments = share_segments(ctx, segments, SP)
+    return segments
+
+
+def replica_rank(plan: LayoutPlan, rank: int) -> int:
+    """The first trainer of ``rank``'s data-parallel replica (its TENSOR x SEQUENCE block), whose
+    seed its ranks share; ``rank`` itself outside a planned grid."""
+    groups = plan.groups_of(rank)
+    if TP.value not in groups:
+        return rank
+    head = min(groups[TP.value])  # the block's row of ``rank``, then that row's column
+    return min(plan.groups_of(head).get(SP.value, (head,)))
+
+
 def _parts(segment: Segment) -> dict[str, Tensor]:
     """A segment's tensors, with its version, lag and moments, under one flat naming."""
     return {
@@ -289,6 +343,7 @@ def _segment(parts: Mapping[str, Tensor]) -> Segment:
 
 
 def is_sharded(plan: LayoutPlan, data_parallel: str) -> bool:
-    """Whether trainers train a sharded copy of the policy (FSDP, or a tensor-parallel grid)
-    rather than the acting module itself under DDP."""
-    return data_parallel == "fsdp" or TrainerGrid.of(plan).tensor > 1
+    """Whether trainers train a sharded copy of the policy (FSDP, or a tensor- or
+    sequence-parallel grid) rather than the acting module itself under DDP."""
+    grid = TrainerGrid.of(plan)
+    return data_parallel == "fsdp" or grid.tensor > 1 or grid.sequence > 1

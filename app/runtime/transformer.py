@@ -6,6 +6,11 @@ Pre-norm blocks with SwiGLU feed-forwards (named as torchtitan's Llama, so the p
 attend over the valid steps only; the actor and critic heads read the newest position. Its
 public methods are :class:`app.runtime.models.ActorCritic`'s.
 
+:meth:`TransformerActorCritic.context_parallel` splits the window over a SEQUENCE_PARALLEL group
+(context parallelism, for training): each rank runs the blocks on its contiguous chunk, its
+queries attend to the whole window's keys and values (:func:`gather_window`), and the newest
+position, on the last chunk, reaches every rank's heads.
+
 :func:`tensor_parallel_plan` shards the blocks' projections over a tensor-parallel mesh
 (Megatron-style), optionally with sequence parallelism in the blocks' norms; the embedding, the
 position table, the norms, the heads and the log-std stay replicated (as DTensors too in the
@@ -15,11 +20,14 @@ runtime's plan, :meth:`TransformerActorCritic.tensor_parallel_plan`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from gymnasium import spaces as gym_spaces
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -40,6 +48,7 @@ __all__ = [
     "TransformerActorCritic",
     "check_tensor_parallel",
     "ffn_hidden",
+    "gather_window",
     "tensor_parallel_plan",
     "transformer_space_problem",
 ]
@@ -83,6 +92,36 @@ def check_tensor_parallel(width: int, heads: int, hidden: int, tp: int, *,
     return None
 
 
+class _GatherWindow(torch.autograd.Function):
+    """All-gather along the window, whose backward reduce-scatters (sums) the gradient. torch's
+    ``torch.distributed.nn.functional.all_gather`` is not used: on gloo its backward scatters
+    from group ranks taken as global ranks, which fails in any group without rank 0."""
+
+    @staticmethod
+    def forward(ctx: Any, part: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return torch.cat(parts, dim=_SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        chunks = [c.contiguous() for c in grad.chunk(dist.get_world_size(ctx.group), _SEQ_DIM)]
+        mine = torch.empty_like(chunks[0])
+        dist.reduce_scatter(mine, chunks, group=ctx.group)
+        return mine, None
+
+
+def gather_window(part: Tensor, group: ProcessGroup) -> Tensor:
+    """The whole window [B, context, ...] from each SEQUENCE_PARALLEL rank's chunk ``part``
+    [B, context / size, ...], in group-rank order. Its backward sums every rank's gradient of a
+    chunk into the chunk's owner (a reduce-scatter): each rank's loss reaches the keys and values
+    of every chunk it attended to, which is what makes the replica's gradient, averaged over
+    data x sequence, the unsplit model's."""
+    gathered: Tensor = _GatherWindow.apply(part, group)
+    return gathered
+
+
 def _layer_init(layer: nn.Linear, std: float) -> nn.Linear:
     """Orthogonal weights and zero bias, as ActorCritic's heads (CleanRL)."""
     nn.init.orthogonal_(layer.weight, std)
@@ -107,14 +146,21 @@ class Attention(nn.Module):
         self.wk = _projection(width, width, _INIT_STD)
         self.wv = _projection(width, width, _INIT_STD)
         self.wo = _projection(width, width, out_std)
+        # Context parallelism (TransformerActorCritic.context_parallel): x is this rank's chunk
+        # of the window, the keys and values are gathered whole.
+        self.sequence_group: ProcessGroup | None = None
+        self.gather = gather_window
 
     def forward(self, x: Tensor, keep: Tensor) -> Tensor:
-        """``x`` [B, S, width], ``keep`` [B, S] (the keys that may be attended) -> [B, S, width]."""
+        """``x`` [B, S, width], ``keep`` [B, context] (the keys that may be attended) ->
+        [B, S, width]; S is the context, or under context parallelism this rank's chunk."""
         batch, seq = x.shape[0], x.shape[1]
         # -1 heads: under tensor parallelism wq/wk/wv return this rank's heads only.
-        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if self.sequence_group is not None:
+            k, v = self.gather(k, self.sequence_group), self.gather(v, self.sequence_group)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=keep[:, None, None, :])
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -154,8 +200,11 @@ class Positions(nn.Module):
         self.table = nn.Parameter(torch.empty(context, width))
         nn.init.trunc_normal_(self.table, std=_INIT_STD, a=-2 * _INIT_STD, b=2 * _INIT_STD)
 
-    def forward(self, h: Tensor) -> Tensor:
-        return h + self.table
+    def forward(self, h: Tensor, start: int | None = None) -> Tensor:
+        """``h`` [B, context, width]; with ``start``, a chunk of the window from that position."""
+        if start is None:
+            return h + self.table
+        return h + self.table[start : start + h.shape[_SEQ_DIM]]
 
 
 class LogStd(nn.Module):
@@ -211,6 +260,22 @@ class TransformerActorCritic(nn.Module):
         self.actor = _layer_init(nn.Linear(width, out_dim), std=0.01)
         if not self.discrete:
             self.actor_std = LogStd(out_dim)
+        self.sequence_group: ProcessGroup | None = None  # context_parallel's
+
+    def context_parallel(self, group: ProcessGroup) -> None:
+        """Split the window over ``group`` (SEQUENCE_PARALLEL) from now on: rank i of the group
+        runs the blocks on the i-th contiguous chunk (its positions from the chunk's start),
+        attending to the whole window's keys and values, gathered over ``group`` with autograd;
+        the newest position, on the last chunk, is gathered the same way, so every rank of the
+        group computes the same outputs (and losses). Every rank of ``group`` must run each
+        forward and backward. The training copy only: acting stays whole."""
+        parts = dist.get_world_size(group)
+        if self.history_shape[0] % parts:
+            raise ValueError(f"context {self.history_shape[0]} is not divisible by "
+                             f"sequence_parallel_size {parts}")
+        self.sequence_group = group
+        for layer in self.layers:
+            layer.attention.sequence_group = group  # type: ignore[union-attr]
 
     def _features(self, obs: Tensor) -> Tensor:
         """The newest position's features [*B, width] for windows [*B, context, obs_dim + 1]."""
@@ -222,11 +287,25 @@ class TransformerActorCritic(nn.Module):
         x = obs.reshape(-1, *self.history_shape).float()
         keep = x[..., -1] > 0.5
         keep[:, -1] = True  # the newest step is real: every query has a key
+        if self.sequence_group is not None:
+            return self._chunk_features(x, keep, self.sequence_group).reshape(*lead, self.width)
         h = self.pos(self.embed(x))
         for layer in self.layers:
             h = layer(h, keep)
         # A layer norm is per position: normalising the newest alone is the same.
         return self.norm(h[:, -1]).reshape(*lead, self.width)
+
+    def _chunk_features(self, x: Tensor, keep: Tensor, group: ProcessGroup) -> Tensor:
+        """:meth:`_features` under context parallelism, for windows ``x`` [B, context, ...]:
+        this rank's chunk through the blocks, then the newest position's features [B, width]
+        from the last chunk, the same on every rank of ``group``."""
+        size = self.history_shape[0] // dist.get_world_size(group)
+        start = dist.get_rank(group) * size
+        h = self.pos(self.embed(x[:, start : start + size]), start)
+        for layer in self.layers:
+            h = layer(h, keep)
+        # Every rank's loss flows back into the last chunk (the gather's backward sums).
+        return self.norm(gather_window(h[:, -1:], group)[:, -1])
 
     def _dist(self, features: Tensor) -> Distribution:
         if self.discrete:
