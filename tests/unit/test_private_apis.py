@@ -241,7 +241,7 @@ _PRIVATE_USES = {
 
 @pytest.mark.unit
 def test_the_launch_rooms_private_apis_live_in_one_module() -> None:
-    room = Path(__file__).resolve().parents[1] / "app" / "launch"
+    room = Path(__file__).resolve().parents[2] / "app" / "launch"
     found = [
         f"{path.name}:{number}: {what}"
         for path in sorted(room.glob("*.py")) if path.name != "private.py"
@@ -326,7 +326,7 @@ _PRELOADED = """
 def test_the_forkserver_preloads_this_app_and_exit_handlers_run_on_request(tmp_path: Path) -> None:
     script = tmp_path / "preloaded.py"
     script.write_text(textwrap.dedent(_PRELOADED))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, env=env, check=False)
     assert done.returncode == 0, done.stderr

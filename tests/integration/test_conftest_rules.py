@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-CONFTEST = Path(__file__).with_name("conftest.py")
+CONFTEST = Path(__file__).parents[1] / "conftest.py"
 INI = """\
 [pytest]
 addopts = --strict-markers -p no:cacheprovider

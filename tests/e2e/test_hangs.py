@@ -23,7 +23,7 @@ from rlcomm.testing import run_ranks
 from tests.helpers.apprun import AppProcess, read_result
 
 TIMEOUT_S = 10  # comm.timeout of the hanging runs: the watchdog diagnoses after 5 s
-LOOPS = Path(__file__).parent / "helpers" / "hang_loops.py"
+LOOPS = Path(__file__).parents[1] / "helpers" / "hang_loops.py"
 HANG = ("loop=custom", "loop._target_=tests.helpers.hang_loops.Hang")
 
 

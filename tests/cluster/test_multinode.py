@@ -447,7 +447,7 @@ def choose_on(host: str, master: str, **env: str) -> list:
                 if k not in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
     out = subprocess.run(["bash", str(SCRIPTS / "on_host.sh"), host, sys.executable, "-c", CHOOSE,
                           master], capture_output=True, text=True, timeout=60, check=True,
-                         env={**full_env, "PYTHONPATH": str(Path(__file__).parent.parent), **env})
+                         env={**full_env, "PYTHONPATH": str(Path(__file__).parents[2]), **env})
     return json.loads(out.stdout)
 
 

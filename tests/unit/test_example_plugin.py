@@ -17,7 +17,7 @@ from examples.reinforce import Reinforce, ReinforceLoop, ReinforceSettings, disc
 
 pytestmark = pytest.mark.unit
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "reinforce.py"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "reinforce.py"
 
 
 def test_the_example_is_one_short_file_that_imports_only_the_runtime_and_torch() -> None:

@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("app", "rlcomm", "hydra_plugins")
 _NEEDS_RANKS = re.compile(r"\binit_distributed_env\b|\brun_ranks\b")
 _FENCE = re.compile(r"^```(?:python|py)\s*\n(.*?)^```", re.MULTILINE | re.DOTALL)
