@@ -1,5 +1,6 @@
-"""Hang diagnosis (issue 11): the flight recorder, the watchdog's one line, stacks on demand and
-comm.debug, on real gloo ranks (forked for the library, ``python -m app`` end to end).
+"""Hang diagnosis (issue 11) through ``python -m app``: the watchdog's one line for each kind of
+hang, stacks on demand and comm.debug. The diagnosis itself is tests/unit/test_hangs.py; the
+flight recorder for library users, tests/integration/test_hangs.py.
 
 Every app run uses a short ``comm.timeout`` so that a hang costs seconds, and every test that
 starts ranks checks that none is left.
@@ -13,13 +14,9 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
-from rlcomm.diagnostics.diagnosis import diagnose
-from rlcomm.testing import run_ranks
 from tests.helpers.apprun import AppProcess, read_result
 
 TIMEOUT_S = 10  # comm.timeout of the hanging runs: the watchdog diagnoses after 5 s
@@ -54,168 +51,6 @@ def run_hang(app_run: Callable[..., AppProcess], name: str, *overrides: str,
     assert code == 2, app.describe()
     app.assert_all_ended()
     return app
-
-
-# ---- the diagnosis, from progress reports (pure) --------------------------------------------
-
-
-def _call(mode: str, seq: int, op: str = "all_reduce", shape: tuple[int, ...] = (4,),
-          in_flight: bool = True, started: float = 100.0, peer: int | None = None,
-          line: int = 7) -> dict[str, Any]:
-    return {"mode": mode, "seq": seq, "op": op, "dtype": "float32", "shape": list(shape),
-            "nbytes": 4 * int(torch.tensor(shape).prod()), "peer": peer,
-            "site": f"train.py:{line}", "path": f"/x/train.py:{line}", "started_wall": started,
-            "in_flight": in_flight}
-
-
-def _report(rank: int, calls: list[dict[str, Any]], where: str = "") -> dict[str, Any]:
-    groups = {"GLOBAL": [0, 1, 2, 3], "TRAIN_DATA_PARALLEL": [0, 1], "WEIGHT_TRANSFER": [0, 2]}
-    modes: dict[str, Any] = {}
-    for call in calls:
-        table = modes.setdefault(call["mode"], {"entered": 0, "completed": 0, "calls": []})
-        table["entered"] = max(table["entered"], call["seq"])
-        table["calls"].append(call)
-    return {"rank": rank, "groups": groups, "modes": modes, "where": where}
-
-
-def _done(mode: str, seq: int) -> dict[str, Any]:
-    return _call(mode, seq, in_flight=False, started=1.0)
-
-
-@pytest.mark.unit
-def test_diagnosis_names_a_rank_in_user_code() -> None:
-    reports = {r: _report(r, [_done("GLOBAL", 1), _call("GLOBAL", 2, started=100 + r)])
-               for r in (0, 1, 3)}
-    reports[2] = _report(2, [_done("GLOBAL", 1)], where="train.py:30 in step")
-    assert diagnose(reports) == (
-        "hang in GLOBAL[0,1,2,3] all_reduce #2 (float32[4], 16 B, train.py:7): rank 2 never "
-        "entered it; rank 2 is in user code at train.py:30 in step (its Python stack is in its "
-        "log)"
-    )
-
-
-@pytest.mark.unit
-def test_diagnosis_names_where_a_missing_rank_is_instead_and_starts_at_the_oldest_call() -> None:
-    # Rank 0 waits in TDP for rank 1 (since t=100); rank 1 waits in GLOBAL (since t=102), and so
-    # do 2 and 3: the hang started in TDP; GLOBAL is its consequence.
-    reports = {
-        0: _report(0, [_call("TRAIN_DATA_PARALLEL", 5, shape=(2,), line=9)]),
-        1: _report(1, [_done("TRAIN_DATA_PARALLEL", 4), _call("GLOBAL", 3, started=102)]),
-        2: _report(2, [_call("GLOBAL", 3, started=101)]),
-        3: _report(3, [_call("GLOBAL", 3, started=101)]),
-    }
-    assert diagnose(reports) == (
-        "hang in TRAIN_DATA_PARALLEL[0,1] all_reduce #5 (float32[2], 8 B, train.py:9): rank 1 "
-        "never entered it; rank 1 is in GLOBAL all_reduce #3 (float32[4], 16 B, train.py:7)"
-    )
-
-
-@pytest.mark.unit
-def test_diagnosis_names_both_sides_of_a_mismatch_and_a_rank_that_did_not_answer() -> None:
-    reports: dict[int, Any] = {
-        r: _report(r, [_call("GLOBAL", 6, started=100 + r)]) for r in (0, 1)
-    }
-    reports[2] = _report(2, [_call("GLOBAL", 6, op="broadcast", peer=0, line=12)])
-    reports[3] = None
-    assert diagnose(reports) == (
-        "hang in GLOBAL[0,1,2,3] all_reduce #6 (float32[4], 16 B, train.py:7): mismatch: rank 2 "
-        "called broadcast #6 (src 0, float32[4], 16 B, train.py:12) instead; rank 3 did not "
-        "answer (process gone or host unreachable)"
-    )
-
-
-@pytest.mark.unit
-def test_diagnosis_of_a_collective_everyone_is_in_and_of_no_hang() -> None:
-    reports = {r: _report(r, [_call("WEIGHT_TRANSFER", 2, started=100 + r)]) for r in (0, 2)}
-    reports.update({r: _report(r, []) for r in (1, 3)})
-    assert diagnose(reports).endswith(
-        ": ranks [0,2] of 2 are in it with the same arguments and none is missing "
-        "(a slow rank or a stalled network?)"
-    )
-    assert diagnose({r: _report(r, [_done("GLOBAL", 1)]) for r in range(4)}) == ""
-
-
-# ---- the recorder, on real ranks ------------------------------------------------------------
-
-
-def _record(rank: int, world_size: int, record: bool) -> dict[str, Any]:
-    from rlcomm import CommContext, collectives
-    from rlcomm.weights import WeightReceiver, WeightSender
-
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=60, record=record)
-    ctx.init_group([0, 1], "WEIGHT_TRANSFER", backend="gloo")
-    try:
-        collectives.all_reduce(ctx, "GLOBAL", torch.ones(3))  # all_reduce call
-        collectives.broadcast(ctx, "GLOBAL", torch.ones(2, 5, dtype=torch.float64), src=1)
-        state = {"w": torch.ones(4)}
-        for _ in range(2):
-            if rank == 0:
-                WeightSender(ctx).send(state) if _ == 0 else None
-            else:
-                WeightReceiver(ctx).receive() if _ == 0 else None
-        table = ctx.recorder.table()
-        return {"table": table, "in_flight": len(ctx.recorder.in_flight()),
-                "watchdog": ctx.watchdog is not None}
-    finally:
-        ctx.destroy()
-
-
-@pytest.mark.integration
-def test_the_recorder_keeps_each_modes_calls_with_sequence_numbers_and_callers() -> None:
-    out = run_ranks(_record, 2, True, timeout=120)
-    this_file = f"{Path(__file__).name}:"
-    for rank, got in out.items():
-        global_calls = got["table"]["GLOBAL"]["calls"]
-        assert [(c["seq"], c["op"], c["dtype"], c["shape"], c["peer"], c["nbytes"])
-                for c in global_calls] == [
-            (1, "all_reduce", "float32", [3], None, 12),
-            (2, "broadcast", "float64", [2, 5], 1, 80),
-        ], got
-        assert all(c["site"].startswith(this_file) and not c["in_flight"] for c in global_calls)
-        assert got["table"]["GLOBAL"]["entered"] == got["table"]["GLOBAL"]["completed"] == 2
-        # The first weight transfer: header, metadata, agreement, data, on both sides alike.
-        wt = got["table"]["WEIGHT_TRANSFER"]
-        assert [c["op"] for c in wt["calls"]] == ["broadcast", "broadcast", "all_reduce",
-                                                  "broadcast"], (rank, wt)
-        assert all(c["site"].startswith(this_file) for c in wt["calls"]), wt
-        assert wt["entered"] == wt["completed"] == 4
-        assert got["in_flight"] == 0 and got["watchdog"]
-
-
-@pytest.mark.integration
-def test_recording_off_records_nothing_and_starts_no_watchdog() -> None:
-    out = run_ranks(_record, 2, False, timeout=120)
-    assert all(got == {"table": {}, "in_flight": 0, "watchdog": False} for got in out.values())
-
-
-def _hang_in_library(rank: int, world_size: int) -> None:
-    from rlcomm import CommContext, collectives
-
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=6)
-    collectives.all_reduce(ctx, "GLOBAL", torch.ones(1))
-    if rank == 1:
-        time.sleep(12)  # in user code, past the timeout
-    collectives.all_reduce(ctx, "GLOBAL", torch.ones(1))
-
-
-@pytest.mark.integration
-def test_a_library_user_gets_a_hang_error_naming_the_missing_rank() -> None:
-    errors = run_ranks(_hang_in_library, 2, expect_failure=True, timeout=60)
-    first = errors[0].splitlines()[0]
-    assert first.startswith(
-        "HangError: hang in GLOBAL[0,1] all_reduce #2 (float32[1], 4 B, test_hangs.py:"
-    ), errors
-    assert first.endswith(
-        "rank 1 never entered it; rank 1 is in user code at test_hangs.py:"
-        f"{_line_of('time.sleep(12)')} in _hang_in_library (its Python stack is in its log)"
-    ), errors
-
-
-def _line_of(text: str) -> int:
-    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1)
-                if text in line and "_line_of" not in line)
 
 
 # ---- end to end: one line per kind of hang --------------------------------------------------

@@ -5,13 +5,12 @@ runs. Every rank (tied to its launcher's forkserver, the forkserver to the launc
 app/launch/lifeline.py), the forkserver and multiprocessing's resource tracker must end within a
 few seconds anyway, also while the ranks are blocked in a collective,
 and the run dir must stay resumable from its newest checkpoint. torchrun's agent killed the same
-way takes its ranks with it too, and a rank whose launcher died before the rank could tie itself
-to it stops at once.
+way takes its ranks with it too. A rank whose launcher died before the rank could tie itself to
+it is tests/integration/test_lifeline.py.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import signal
@@ -24,7 +23,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from app.launch.lifeline import tie_to_launcher
 from tests.helpers.apprun import AppProcess, read_result, running
 
 GONE_S = 20.0  # every process the launcher started is gone this soon after it was SIGKILLed
@@ -141,56 +139,3 @@ def test_a_sigkilled_torchrun_agent_takes_its_ranks_with_it(
     app.assert_all_ended()
 
 
-def _late_rank(report: str, launcher_kind: str) -> None:
-    """A rank whose launcher died before the rank tied itself to it (spawned as the agent
-    spawns its ranks; as torchrun's, it is told so by torchrun's variables)."""
-    launcher = multiprocessing.parent_process()
-    assert launcher is not None
-    while os.getppid() == launcher.pid:  # until the launcher is gone and this rank was adopted
-        time.sleep(0.01)
-    Path(report).write_text(f"{os.getpid()} adopted by {os.getppid()}\n")
-    if launcher_kind == "torchrun":
-        os.environ.update({"TORCHELASTIC_RUN_ID": "orphan", "RANK": "0", "WORLD_SIZE": "1"})
-    tie_to_launcher(launched_here=launcher_kind == "local")
-    with Path(report).open("a") as handle:  # the lifeline failed
-        handle.write("survived\n")
-    time.sleep(120)
-
-
-def _dying_launcher(report: str, launcher_kind: str) -> None:
-    multiprocessing.get_context("spawn").Process(target=_late_rank,
-                                                 args=(report, launcher_kind)).start()
-    os._exit(0)  # no handler and no join, as under SIGKILL
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("launcher_kind", ["local", "torchrun"])
-def test_a_rank_whose_launcher_died_before_it_was_tied_ends_at_once(
-    tmp_path: Path, launcher_kind: str
-) -> None:
-    report = tmp_path / "report"
-    launcher = multiprocessing.get_context("fork").Process(target=_dying_launcher,
-                                                           args=(str(report), launcher_kind))
-    launcher.start()
-    launcher.join(30)
-    assert launcher.exitcode == 0
-    deadline = time.monotonic() + 120  # the spawned rank imports this module first
-    while not (report.exists() and report.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert report.exists() and report.read_text(), "the rank never ran"
-    first = report.read_text().splitlines()[0].split()  # "<pid> adopted by <pid>"
-    pid, adopter = first[0], first[-1]
-    try:
-        rank = [psutil.Process(int(pid))]
-    except psutil.NoSuchProcess:
-        rank = []
-    deadline = time.monotonic() + GONE_S
-    while running(rank) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = running(rank)
-    for proc in left:
-        proc.kill()
-    if launcher_kind == "torchrun" and adopter != "1":
-        pytest.skip(f"adopted by a subreaper (pid {adopter}), which a torchrun rank cannot tell "
-                    "from its agent")
-    assert not left and report.read_text() == f"{pid} adopted by {adopter}\n", report.read_text()

@@ -1,9 +1,10 @@
-"""When things go wrong (issue 6), with real processes and real signals.
+"""When things go wrong (issue 6), through ``python -m app`` with real processes and signals.
 
 Bad resume paths, a rank that never joins, a rank that dies or raises, an elastic restart from the
-last checkpoint, SIGINT/SIGTERM on the launcher, two runs on one machine and what they listen on,
-and weights that travel as data, never as pickles. Every test that starts ranks checks that every
-process it started has ended (no survivors, no orphans, no zombies).
+last checkpoint, SIGINT/SIGTERM on the launcher, two runs on one machine and what they listen on.
+Every test that starts ranks checks that every process it started has ended (no survivors, no
+orphans, no zombies). Late ranks on forked ranks are tests/integration/test_join_timeout.py;
+weights that travel as data, never as pickles, tests/integration/test_weights_without_unpickling.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import pickle
 import re
 import shutil
 import signal
@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import pytest
 
-from rlcomm.testing import free_port, run_ranks
+from rlcomm.testing import free_port
 from tests.helpers.apprun import (
     HANG_S,
     REPO,
@@ -143,28 +143,6 @@ def test_a_rank_that_never_joins_fails_the_others_naming_it(
         app.assert_all_ended()
     leftovers = [c for c in psutil.Process().children(recursive=True) if c.pid in pids]
     assert not leftovers, leftovers
-
-
-def _join_late(rank: int, world_size: int, delays: list[float], timeout_s: int) -> None:
-    from rlcomm import CommContext
-
-    time.sleep(delays[rank])
-    ctx = CommContext()
-    ctx.init_distributed_env(world_size + 1, rank, backend="gloo", timeout=timeout_s)
-
-
-@pytest.mark.integration
-def test_ranks_that_arrive_after_the_store_host_gave_up_still_learn_who_is_missing() -> None:
-    # As on a cluster, ranks start seconds apart. Rank 0 serves the store and times out first;
-    # ranks 1 and 2 arrived 3 s later, so they time out 3 s later, when rank 0 has given up. They
-    # must still name the missing rank (forked ranks: the timing is exact, unlike app start-up).
-    timeout_s = 5
-    errors = run_ranks(_join_late, 3, [0.0, 3.0, 3.0], timeout_s, expect_failure=True, timeout=90)
-    assert sorted(errors) == [0, 1, 2], errors
-    for rank, error in errors.items():
-        first = error.splitlines()[0]
-        assert first == (f"JoinTimeoutError: rank {rank}: ranks [3] never joined within "
-                         f"{timeout_s}s; arrived: [0,1,2] of 4"), error
 
 
 # ---- 3. a rank that crashes mid-run ---------------------------------------------------------
@@ -429,81 +407,3 @@ def test_two_runs_at_once_succeed_and_listen_on_loopback_only(
         assert app.wait() == 0, app.describe()
         assert [r["result"] for r in read_result(app.run_dir)["ranks"]] == [{"released": True}] * 2
         app.assert_all_ended()
-
-
-# ---- 7. weights are data, not code ----------------------------------------------------------
-
-
-def _forbid_unpickling(calls: list[str]) -> None:
-    """Make every way torch.distributed or the stdlib could unpickle raise (this process only)."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
-    def trap(name: str) -> Callable[..., Any]:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            raise AssertionError(f"{name} called: something was unpickled")
-
-        return refuse
-
-    class RefusingUnpickler(pickle.Unpickler):  # a class still, so subclasses can be defined
-        def load(self) -> Any:
-            return trap("pickle.Unpickler.load")()
-
-    pickle.Unpickler = RefusingUnpickler  # type: ignore[misc]
-    c10d._unpickler = RefusingUnpickler  # torch's object collectives unpickle through this
-    for module, name in [(pickle, "loads"), (pickle, "load"), (c10d, "_tensor_to_object")]:
-        setattr(module, name, trap(f"{module.__name__}.{name}"))
-    for name in ("broadcast_object_list", "all_gather_object", "gather_object",
-                 "scatter_object_list", "recv_object_list", "send_object_list"):
-        for module in (dist, c10d):
-            if hasattr(module, name):
-                setattr(module, name, trap(f"{module.__name__}.{name}"))
-
-
-def _ppo_rank_without_unpickling(rank: int, world_size: int, config: dict[str, Any],
-                                 run_dir: str) -> dict[str, Any]:
-    from omegaconf import OmegaConf
-
-    from app.launch.planning import validate
-    from app.launch.rank import run_rank
-    from rlcomm import CommContext, collectives
-
-    calls: list[str] = []
-    _forbid_unpickling(calls)
-    plan = validate(OmegaConf.create(config))  # as the launcher does
-    result = run_rank(config, plan, run_dir)  # the real rank: weight transfer, trajectory gather, ...
-    assert not calls, calls  # nothing swallowed a trap
-    # The trap is live in this process: the one pickle-based helper rlcomm has trips it.
-    ctx = CommContext()
-    ctx.init_distributed_env(backend="gloo", timeout=60)
-    try:
-        with pytest.raises(AssertionError, match="unpickled"):
-            collectives.broadcast_object_list(ctx, "GLOBAL", [None])
-    finally:
-        ctx.destroy()
-    return {"result": result, "trapped": calls}
-
-
-@pytest.mark.integration
-def test_weights_and_trajectories_travel_without_unpickling(tmp_path: Path) -> None:
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
-
-    updates = 3
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            *PPO_SMALL, f"loop.total_env_steps={updates * STEPS_PER_UPDATE}",
-            "loop.checkpoint_every=0", "comm.timeout=60",
-        ])
-    config = OmegaConf.to_container(cfg, resolve=True)
-    out = run_ranks(_ppo_rank_without_unpickling, 4, config, str(tmp_path), timeout=180)
-    assert all(o["trapped"] == ["torch.distributed.broadcast_object_list"] for o in out.values())
-    summary = out[0]["result"]
-    assert summary["status"] == "ok"
-    by_rank = {r["rank"]: r["result"] for r in summary["ranks"]}
-    # Rollout ranks received every version of the weights and their trajectories were used.
-    assert [by_rank[r]["weights_version"] for r in range(4)] == [updates] * 4
-    assert [by_rank[r]["env_steps"] for r in range(4)] == [updates * STEPS_PER_UPDATE] * 4

@@ -1,139 +1,23 @@
-"""The run as a person sees it: the progress line, messages above it, the closing summary, and
-TensorBoard scalars; on a real pseudo-terminal and on a pipe."""
+"""The run as a person sees it, through ``python -m app``: the progress line, messages above it,
+the closing summary, and TensorBoard scalars; on a real pseudo-terminal and on a pipe. The
+pieces in this process are tests/unit/test_run_view.py."""
 
 from __future__ import annotations
 
-import io
 import json
-import math
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from app.output.progress import RunProgress, Snapshot, StopRule
 from app.output.tensorboard import HINT
 from tests.helpers.apprun import REPO, describe, run_app, run_app_in_terminal
+from tests.helpers.screen import Screen
 
 COLUMNS = 140
-_CSI = re.compile(r"\x1b\[([0-9;?]*)([A-Za-z])")
-
-
-class Screen:
-    """What a terminal ``columns`` wide shows after some output: enough of a VT100 for what
-    tqdm and the app write (carriage return, line feed, backspace, cursor up, erase line)."""
-
-    def __init__(self, columns: int) -> None:
-        self.columns = columns
-        self.rows: list[list[str]] = [[]]
-        self.row = self.col = 0
-
-    def feed(self, text: str) -> Screen:
-        i = 0
-        while i < len(text):
-            char = text[i]
-            if char == "\x1b":
-                match = _CSI.match(text, i)
-                assert match, f"unexpected escape sequence {text[i:i + 8]!r}"
-                self._control(match.group(1), match.group(2))
-                i = match.end()
-                continue
-            if char == "\r":
-                self.col = 0
-            elif char == "\n":  # line feed; the terminal's ONLCR sends "\r\n" for "\n"
-                self._down()
-            elif char == "\b":
-                self.col = max(0, self.col - 1)
-            elif char >= " ":
-                self._put(char)
-            i += 1
-        return self
-
-    def lines(self) -> list[str]:
-        """The screen's non-blank lines, top to bottom."""
-        return [text for row in self.rows if (text := "".join(row).rstrip())]
-
-    def _control(self, params: str, command: str) -> None:
-        count = int(params) if params.isdigit() else 1
-        if command == "A":
-            self.row = max(0, self.row - count)
-        elif command == "K" and params in ("", "0"):
-            del self.rows[self.row][self.col :]
-        # Anything else (cursor visibility, colours) does not move text.
-
-    def _down(self) -> None:
-        self.row += 1
-        while len(self.rows) <= self.row:
-            self.rows.append([])
-
-    def _put(self, char: str) -> None:
-        if self.col == self.columns:  # auto-wrap, as a terminal does
-            self._down()
-            self.col = 0
-        line = self.rows[self.row]
-        line.extend(" " * (self.col + 1 - len(line)))
-        line[self.col] = char
-        self.col += 1
-
-
-@pytest.mark.unit
-def test_screen_emulator_overwrites_as_a_terminal_does() -> None:
-    screen = Screen(10).feed("abc\r\nbar 10%\rbar 50%\r\x1b[Kmsg\r\nbar 90%\x1b[A\rX\n\r\n0123456789AB")
-    assert screen.lines() == ["abc", "Xsg", "bar 90%", "0123456789", "AB"]
-
-
-@pytest.mark.unit
-def test_stop_rule_progress_is_the_current_fraction_of_what_ends_the_run() -> None:
-    rule = StopRule(target_return=200.0, window=20, total_env_steps=1000)
-    assert rule.fraction(-math.inf, 0) == 0.0  # fewer than `window` episodes yet
-    assert rule.fraction(50.0, 900) == 0.25  # the budget does not move a target bar
-    assert rule.fraction(30.0, 950) == 0.15  # a falling return moves the bar back
-    assert rule.fraction(-10.0, 0) == 0.0 and rule.fraction(200.0, 10) == 1.0
-    budget = StopRule(target_return=None, window=20, total_env_steps=1000)
-    assert budget.fraction(499.0, 250) == 0.25 and budget.fraction(0.0, 1000) == 1.0
-
-
-@pytest.mark.unit
-def test_off_a_terminal_a_plain_line_is_printed_at_most_once_per_interval() -> None:
-    stream = io.StringIO()  # not a terminal
-    view = RunProgress(StopRule(None, 20, 4096), stream=stream, plain_interval_s=0.3)
-
-    def update(steps: int) -> None:
-        view.update(Snapshot(steps, -math.inf, 3, 1000.0, steps // 1024, steps / 1000))
-
-    update(1024)  # the first update is shown at once
-    update(2048)  # too soon: not shown
-    time.sleep(0.35)
-    update(3072)
-    update(4096)  # too soon, but the last state: shown by close()
-    view.close()
-    lines = stream.getvalue().splitlines()
-    assert [line.split(" env steps")[0] for line in lines] == [
-        f"[rank0] ppo: {steps} of 4,096" for steps in ("1,024", "3,072", "4,096")
-    ], lines
-    assert lines[-1].startswith("[rank0] ppo: 4,096 of 4,096 env steps 100% | mean return -- "
-                                "(3/20 episodes), 1,000 steps/s, weights v4, 0:04")
-    assert "\r" not in stream.getvalue()
-
-
-@pytest.mark.unit
-def test_an_elastic_run_shows_its_live_rollout_ranks_and_when_it_waits_for_them() -> None:
-    stream = io.StringIO()
-    view = RunProgress(StopRule(475.0, 20, 4096), stream=stream, plain_interval_s=0.0)
-    view.update(Snapshot(1024, -math.inf, 3, 1000.0, 1, 1.0, members=3))
-    view.waiting("waiting up to 300 s for rollout ranks to join: 0 live of "
-                 "loop.min_rollouts=1; lost: rank 2 on node2 (connection closed)")
-    view.update(Snapshot(2048, -math.inf, 5, 1000.0, 2, 2.0, members=2))
-    view.close()
-    lines = stream.getvalue().splitlines()
-    assert lines[0].endswith("1,000 steps/s, 3 rollout ranks, weights v1, 0:01"), lines
-    assert lines[1] == ("[rank0] ppo: waiting up to 300 s for rollout ranks to join: 0 live "
-                        "of loop.min_rollouts=1; lost: rank 2 on node2 (connection closed)")
-    assert lines[2].endswith("1,000 steps/s, 2 rollout ranks, weights v2, 0:02"), lines
 
 
 @pytest.mark.e2e

@@ -1,4 +1,5 @@
-"""Weight transfer between real gloo processes: bit-exact, persistent buffers, no hangs."""
+"""Weight transfer between real gloo processes: bit-exact, persistent buffers, no hangs. Its
+metadata, in this process, is tests/unit/test_weight_metadata.py."""
 
 from __future__ import annotations
 
@@ -15,13 +16,9 @@ from torch import Tensor, nn
 from rlcomm import CommContext, ParallelMode
 from rlcomm.testing import run_ranks
 from rlcomm.weights import (
-    TensorMeta,
     WeightReceiver,
     WeightSender,
     WeightTransferError,
-    decode_metadata,
-    encode_metadata,
-    metadata_mismatches,
 )
 from tests.helpers.weights import (
     TIMEOUT_S,
@@ -281,62 +278,6 @@ def test_sender_must_be_the_first_declared_rank() -> None:
     assert "rank 1 cannot be a WeightReceiver in WEIGHT_TRANSFER[1,0]" in results[1]
     assert "rank 0 cannot be a WeightSender" in results[0]
     assert "rank 1 (its first declared rank) sends" in results[0]
-
-
-@pytest.mark.unit
-def test_metadata_round_trips_as_json() -> None:
-    metadata = (
-        TensorMeta("a", torch.bfloat16, (2, 3)),
-        TensorMeta("b", torch.bool, ()),
-        TensorMeta("c", torch.bfloat16, (0, 5)),
-    )
-    raw = encode_metadata(metadata)
-    assert raw.startswith(b"{") and decode_metadata(raw) == metadata
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize(
-    ("raw", "message"),
-    [
-        (b"\x80not json", "not valid JSON"),
-        (b'{"format":"pickle","tensors":[],"buffers":{}}', "format"),
-        (b'{"format":"rlcomm.weights/1","tensors":[["a","object",[1]]],"buffers":{}}',
-         "unknown dtype 'object'"),
-        (b'{"format":"rlcomm.weights/1","tensors":[["a","float32",[-1]]],"buffers":{}}',
-         "invalid shape [-1]"),
-        (b'{"format":"rlcomm.weights/1","tensors":[["a","float32",[true]]],"buffers":{}}',
-         "invalid shape [True]"),
-        (b'{"format":"rlcomm.weights/1","tensors":[["a","float32",[2]]],'
-         b'"buffers":{"float32":3}}', "do not add up"),
-        (b'{"format":"rlcomm.weights/1","tensors":[["a","int8",[]],["a","int8",[]]],'
-         b'"buffers":{"int8":2}}', "'a' twice"),
-    ],
-)
-def test_malformed_metadata_is_rejected(raw: bytes, message: str) -> None:
-    with pytest.raises(WeightTransferError, match=message.replace("[", r"\[")):
-        decode_metadata(raw)
-
-
-@pytest.mark.unit
-def test_mismatches_name_the_tensor_and_both_sides() -> None:
-    metadata = (TensorMeta("w", torch.float32, (2, 3)), TensorMeta("extra", torch.int8, (1,)))
-    problems = metadata_mismatches(
-        metadata, {"w": torch.zeros(2, 3, dtype=torch.float16), "gone": torch.zeros(1)}
-    )
-    assert problems == [
-        "missing tensor 'gone'",
-        "tensor 'w' is [2, 3] float32 but expected [2, 3] float16",
-        "unexpected tensor 'extra' ([1] int8)",
-    ]
-
-
-@pytest.mark.unit
-def test_rlcomm_hands_on_the_weights_classes_of_rlcomm_weights() -> None:
-    import rlcomm
-    import rlcomm.weights as weights
-
-    assert rlcomm.WeightSender is weights.WeightSender
-    assert rlcomm.WeightReceiver is weights.WeightReceiver
 
 
 @contextmanager

@@ -1,14 +1,13 @@
 """A resume is checked before launch, and checkpoints prove themselves (docs/data-safety.md).
 
-Unit tests work on real ``torch.save`` files written by ``save_checkpoint``; the e2e tests resume
-real runs through ``python -m app``.
+These tests work on real ``torch.save`` files written by ``save_checkpoint``, in this process;
+tests/e2e/test_resume.py resumes real runs through ``python -m app``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,6 @@ from app.runtime.checkpoints import (
     run_settings,
     save_checkpoint,
 )
-from tests.helpers.apprun import describe, metrics, read_result, run_app, run_ppo
-
-SMALL = ("loop.hparams.num_envs=4", "loop.hparams.num_steps=64", "loop.target_return=1e9",
-         "loop.checkpoint_every=1")
 
 
 def _loop(**hparams: Any) -> PPOLoop:
@@ -185,76 +180,3 @@ def test_an_old_checkpoint_without_checksum_is_accepted_with_a_note(tmp_path: Pa
     assert _mismatch(picked.state, _loop(hidden_size=32)) == (
         "loop.resume: checkpoint has policy tensor critic.0.weight of shape [64, 4], "
         "this run [32, 4]")
-
-
-# ---- e2e: through python -m app --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def finished_2t2r(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 2t2r run: 2 updates of 512 env steps, a checkpoint after each."""
-    run_dir = tmp_path_factory.mktemp("resume") / "first"
-    run_ppo(run_dir, "layout=2t2r", *SMALL, "loop.total_env_steps=1024")
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "ckpt_000001.pt", "ckpt_000002.pt"]
-    return run_dir
-
-
-@pytest.mark.e2e
-def test_a_resume_with_another_hidden_size_is_refused_before_any_rank_starts(
-    finished_2t2r: Path, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "second"
-    proc = run_app("loop.progress=false", f"hydra.run.dir={run_dir}", "layout=2t2r", *SMALL,
-                   "loop.total_env_steps=2048", f"loop.resume={finished_2t2r}",
-                   "loop.hparams.hidden_size=32")
-    assert proc.returncode == 2, describe(proc)
-    assert proc.stderr.strip().splitlines() == [
-        "error: loop.resume: checkpoint has loop.hparams.hidden_size=64, this run 32"], describe(proc)
-    assert not (run_dir / "logs").exists()  # no rank ever started
-
-
-@pytest.mark.e2e
-def test_a_2t2r_checkpoint_resumes_on_1t3r_with_a_larger_budget(
-    finished_2t2r: Path, tmp_path: Path
-) -> None:
-    run_dir = tmp_path / "second"
-    # 1t3r: 3 collectors x 256 env steps per update; from 1024 env steps, one more update.
-    result = run_ppo(run_dir, "layout=1t3r", *SMALL, "loop.total_env_steps=1792",
-                     f"loop.resume={finished_2t2r}")
-    trainer = next(r["result"] for r in result["ranks"] if r["rank"] == 0)
-    assert (trainer["updates"], trainer["env_steps"]) == (3, 1792), trainer
-    assert "resumed from" in (run_dir / "logs" / "rank0.log").read_text()
-    assert re.search(r"resumed from \S+/ckpt_000002\.pt at update 2",
-                     (run_dir / "logs" / "rank0.log").read_text())
-    assert [r["update"] for r in metrics(run_dir)] == [3.0]
-    assert read_result(run_dir)["status"] == "ok"
-
-
-@pytest.mark.e2e
-def test_a_truncated_newest_checkpoint_is_skipped_naming_it_and_a_stale_tmp_is_ignored(
-    finished_2t2r: Path, tmp_path: Path
-) -> None:
-    source = tmp_path / "crashed"
-    shutil.copytree(finished_2t2r / "checkpoints", source / "checkpoints")
-    newest = source / "checkpoints" / "ckpt_000002.pt"
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    (source / "checkpoints" / "ckpt_000003.tmp").write_bytes(b"half a checkpoint")
-    run_dir = tmp_path / "second"
-    # layout=single: 256 env steps per update; from update 1 (512 env steps), one more update.
-    proc = run_app("loop.progress=false", f"hydra.run.dir={run_dir}", "layout=single", *SMALL,
-                   "loop.total_env_steps=768", f"loop.resume={source}")
-    assert proc.returncode == 0, describe(proc)
-    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == 1, describe(proc)
-    assert warnings[0].startswith(
-        f"warning: loop.resume: skipped {newest}: not a readable checkpoint (truncated or corrupt"
-    ), describe(proc)
-    assert warnings[0].endswith("; resuming from ckpt_000001.pt"), describe(proc)
-    log = (run_dir / "logs" / "rank0.log").read_text()
-    assert re.search(r"resumed from \S+/ckpt_000001\.pt at update 1", log), log
-    assert read_result(run_dir)["ranks"][0]["result"]["updates"] == 2
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["ckpt_000002.pt"]
-    # The source run is read, never changed.
-    assert sorted(p.name for p in (source / "checkpoints").iterdir()) == [
-        "ckpt_000001.pt", "ckpt_000002.pt", "ckpt_000003.tmp"]

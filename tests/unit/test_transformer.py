@@ -1,6 +1,7 @@
 """The transformer policy (app/runtime/transformer.py) and its tensor-parallel plan, the
 observation windows it reads (app/runtime/history.py) and the memory task
-(app/runtime/memory_envs.py)."""
+(app/runtime/memory_envs.py), in this process. The plan on two real gloo ranks is
+tests/integration/test_transformer.py."""
 
 from __future__ import annotations
 
@@ -10,17 +11,13 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from gymnasium import spaces as gym_spaces
 from gymnasium.vector import AutoresetMode
 from torch import Tensor
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     SequenceParallel,
-    parallelize_module,
 )
 from torch.distributions import Normal
 
@@ -38,44 +35,23 @@ from app.runtime.transformer import (
     tensor_parallel_plan,
     transformer_space_problem,
 )
-from rlcomm.testing import run_ranks
-
-OBS_DIM, CONTEXT, WIDTH, HEADS = 3, 4, 16, 4
-DISCRETE = Spaces(gym_spaces.Box(-1.0, 1.0, (OBS_DIM,), np.float32), gym_spaces.Discrete(3))
-BOX = Spaces(gym_spaces.Box(-1.0, 1.0, (OBS_DIM,), np.float32),
-             gym_spaces.Box(-1.0, 1.0, (2, 2), np.float32))
-TP_TOLERANCE = 1e-5
+from tests.helpers.transformer_inputs import (
+    BOX,
+    CONTEXT,
+    DISCRETE,
+    HEADS,
+    OBS_DIM,
+    WIDTH,
+    make_model,
+    policy_loss,
+    random_actions,
+    random_windows,
+)
 
 
 @pytest.fixture(autouse=True)
 def _single_thread() -> None:
     torch.set_num_threads(1)
-
-
-def _model(spaces: Spaces, layers: int = 2) -> TransformerActorCritic:
-    return TransformerActorCritic(spaces, WIDTH, layers, HEADS, CONTEXT)
-
-
-def _windows(*lead: int, seed: int = 0) -> Tensor:
-    """Random windows [*lead, CONTEXT, OBS_DIM + 1] whose episodes started 1..CONTEXT steps ago
-    (zero padding before, as ObsHistory keeps them)."""
-    gen = torch.Generator().manual_seed(seed)
-    obs = torch.randn(*lead, CONTEXT, OBS_DIM, generator=gen)
-    start = torch.randint(0, CONTEXT, (*lead, 1), generator=gen)
-    valid = (torch.arange(CONTEXT) >= start).float()
-    return torch.cat([obs * valid[..., None], valid[..., None]], dim=-1)
-
-
-def _actions(spaces: Spaces, *lead: int, seed: int = 0) -> Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    if isinstance(spaces.action, gym_spaces.Discrete):
-        return torch.randint(0, int(spaces.action.n), lead, generator=gen)
-    return torch.randn(*lead, *spaces.action.shape, generator=gen)
-
-
-def _loss(outputs: tuple[Tensor, Tensor, Tensor]) -> Tensor:
-    logprob, entropy, value = outputs
-    return -logprob.mean() - 0.01 * entropy.mean() + 0.5 * value.square().mean()
 
 
 # --- the policy ---------------------------------------------------------------------------------
@@ -103,7 +79,7 @@ def test_space_problem_takes_vectors_and_actionable_spaces_only() -> None:
 @pytest.mark.unit
 def test_structure_is_named_as_torchtitans_llama() -> None:
     torch.manual_seed(0)
-    model = _model(DISCRETE)
+    model = make_model(DISCRETE)
     assert model.history_shape == (CONTEXT, OBS_DIM + 1)
     assert model.embed.in_features == OBS_DIM + 1 and model.pos.table.shape == (CONTEXT, WIDTH)
     assert len(model.layers) == 2 and model.hidden == ffn_hidden(WIDTH)
@@ -113,7 +89,7 @@ def test_structure_is_named_as_torchtitans_llama() -> None:
         assert f"layers.1.{sub}" in names
     assert model.actor.out_features == 3 and model.critic.out_features == 1
     assert not hasattr(model, "actor_std")
-    box = _model(BOX)
+    box = make_model(BOX)
     assert box.actor.out_features == 4
     assert torch.equal(box.actor_std.log_std, torch.zeros(1, 4))  # CleanRL's start: std 1
 
@@ -121,13 +97,13 @@ def test_structure_is_named_as_torchtitans_llama() -> None:
 @pytest.mark.unit
 def test_init_is_a_function_of_the_global_seed() -> None:
     torch.manual_seed(5)
-    first = _model(BOX).state_dict()
+    first = make_model(BOX).state_dict()
     torch.manual_seed(5)
-    second = _model(BOX).state_dict()
+    second = make_model(BOX).state_dict()
     assert list(first) == list(second)
     assert all(torch.equal(first[name], second[name]) for name in first)
     torch.manual_seed(6)
-    assert not torch.equal(_model(BOX).state_dict()["layers.0.attention.wq.weight"],
+    assert not torch.equal(make_model(BOX).state_dict()["layers.0.attention.wq.weight"],
                            first["layers.0.attention.wq.weight"])
 
 
@@ -135,9 +111,9 @@ def test_init_is_a_function_of_the_global_seed() -> None:
 def test_methods_match_actor_critics_shapes_and_dtypes() -> None:
     for spaces, action_dims in ((DISCRETE, ()), (BOX, (2, 2))):
         torch.manual_seed(0)
-        model = _model(spaces)
-        obs = _windows(5, 3)  # [T, N, context, obs_dim + 1], as a segment holds them
-        actions = _actions(spaces, 5, 3)
+        model = make_model(spaces)
+        obs = random_windows(5, 3)  # [T, N, context, obs_dim + 1], as a segment holds them
+        actions = random_actions(spaces, 5, 3)
         with torch.no_grad():
             action, logprob, value = model.act(obs[0], torch.Generator().manual_seed(1))
             assert action.shape == (3, *action_dims) and logprob.shape == value.shape == (3,)
@@ -158,8 +134,8 @@ def test_methods_match_actor_critics_shapes_and_dtypes() -> None:
 def test_sampling_uses_only_the_generator() -> None:
     for spaces in (DISCRETE, BOX):
         torch.manual_seed(0)
-        model = _model(spaces)
-        obs = _windows(64)
+        model = make_model(spaces)
+        obs = random_windows(64)
         state = torch.get_rng_state()
         with torch.no_grad():
             first = model.act(obs, torch.Generator().manual_seed(11))[0]
@@ -171,11 +147,11 @@ def test_sampling_uses_only_the_generator() -> None:
 @pytest.mark.unit
 def test_gaussian_is_normal_summed_over_action_dims_and_unclipped() -> None:
     torch.manual_seed(1)
-    model = _model(BOX)
+    model = make_model(BOX)
     with torch.no_grad():
         log_std = model.actor_std.log_std
         log_std.copy_(torch.linspace(-1.0, 0.5, 4))
-        obs = _windows(2000)
+        obs = random_windows(2000)
         action, logprob, _ = model.act(obs, torch.Generator().manual_seed(2))
         mean = model.actor(model._features(obs))
         normal = Normal(mean, log_std.exp().expand_as(mean))
@@ -184,7 +160,7 @@ def test_gaussian_is_normal_summed_over_action_dims_and_unclipped() -> None:
         torch.testing.assert_close(got_logprob, logprob)
         torch.testing.assert_close(entropy, normal.entropy().sum(-1))
         assert action.abs().max() > 1.0  # the space is [-1, 1]: the runtime clips, not the model
-    loss = _loss(model.evaluate(obs[:8], action[:8]))
+    loss = policy_loss(model.evaluate(obs[:8], action[:8]))
     loss.backward()
     assert log_std.grad is not None and log_std.grad.abs().sum() > 0
 
@@ -192,21 +168,21 @@ def test_gaussian_is_normal_summed_over_action_dims_and_unclipped() -> None:
 @pytest.mark.unit
 def test_padding_is_never_attended_and_valid_steps_are() -> None:
     torch.manual_seed(0)
-    model = _model(DISCRETE)
-    obs = _windows(32, seed=3)
+    model = make_model(DISCRETE)
+    obs = random_windows(32, seed=3)
     obs[0, :, -1] = 0.0  # one window with only its newest step real (the flag is forced there)
     obs[0, -1, -1] = 1.0
     padding = obs[..., -1:] == 0
     noisy = torch.where(padding, torch.randn_like(obs) * 10, obs)
     noisy[..., -1] = obs[..., -1]  # the flags stay: only what padding holds changes
-    actions = _actions(DISCRETE, 32)
+    actions = random_actions(DISCRETE, 32)
     with torch.no_grad():
         clean_out, noisy_out = model.evaluate(obs, actions), model.evaluate(noisy, actions)
         for clean, dirty in zip(clean_out, noisy_out, strict=True):
             assert torch.isfinite(clean).all()
             torch.testing.assert_close(clean, dirty, rtol=0, atol=1e-6)
         # An older real step does change the newest position's output: the policy remembers.
-        full = _windows(32, seed=3)
+        full = random_windows(32, seed=3)
         full[:, :, -1] = 1.0
         changed = full.clone()
         changed[:, 0, :-1] += 1.0
@@ -227,7 +203,7 @@ def test_tensor_parallel_checks_and_plan() -> None:
         assert ffn_hidden(width) % 8 == 0 and ffn_hidden(width) >= 8 * width / 3
 
     torch.manual_seed(0)
-    model = _model(DISCRETE, layers=3)
+    model = make_model(DISCRETE, layers=3)
     for sequence_parallel in (False, True):
         plan = tensor_parallel_plan(model, sequence_parallel)
         for name in plan:
@@ -402,94 +378,3 @@ def test_windows_of_a_vector_env_never_cross_episodes() -> None:
     finally:
         envs.close()
     assert ends > 0  # episode boundaries were crossed
-
-
-# --- tensor parallelism on two gloo ranks -------------------------------------------------------
-
-
-def _plain(tensor: Tensor) -> Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _max_error(got: list[Tensor], want: list[Tensor]) -> float:
-    return max(float((_plain(g) - w).abs().max()) for g, w in zip(got, want, strict=True))
-
-
-def _tensor_parallel_rank(rank: int, world_size: int, sequence_parallel: bool,
-                          replicate_rest: bool) -> list[Any]:
-    """Each check on this rank; returns the actions sampled, for the ranks to compare."""
-    dist.init_process_group("gloo")
-    try:
-        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-        sampled = []
-        # One block takes the plan's split-and-gather in one module; two, in two.
-        for spaces, layers in ((DISCRETE, 1), (BOX, 2)):
-            torch.manual_seed(3)
-            ref = _model(spaces, layers)
-            torch.manual_seed(3)
-            tp = _model(spaces, layers)
-            parallelize_module(tp, mesh, tensor_parallel_plan(tp, sequence_parallel,
-                                                              replicate_rest=replicate_rest))
-            sharded = [n for n, p in tp.named_parameters() if isinstance(p, DTensor)]
-            assert "layers.0.attention.wq.weight" in sharded
-            if replicate_rest:
-                assert len(sharded) == len(list(tp.parameters()))
-            else:
-                assert "embed.weight" not in sharded
-                assert ("layers.0.ffn_norm.weight" in sharded) == sequence_parallel
-
-            obs, actions = _windows(3, 2, seed=4), _actions(spaces, 3, 2, seed=4)
-            want, got = ref.evaluate(obs, actions), tp.evaluate(obs, actions)
-            error = _max_error(list(got), list(want))
-            assert error <= TP_TOLERANCE, f"evaluate differs by {error}"
-            _loss(want).backward()
-            _loss(got).backward()
-            params = list(zip(tp.named_parameters(), ref.parameters(), strict=True))
-            for (name, p), q in params:
-                assert p.grad is not None and q.grad is not None
-                error = _max_error([p.grad], [q.grad])
-                assert error <= TP_TOLERANCE, f"{name}.grad differs by {error}"
-
-            with torch.no_grad():
-                ref_act = ref.act(obs[0], torch.Generator().manual_seed(9))
-                tp_act = tp.act(obs[0], torch.Generator().manual_seed(9))
-            if spaces is DISCRETE:
-                assert torch.equal(ref_act[0], tp_act[0])
-            error = _max_error(list(tp_act), list(ref_act))
-            assert error <= TP_TOLERANCE, f"act differs by {error}"
-            sampled.append(tp_act[0].tolist())
-
-            # torch's clip_grad_norm_ refuses a DTensor/plain mix: the runtime's plan
-            # (replicate_rest) makes every parameter a DTensor, and then it clips alike.
-            if not replicate_rest:
-                continue
-            want_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-            got_norm = _plain(torch.nn.utils.clip_grad_norm_(tp.parameters(), 0.5))
-            assert abs(float(got_norm - want_norm)) <= TP_TOLERANCE * float(want_norm)
-            assert float(want_norm) > 0.5  # the clip did scale
-            for (name, p), q in params:
-                assert p.grad is not None and q.grad is not None
-                error = _max_error([p.grad], [q.grad])
-                assert error <= TP_TOLERANCE, f"{name}.grad differs by {error} after clipping"
-
-            # One Adam step keeps sharded and replicated weights alike (the norms' gradients
-            # under sequence parallelism are Partial: the step must reduce them).
-            for model in (ref, tp):
-                torch.optim.Adam(model.parameters(), lr=1e-3).step()
-            for (name, p), q in params:
-                error = _max_error([p.detach()], [q.detach()])
-                assert error <= TP_TOLERANCE, f"{name} differs by {error} after a step"
-        return sampled
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize(("sequence_parallel", "replicate_rest"),
-                         [(False, False), (True, False), (False, True)],
-                         ids=["tp", "tp+sp", "tp+replicated-rest"])
-def test_tensor_parallel_matches_the_unsharded_model(sequence_parallel: bool,
-                                                     replicate_rest: bool) -> None:
-    results = run_ranks(_tensor_parallel_rank, 2, sequence_parallel, replicate_rest,
-                        timeout=120)
-    assert results[0] == results[1]  # equal generators: equal actions on every rank
