@@ -11,7 +11,7 @@ file) cannot keep a tier it no longer has:
 - ``unit`` (tests/unit/): in-process, no child processes or ranks, fast:
   ``python -m pytest tests/unit`` (or ``-m unit``) runs the whole tier in under a minute;
 - ``integration`` (tests/integration/): real ranks (:func:`rlcomm.testing.run_ranks`) or other
-  child processes, but not the whole app;
+  child processes, or a training run in one process that takes seconds, but not the whole app;
 - ``e2e`` (tests/e2e/): runs of the app itself, ``python -m app`` or torchrun, as a user would;
 - ``cluster`` (tests/cluster/): a SLURM cluster (tests/slurm) or network-namespace hosts
   (tests/hosts).

@@ -1,16 +1,17 @@
 """Self-checks for PPO on the runtime's single-process pieces: a worker collecting segments, the
-packed segment's round trip, GAE, and a short training run."""
+packed segment's round trip, GAE, and the same parameters from the same seed. A short training
+run that learns is tests/integration/test_single_process_learning.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from app.loops.ppo.core import PPO, PPOHyperParams, compute_gae
-from app.runtime import Segment, UpdateInfo
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.loops.ppo.core import PPOHyperParams, compute_gae
+from app.runtime import Segment
 from app.runtime.segments import Field, Layout
-from app.runtime.worker import Agent, RolloutWorker, as_segment
+from app.runtime.worker import as_segment
+from tests.helpers.single_process import ppo_parts, train_ppo
 
 pytestmark = pytest.mark.unit
 
@@ -19,31 +20,6 @@ pytestmark = pytest.mark.unit
 def _single_thread() -> None:
     # Multi-threaded BLAS reductions may reorder float sums; one thread is bitwise reproducible.
     torch.set_num_threads(1)
-
-
-def _parts(seed: int, hp: PPOHyperParams, env: EnvConfig | None = None
-           ) -> tuple[PPO, Agent, RolloutWorker]:
-    env = env or EnvConfig()
-    torch.manual_seed(seed)
-    spaces = probe_spaces(env)
-    algorithm = PPO(hp, spaces)
-    agent = Agent(algorithm.build(), spaces, env)
-    return algorithm, agent, RolloutWorker(algorithm, spaces, env, agent, seed)
-
-
-def _train(seed: int, updates: int, hp: PPOHyperParams) -> tuple[Agent, list[tuple[float, int]]]:
-    """Single-worker PPO run; returns the agent and all finished episodes in order."""
-    algorithm, agent, worker = _parts(seed, hp)
-    optimizer = algorithm.optimizer(agent.net)
-    generator = torch.Generator().manual_seed(seed)
-    episodes: list[tuple[float, int]] = []
-    for update in range(updates):
-        packed, finished = worker.collect(agent, update)
-        episodes += finished
-        info = UpdateInfo(optimizer, generator, update * hp.num_envs * hp.num_steps, update, 0)
-        algorithm.update(agent.net, agent.net, [as_segment(worker.layout, packed)], info)
-    worker.close()
-    return agent, episodes
 
 
 def test_a_packed_segment_round_trips_exactly_with_every_dtype() -> None:
@@ -62,7 +38,7 @@ def test_a_packed_segment_round_trips_exactly_with_every_dtype() -> None:
 
 def test_a_collected_segment_holds_every_step_and_its_version() -> None:
     hp = PPOHyperParams(num_envs=3, num_steps=20)
-    _, agent, worker = _parts(0, hp)
+    _, agent, worker = ppo_parts(0, hp)
     packed, _ = worker.collect(agent, version=7)
     segment = as_segment(worker.layout, packed)
     worker.close()
@@ -99,23 +75,10 @@ def test_gae_matches_hand_computation() -> None:
     torch.testing.assert_close(returns.view(-1), torch.tensor([a0 + v[0], a1 + v[1], a2 + v[2]]))
 
 
-def test_short_training_improves_return() -> None:
-    hp = PPOHyperParams(anneal_env_steps=30_000)  # anneal over this short run
-    updates = 30_000 // (hp.num_envs * hp.num_steps) + 1  # ~30k env steps
-    _, episodes = _train(seed=0, updates=updates, hp=hp)
-    returns = [r for r, _ in episodes]
-    first, last = sum(returns[:20]) / 20, sum(returns[-20:]) / 20
-
-    # A random CartPole policy scores ~20; a learning one is far above that.
-    assert first < 50
-    # Seeds 0-5 give 160-300 here; 100 leaves room for platform-dependent float drift.
-    assert last > 100 and last > 4 * first, (first, last)
-
-
 def test_same_seed_gives_identical_parameters() -> None:
     hp = PPOHyperParams(num_envs=4, num_steps=32)
-    a, episodes_a = _train(seed=3, updates=3, hp=hp)
-    b, episodes_b = _train(seed=3, updates=3, hp=hp)
+    a, episodes_a = train_ppo(seed=3, updates=3, hp=hp)
+    b, episodes_b = train_ppo(seed=3, updates=3, hp=hp)
 
     assert episodes_a == episodes_b
     for pa, pb in zip(a.parameters(), b.parameters()):

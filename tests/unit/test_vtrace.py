@@ -1,9 +1,8 @@
 """V-trace (app/loops/vtrace): its targets against the paper's definition, its settings' checks,
-its update's contract with the runtime, and a short single-process run on CartPole that learns."""
+and its update's contract with the runtime. A short single-process run on CartPole that learns
+is tests/integration/test_single_process_learning.py."""
 
 from __future__ import annotations
-
-import copy
 
 import numpy as np
 import pytest
@@ -12,9 +11,10 @@ from gymnasium import spaces as gym_spaces
 
 from app.loops.vtrace import VTraceLoop
 from app.loops.vtrace.core import VTrace, VTraceSettings, discounts_from_dones, vtrace_targets
-from app.runtime import Segment, Spaces, UpdateInfo
+from app.runtime import Spaces, UpdateInfo
 from app.runtime.envs import EnvConfig, probe_spaces
-from app.runtime.worker import Agent, RolloutWorker, as_segment
+from app.runtime.worker import Agent, as_segment
+from tests.helpers.single_process import vtrace_parts
 
 pytestmark = pytest.mark.unit
 
@@ -162,18 +162,9 @@ def test_the_loop_declares_vtrace_and_its_settings() -> None:
     assert VTrace.space_problem(box_actions) is not None
 
 
-def _cartpole(seed: int, settings: VTraceSettings) -> tuple[VTrace, Agent, RolloutWorker]:
-    env = EnvConfig()
-    torch.manual_seed(seed)
-    spaces = probe_spaces(env)
-    algorithm = VTrace(settings, spaces)
-    agent = Agent(algorithm.build(), spaces, env)
-    return algorithm, agent, RolloutWorker(algorithm, spaces, env, agent, seed)
-
-
 def _one_update(seed: int, settings: VTraceSettings) -> tuple[dict[str, float], int, VTrace, Agent]:
     """One update on one real CartPole segment; returns its figures and the optimizer steps."""
-    algorithm, agent, worker = _cartpole(seed, settings)
+    algorithm, agent, worker = vtrace_parts(seed, settings)
     packed, _ = worker.collect(agent, 0)
     worker.close()
     optimizer = algorithm.optimizer(agent.net)
@@ -210,23 +201,3 @@ def test_an_update_returns_its_losses_and_takes_a_fixed_number_of_steps() -> Non
     assert no_bootstrap.value(agent.net, obs) is None
 
 
-def test_vtrace_learns_cartpole_with_weights_one_update_stale() -> None:
-    """A rollout acting with weights one update old (``loop.max_staleness=1``), single process:
-    a few seconds of V-trace lift the return well clear of a random policy's (about 22)."""
-    settings = VTraceSettings()
-    algorithm, agent, worker = _cartpole(0, settings)
-    behaviour = copy.deepcopy(agent)  # the rollout's copy: one weights version behind
-    optimizer = algorithm.optimizer(agent.net)
-    generator = torch.Generator().manual_seed(0)
-    episodes: list[float] = []
-    for update in range(20):  # 20k env steps; random play returns about 22
-        packed, finished = worker.collect(behaviour, update)
-        episodes += [ret for ret, _ in finished]
-        segment: Segment = as_segment(worker.layout, packed, lag=1)
-        behaviour.load_state_dict(agent.state_dict())  # what the trainer sent before updating
-        env_steps = (update + 1) * settings.num_envs * settings.num_steps
-        info = UpdateInfo(optimizer, generator, env_steps, update, 1)
-        algorithm.update(agent.net, agent.net, [segment], info)
-    worker.close()
-    first, last = np.mean(episodes[:20]), np.mean(episodes[-20:])
-    assert first < 50 and last > 100, (first, last)
