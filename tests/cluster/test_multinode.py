@@ -470,7 +470,7 @@ def test_interface_is_the_one_that_reaches_the_master_unless_the_user_set_one(
 # --------------------------------------------------------------------------------------------
 # Elastic rollout hosts (layout.elastic_rollouts, the default): a lost rollout host is dropped
 # and the trainers go on; a new torchrun on it joins the running job. (The local launcher's
-# version: tests/test_elastic.py.)
+# version: tests/e2e/test_elastic_rollout_ranks.py.)
 # --------------------------------------------------------------------------------------------
 
 # Small updates (4 envs x 32 steps per rollout rank): a few per second, even on a loaded machine.

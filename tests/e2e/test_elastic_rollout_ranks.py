@@ -6,7 +6,8 @@ come (ranks started by hand), else the run ends at once, naming who was lost; a 
 starts a new membership epoch. Nothing is left running.
 
 Multi-host cases (a whole rollout host killed and restarted, a link down) are in
-tests/test_multinode.py; the groups themselves in tests/test_elastic_groups.py.
+tests/cluster/test_multinode.py; the groups themselves in
+tests/integration/test_elastic_groups.py.
 """
 
 from __future__ import annotations

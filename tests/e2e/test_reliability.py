@@ -156,7 +156,7 @@ def test_sigkill_of_one_rank_stops_the_whole_run(
     start_app: Callable[..., AppProcess], rank: int, layout: str
 ) -> None:
     """A trainer's death ends the run; so does a rollout rank's where the groups are static
-    (an elastic rollout rank is dropped instead: tests/test_elastic.py)."""
+    (an elastic rollout rank is dropped instead: tests/e2e/test_elastic_rollout_ranks.py)."""
     app = start_app("killed", *PPO_FOREVER, layout)
     app.wait_until_training()
     ranks = app.ranks()

@@ -182,7 +182,7 @@ def _composable_replicate() -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     # Data parallelism over DTensor (tensor-parallel) parameters; its numbers are checked
-    # against DDP's by tests/test_sharding.py.
+    # against DDP's by tests/integration/test_sharding.py.
     assert "mesh" in inspect.signature(replicate).parameters
 
 
