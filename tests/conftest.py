@@ -1,15 +1,20 @@
 """What every test module shares: the four tiers, and where shared helpers live.
 
-Every test has exactly one tier (a module's ``pytestmark = pytest.mark.<tier>``, or one mark per
-test where a module mixes tiers); collection stops with a usage error naming any test with none
-or several, so a new test cannot slip in untiered:
+Every test has exactly one tier, and its folder says which: ``tests/<tier>/``. Each test also
+carries its tier's mark (a module's ``pytestmark = pytest.mark.<tier>``, or one mark per test),
+so ``-m`` selects a tier however the suite was collected and a reader sees the tier in the file.
+Collection stops with a usage error naming any test with no tier mark or several, a test
+whose mark is not its folder's, and a test module outside the tier folders, so a new test
+cannot slip in untiered, and a file moved to another folder (or a test pasted into another
+file) cannot keep a tier it no longer has:
 
-- ``unit``: in-process, no child processes or ranks, fast: ``python -m pytest -m unit`` runs the
-  whole tier in under a minute;
-- ``integration``: real ranks (:func:`rlcomm.testing.run_ranks`) or other child processes, but
-  not the whole app;
-- ``e2e``: runs of the app itself, ``python -m app`` or torchrun, as a user would;
-- ``cluster``: a SLURM cluster (tests/slurm) or network-namespace hosts (tests/hosts).
+- ``unit`` (tests/unit/): in-process, no child processes or ranks, fast:
+  ``python -m pytest tests/unit`` (or ``-m unit``) runs the whole tier in under a minute;
+- ``integration`` (tests/integration/): real ranks (:func:`rlcomm.testing.run_ranks`) or other
+  child processes, or a training run in one process that takes seconds, but not the whole app;
+- ``e2e`` (tests/e2e/): runs of the app itself, ``python -m app`` or torchrun, as a user would;
+- ``cluster`` (tests/cluster/): a SLURM cluster (tests/slurm) or network-namespace hosts
+  (tests/hosts).
 
 Plain ``python -m pytest`` (CI) runs every tier. No test module imports another: helpers that
 several modules use live in tests/helpers/ (plain modules) or here (fixtures); collection stops
@@ -30,6 +35,8 @@ if TYPE_CHECKING:
     from tests.helpers.apprun import AppProcess
 
 TIERS = ("unit", "integration", "e2e", "cluster")
+# The folder that holds the tier folders: this file's.
+TESTS = Path(__file__).resolve().parent
 _TEST_MODULE = re.compile(r"(?:^|\.)test_\w+$")
 
 
@@ -39,21 +46,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if problems:
         raise pytest.UsageError("\n  ".join([
             "every test needs exactly one tier mark, one of "
-            f"{', '.join(TIERS)} (see tests/conftest.py), and no test module may import "
-            "another (shared helpers live in tests/helpers/ or tests/conftest.py):",
+            f"{', '.join(TIERS)}, the tier of its folder tests/<tier>/ (see tests/conftest.py), "
+            "and no test module may import another (shared helpers live in tests/helpers/ or "
+            "tests/conftest.py):",
             *problems,
         ]))
 
 
 def _untiered(items: list[pytest.Item]) -> list[str]:
-    """``nodeid: no tier`` (or ``tiers a, b``), once per test function, not per parameter."""
+    """``nodeid: no tier`` (or ``tiers a, b``, ``unit in tests/e2e/``, ``not in a tier folder``),
+    once per test function, not per parameter."""
     problems: dict[str, str] = {}
     for item in items:
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
-        if len(tiers) != 1:
-            test = item.nodeid.split("[", 1)[0]
-            problems.setdefault(test, "no tier" if not tiers else f"tiers {', '.join(tiers)}")
+        folder = _tier_folder(item.path)
+        if folder is None:
+            what = f"not in a tier folder ({', '.join(f'tests/{tier}/' for tier in TIERS)})"
+        elif len(tiers) != 1:
+            what = "no tier" if not tiers else f"tiers {', '.join(tiers)}"
+        elif tiers[0] != folder:
+            what = f"{tiers[0]} in tests/{folder}/"
+        else:
+            continue
+        problems.setdefault(item.nodeid.split("[", 1)[0], what)
     return [f"{test}: {what}" for test, what in problems.items()]
+
+
+def _tier_folder(path: Path) -> str | None:
+    """The tier whose folder holds ``path`` (``tests/<tier>/...``), or None."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
 
 
 def _test_module_imports(items: list[pytest.Item], root: Path) -> list[str]:
@@ -66,7 +91,8 @@ def _test_module_imports(items: list[pytest.Item], root: Path) -> list[str]:
             elif isinstance(node, ast.ImportFrom):
                 module = "." * node.level + (node.module or "")
                 names = [module]
-                if module.strip(".") in ("", "tests"):  # from tests import test_x, from . import
+                # from tests import test_x, from tests.unit import test_x, from . import test_x
+                if node.level or module == "tests" or module.startswith("tests."):
                     dot = "" if module.endswith(".") else "."
                     names += [f"{module}{dot}{alias.name}" for alias in node.names]
             else:
@@ -77,6 +103,34 @@ def _test_module_imports(items: list[pytest.Item], root: Path) -> list[str]:
                     problems.append(f"{where}:{node.lineno} imports the test module {name}")
                     break
     return problems
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``tmpfs(size)``: a fresh tmpfs of ``size`` (mount's syntax: ``4m``), unmounted at
+    teardown whatever the test did (tests/helpers/disks.py)."""
+    import os
+
+    from tests.helpers.disks import mount, unmount
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mounted: list[Path] = []
+
+    def make(size: str, name: str = "disk") -> Path:
+        target = tmp_path / name
+        target.mkdir()
+        try:
+            mount(target, f"size={size},mode=0755")
+        except OSError as err:
+            pytest.skip(f"cannot mount a tmpfs here: {err}")
+        mounted.append(target)
+        return target
+
+    yield make
+    for target in mounted:
+        unmount(target)
+        assert not os.path.ismount(target), f"{target} is still mounted"
 
 
 @pytest.fixture

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 # - "error": this rank's own error.
 Kind = Literal["diagnosis", "peer_lost", "error"]
 
-# gloo's words for a peer whose connection went away (pinned in tests/test_private_apis.py).
+# gloo's words for a peer whose connection went away (pinned in
+# tests/integration/test_local_launcher_private_apis.py).
 GLOO_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker")
 
 # Room kept on disk for each rank's record from the start, so that a full disk cannot keep the

@@ -1,7 +1,8 @@
 """Every private API of torch, Python and submitit that the launch room relies on, in one place.
 
-Nothing here is documented by its owner; each one is pinned by tests/test_private_apis.py, so
-an upgrade that changes one fails there, with its name, and not in a user's run. Why each is
+Nothing here is documented by its owner; each one is pinned by tests/unit/test_private_apis.py
+(or, where only real processes show it, tests/integration/test_local_launcher_private_apis.py),
+so an upgrade that changes one fails there, with its name, and not in a user's run. Why each is
 needed, and what it would take to drop it: docs/launch.md (Private APIs).
 
 Subclass hooks (``StaticTCPRendezvous``'s attributes in app/launch/local.py, the Hydra submitit

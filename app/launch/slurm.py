@@ -165,7 +165,7 @@ class RlcommLauncher(BaseSubmititLauncher):
         """The plugin's ``launch`` (which builds one executor for the whole sweep and waits for
         results it raises on), with one executor per job shape and failures of our own. The
         plugin offers no hook for either, so its body is mirrored here and pinned in
-        tests/test_private_apis.py: a plugin release that changes it fails there."""
+        tests/unit/test_private_apis.py: a plugin release that changes it fails there."""
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@
 
 Vector observations with Discrete actions build exactly the CartPole policy of the PPO loop
 before the runtime (its names, construction order, init and ops), so CartPole runs draw and
-compute the same numbers as recorded ones (tests/test_models.py keeps a copy to compare with).
+compute the same numbers as recorded ones (tests/unit/test_models.py keeps a copy to compare with).
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from app.launch.environment import without_launcher_variables
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "RLCOMM_TEST_MARKER"
+# Every layout conf/layout/ ships, by name.
+LAYOUTS = sorted(p.stem for p in (REPO / "conf" / "layout").glob("*.yaml"))
 HANG_S = 240.0  # a run still going after this is a hang: the test fails instead of blocking
 
 

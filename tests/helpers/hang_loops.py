@@ -1,4 +1,4 @@
-"""Loops that hang or mismatch on purpose, for tests/test_hangs.py (``loop._target_=...``).
+"""Loops that hang or mismatch on purpose, for tests/e2e/test_hangs.py (``loop._target_=...``).
 
 Each is bounded: whatever it waits for, it gives up after ``max_wait_s`` so that a test that
 fails cannot leave processes behind.

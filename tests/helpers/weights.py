@@ -1,5 +1,5 @@
-"""State dicts and modules for the weight-transfer tests (tests/test_weight_transfer.py,
-tests/test_weight_async.py), on real gloo ranks."""
+"""State dicts and modules for the weight-transfer tests (tests/integration/test_weight_transfer.py,
+tests/integration/test_weight_async.py), on real gloo ranks."""
 
 from __future__ import annotations
 

@@ -1,0 +1,106 @@
+"""MuJoCo continuous control (docs/mujoco.md) through ``python -m app``: the layout sweep plans
+its 24 jobs, a short Hopper-v5 run learns on every shipped layout, and a resume restores the
+observation and reward normalisers. The configs before launch are tests/unit/test_mujoco.py.
+The long runs (1M env steps, against CleanRL's published returns) live in the benchmark,
+``python -m benchmarks --only mujoco``, not here."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from app.runtime.checkpoints import newest_valid_checkpoint
+from tests.helpers.apprun import REPO, describe, metrics, read_result, run_app
+
+# tp2dp2 splits the policy over TENSOR_PARALLEL: the MLP has no plan for it (docs/sharding.md).
+LAYOUTS = sorted(p.stem for p in (REPO / "conf" / "layout").glob("*.yaml") if p.stem != "tp2dp2")
+# A short run: the experiment's settings with a shorter rollout (64 steps per env and update,
+# so every layout makes 8-32 updates) and a budget of 16,384 env steps.
+SHORT = ("+experiment=hopper", "loop.hparams.num_steps=64", "loop.total_env_steps=16384",
+         "loop.progress=false")
+TIMEOUT_S = 240  # a short run past this is stuck (each takes 10-30 s on a busy 2-core machine)
+
+
+@pytest.mark.e2e
+def test_the_layout_sweep_plans_its_24_jobs(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_app("--multirun", "+experiment=mujoco_layouts", "plan_only=true",
+                   f"hydra.sweep.dir={sweep}", timeout=TIMEOUT_S)
+    assert proc.returncode == 0, describe(proc)
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["rank_by"] == "time_to_target_s"
+    jobs = [sorted(o for o in j["overrides"] if o.startswith(("layout=", "loop.", "seed=")))
+            for j in summary["jobs"]]
+    # Seed outermost: every layout runs once in each third of the sweep.
+    assert jobs == [
+        sorted([f"layout={layout}", f"loop.max_staleness={k}", f"seed={seed}"])
+        for seed in (0, 1, 2) for layout in ("single", "1t1r", "1t3r", "2t2r") for k in (0, 1)
+    ]
+    assert [j["status"] for j in summary["jobs"]] == ["ok"] * 24
+
+
+def learned(run_dir: Path) -> tuple[float, float]:
+    """(mean return of the episodes that ended in the first update, mean return of the last
+    20 episodes at the end)."""
+    first = next(r["mean_return"] for r in metrics(run_dir) if not math.isnan(r["mean_return"]))
+    final = read_result(run_dir)["summary"]["final_mean_return"]
+    return first, final
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_short_hopper_run_learns_on_every_shipped_layout(layout: str, tmp_path: Path) -> None:
+    proc = run_app(*SHORT, f"layout={layout}", "loop.checkpoint_every=0",
+                   f"hydra.run.dir={tmp_path}", timeout=TIMEOUT_S)
+    assert proc.returncode == 0, describe(proc)
+    result = read_result(tmp_path)
+    assert result["summary"]["env_steps"] >= 16384
+    # Learning, not a score: a random Hopper falls within ~20 steps (the first update's episodes
+    # return 10-12); 8-32 updates later the last 20 episodes return 70-240 (every layout, seed 0).
+    first, final = learned(tmp_path)
+    assert final > 3 * first, (first, final, describe(proc))
+    # The measured time split covers each rank's loop (docs/mujoco.md).
+    for rank in result["ranks"]:
+        split = rank["result"]["time_split_s"]
+        parts = sum(v for k, v in split.items() if k != "loop")
+        assert parts == pytest.approx(split["loop"], abs=0.01)
+        if rank["role"] != "trainer":
+            assert split["env"] > 0 and split["act"] > 0
+        if rank["role"] != "rollout":
+            assert split["update"] > 0
+
+
+@pytest.mark.e2e
+def test_a_resumed_hopper_run_restores_the_normalisers(tmp_path: Path) -> None:
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    per_update = 8 * 64  # one rollout rank's env steps per update (1t1r)
+    # The learning rate anneals over the experiment's budget (loop.total_env_steps) unless set:
+    # a resume that extends the budget states the schedule it was written with.
+    base = (*SHORT, "layout=1t1r", "loop.checkpoint_every=1",
+            f"loop.hparams.anneal_env_steps={16 * per_update}")
+    proc = run_app(*base, f"loop.total_env_steps={4 * per_update}", f"hydra.run.dir={first}",
+                   timeout=TIMEOUT_S)
+    assert proc.returncode == 0, describe(proc)
+    saved = newest_valid_checkpoint(first).state["normalizers"]
+    assert float(saved["obs_norm.count"]) == pytest.approx(1e-4 + 4 * per_update, rel=1e-12)
+    assert saved["obs_norm.mean"].shape == (11,) and torch.all(saved["obs_norm.var"] > 0)
+
+    proc = run_app(*base, f"loop.total_env_steps={5 * per_update}", f"loop.resume={first}",
+                   f"hydra.run.dir={resumed}", timeout=TIMEOUT_S)
+    assert proc.returncode == 0, describe(proc)
+    assert f"resumed from {first / 'checkpoints' / 'ckpt_000004.pt'} at update 4" in (
+        (resumed / "logs" / "rank0.log").read_text())
+    after = newest_valid_checkpoint(resumed).state["normalizers"]
+    # Restored, then one more update folded in: the counts go on from the checkpoint's (a
+    # normaliser started afresh would count one update's observations).
+    for name in ("obs_norm", "reward_norm"):
+        assert float(after[f"{name}.count"]) == pytest.approx(1e-4 + 5 * per_update, rel=1e-12)
+    assert not torch.equal(after["obs_norm.mean"], saved["obs_norm.mean"])
+    assert read_result(resumed)["summary"]["env_steps"] == 5 * per_update
+    config = OmegaConf.load(resumed / ".hydra" / "config.yaml")
+    assert config.loop.env.id == "Hopper-v5"
