@@ -258,8 +258,7 @@ def test_multirun_over_two_layouts_leaves_one_result_per_job(
     # test_a_two_node_layout_through_the_local_submitit_launcher_simulates_its_nodes.
     sweep = tmp_path / "sweep"
     proc = run_app("--multirun", *launcher(cluster, "rlcomm_slurm"), "layout=2t2r,1t3r",
-                   *FAST_COMMCHECK,
-                   f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240)
+                   *FAST_COMMCHECK, f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, describe(proc)
     for job in ("0", "1"):
         assert_commcheck_passed(read_result(sweep / job), 4)
