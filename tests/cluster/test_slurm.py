@@ -139,13 +139,14 @@ def launcher(cluster: Cluster, preset: str) -> tuple[str, ...]:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("preset", ["rlcomm_slurm", "rlcomm_local"])
 def test_multirun_over_two_layouts_leaves_one_result_per_job(
-    cluster: Cluster, preset: str, tmp_path: Path
+    cluster: Cluster, tmp_path: Path
 ) -> None:
+    # The local preset's multirun of two layouts: tests/e2e/test_sweeps.py's
+    # test_a_two_node_layout_through_the_local_submitit_launcher_simulates_its_nodes.
     sweep = tmp_path / "sweep"
-    proc = run_app("--multirun", *launcher(cluster, preset), "layout=2t2r,1t3r", *FAST_COMMCHECK,
-                   f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240)
+    proc = run_app("--multirun", *launcher(cluster, "rlcomm_slurm"), "layout=2t2r,1t3r",
+                   *FAST_COMMCHECK, f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, describe(proc)
     for job in ("0", "1"):
         assert_commcheck_passed(read_result(sweep / job), 4)
@@ -155,11 +156,10 @@ def test_multirun_over_two_layouts_leaves_one_result_per_job(
     # Ranked after the sweep, in the submitting process (commcheck's default metric).
     assert summary["rank_by"] == "max_latency_us" and len(summary["ranking"]) == 2
     assert (sweep / "summary.md").read_text().strip() in proc.stdout
-    if preset == "rlcomm_slurm":
-        ids = array_jobs(sweep)
-        assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1  # one job array
-        assert sacct_states(ids, "COMPLETED") == dict.fromkeys(ids, "COMPLETED")
-        assert "[1 node(s) x 4 task(s)]" in proc.stderr + proc.stdout
+    ids = array_jobs(sweep)
+    assert len(ids) == 2 and len({i.split("_")[0] for i in ids}) == 1  # one job array
+    assert sacct_states(ids, "COMPLETED") == dict.fromkeys(ids, "COMPLETED")
+    assert "[1 node(s) x 4 task(s)]" in proc.stderr + proc.stdout
 
 
 CRASH_LOOP = '''

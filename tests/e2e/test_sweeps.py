@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.sweep.metrics import direction
-from tests.helpers.apprun import REPO, describe, run_app
+from tests.helpers.apprun import REPO, assert_commcheck_passed, describe, read_result, run_app
 from tests.helpers.sweeps import PNG, PPO, PPO_METRICS, SCORED_KNOWN, scored_loop
 
 pytestmark = pytest.mark.e2e
@@ -137,13 +137,27 @@ def test_a_two_node_layout_through_the_local_submitit_launcher_simulates_its_nod
 ) -> None:
     # submitit's local executor starts every rank on this machine on purpose, like the app's
     # own launcher: a layout's nodes are simulated there, not checked against the hosts.
+    # Two layouts: the local preset's multirun leaves one result per job, ranked after the sweep
+    # (as tests/cluster/test_slurm.py's test_multirun_over_two_layouts_leaves_one_result_per_job
+    # checks for the SLURM preset).
     sweep = tmp_path / "sweep"
-    proc = run_app("--multirun", "hydra/launcher=rlcomm_local", "layout=2x2", "loop=commcheck",
-                   "loop.bandwidth_bytes=65536", f"hydra.sweep.dir={sweep}", timeout=600)
+    proc = run_app("--multirun", "hydra/launcher=rlcomm_local", "hydra.launcher.timeout_min=5",
+                   "layout=2x2,1t3r", "loop=commcheck", "loop.latency_iters=3",
+                   "loop.bandwidth_bytes=65536", "loop.bandwidth_iters=1", "comm.timeout=60",
+                   f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, describe(proc)
     result = json.loads((sweep / "0" / "result.json").read_text())
     intra = {tuple(r["groups"]["INTRA_NODE"]["ranks"]) for r in result["ranks"]}
     assert intra == {(0, 1), (2, 3)}
+    for job in ("0", "1"):
+        assert_commcheck_passed(read_result(sweep / job), 4)
+        assert sorted(p.name for p in (sweep / job / "logs").glob("rank*.log")) == [
+            f"rank{r}.log" for r in range(4)]
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert [(j["job"], j["status"]) for j in summary["jobs"]] == [(0, "ok"), (1, "ok")]
+    # Ranked after the sweep, in the submitting process (commcheck's default metric).
+    assert summary["rank_by"] == "max_latency_us" and len(summary["ranking"]) == 2
+    assert (sweep / "summary.md").read_text().strip() in proc.stdout
 
 
 def test_a_sweep_ranks_by_a_metric_a_plugged_in_loop_declares(tmp_path: Path) -> None:

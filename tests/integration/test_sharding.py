@@ -4,6 +4,7 @@ and a dropped shard gradient is caught."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
 from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 from rlcomm import LayoutSpec, ParallelMode, plan_layout
-from rlcomm.testing import planned_context, run_ranks
+from rlcomm.testing import free_port, planned_context, run_ranks
 
 UPDATES = 20
 # Every configuration trains each replica on the segments of its pair of ranks (2k, 2k + 1):
@@ -39,42 +40,65 @@ def _segments(agent: Agent, algorithm: PPO, seed: int) -> list[Segment]:
     return segments
 
 
-def _train(rank: int, world: int, data_parallel: str, tensor: int | None,
-           drop_shard_grad: bool = False) -> dict[str, Any]:
-    plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(world)),
-                                  tensor_parallel_size=tensor))
-    with planned_context(plan, timeout=120) as ctx:
-        spaces = probe_spaces(ENV)
-        torch.manual_seed(0)
-        net = TransformerActorCritic(spaces, **MODEL)
-        agent = Agent(net, spaces, ENV, context=MODEL["context"])
-        algorithm = PPO(HP, spaces)
-        pair = rank // 2
-        own = {seed: _segments(agent, algorithm, seed) for seed in (2 * pair, 2 * pair + 1)}
-        trained = TrainedModule(ctx, plan, net, data_parallel)
-        optimizer = algorithm.optimizer(trained.trained)
-        if drop_shard_grad and rank == 1:
-            sharded = dict(trained.trained.named_parameters())["layers.1.feed_forward.w2.weight"]
+def _train(rank: int, world: int, ports: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Every configuration of ``ports`` (``CONFIGS``, then "dropped": tp2-fsdp2 with rank 1's
+    shard of one gradient lost), one after the other on these ranks, each in its own gloo world.
+    The segments are collected once per rank and reused: every configuration trains on the same
+    data anyway, and collecting them is most of the cost."""
+    own: dict[int, list[Segment]] = {}
+    rng_after_collecting = torch.get_rng_state()
+    results = {}
+    for name, port in ports.items():
+        data_parallel, tensor = CONFIGS.get(name, ("fsdp", 2))
+        os.environ["MASTER_PORT"] = str(port)
+        plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(world)),
+                                      tensor_parallel_size=tensor))
+        with planned_context(plan, timeout=120) as ctx:
+            spaces = probe_spaces(ENV)
+            torch.manual_seed(0)
+            net = TransformerActorCritic(spaces, **MODEL)
+            agent = Agent(net, spaces, ENV, context=MODEL["context"])
+            algorithm = PPO(HP, spaces)
+            pair = rank // 2
+            if not own:
+                own = {seed: _segments(agent, algorithm, seed)
+                       for seed in (2 * pair, 2 * pair + 1)}
+                rng_after_collecting = torch.get_rng_state()
+            # Each configuration starts its updates from the same random state as the first.
+            torch.set_rng_state(rng_after_collecting)
+            results[name] = _updates(ctx, plan, rank, net, algorithm, own, data_parallel,
+                                     name == "dropped")
+    return results
 
-            def drop(*_: Any) -> None:  # this rank's shard of one gradient, lost
-                sharded.grad.to_local().zero_()  # type: ignore[union-attr]
 
-            optimizer.register_step_pre_hook(drop)
-        grid = TrainerGrid.of(plan)
-        generator = torch.Generator()
-        losses = []
-        for update in range(UPDATES):
-            if grid.tensor > 1:
-                segments = share_segments(ctx, [own[rank][update]])
-            else:
-                segments = [own[seed][update] for seed in sorted(own)]
-            generator.manual_seed(1_000 * pair + update)
-            info = UpdateInfo(optimizer, generator, update * 256, update, 0)
-            losses.append(algorithm.update(trained.model, net, segments, info))
-            trained.publish()
-        return {"losses": losses,
-                "checksum": float(sum(p.detach().double().sum() for p in net.parameters())),
-                "sharded": [type(p).__name__ for p in trained.trained.parameters()][:1]}
+def _updates(ctx: Any, plan: Any, rank: int, net: TransformerActorCritic, algorithm: PPO,
+             own: dict[int, list[Segment]], data_parallel: str,
+             drop_shard_grad: bool) -> dict[str, Any]:
+    pair = rank // 2
+    trained = TrainedModule(ctx, plan, net, data_parallel)
+    optimizer = algorithm.optimizer(trained.trained)
+    if drop_shard_grad and rank == 1:
+        sharded = dict(trained.trained.named_parameters())["layers.1.feed_forward.w2.weight"]
+
+        def drop(*_: Any) -> None:  # this rank's shard of one gradient, lost
+            sharded.grad.to_local().zero_()  # type: ignore[union-attr]
+
+        optimizer.register_step_pre_hook(drop)
+    grid = TrainerGrid.of(plan)
+    generator = torch.Generator()
+    losses = []
+    for update in range(UPDATES):
+        if grid.tensor > 1:
+            segments = share_segments(ctx, [own[rank][update]])
+        else:
+            segments = [own[seed][update] for seed in sorted(own)]
+        generator.manual_seed(1_000 * pair + update)
+        info = UpdateInfo(optimizer, generator, update * 256, update, 0)
+        losses.append(algorithm.update(trained.model, net, segments, info))
+        trained.publish()
+    return {"losses": losses,
+            "checksum": float(sum(p.detach().double().sum() for p in net.parameters())),
+            "sharded": [type(p).__name__ for p in trained.trained.parameters()][:1]}
 
 
 def _mean_losses(results: dict[int, Any]) -> list[dict[str, float]]:
@@ -98,7 +122,10 @@ TOLERANCE = 1e-4
 
 @pytest.mark.integration
 def test_ddp_fsdp_tensor_parallel_and_both_train_alike_and_a_dropped_shard_gradient_does_not() -> None:
-    runs = {name: run_ranks(_train, 4, dp, tp, timeout=300) for name, (dp, tp) in CONFIGS.items()}
+    ports = {name: free_port() for name in [*CONFIGS, "dropped"]}
+    by_rank = run_ranks(_train, 4, ports, timeout=900)
+    runs = {name: {r: by_rank[r][name] for r in by_rank} for name in ports}
+    dropped = runs.pop("dropped")
     reference = _mean_losses(runs["ddp4"])
     for name, results in runs.items():
         gap, where = _largest_gap(reference, _mean_losses(results))
@@ -106,7 +133,6 @@ def test_ddp_fsdp_tensor_parallel_and_both_train_alike_and_a_dropped_shard_gradi
         checksums = {round(r["checksum"], 3) for r in results.values()}
         assert len(checksums) == 1, f"{name}: the published weights differ between ranks"
     assert runs["tp2-fsdp2"][0]["sharded"] == ["DTensor"]
-    dropped = run_ranks(_train, 4, "fsdp", 2, True, timeout=300)
     gap, where = _largest_gap(reference, _mean_losses(dropped))
     assert gap > 10 * TOLERANCE, f"a dropped shard gradient moved the losses by only {gap:.2e}"
 
