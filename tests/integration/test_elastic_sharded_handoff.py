@@ -15,40 +15,21 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from app.api import JobInfo, RankEnv
-from app.runtime.envs import EnvConfig, probe_spaces
 from app.runtime.handoff import HandOff, HandOffSettings, build_hand_off
 from app.runtime.segments import Field, SegmentFormat, with_episodes
 from app.runtime.sharding import TrainedModule
-from app.runtime.transformer import TransformerActorCritic
 from rlcomm import CommContext, LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
+from tests.helpers.handoff_agent import Acting, state_values
 
 pytestmark = pytest.mark.integration
 
-ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
 TRAINERS, ROLLOUTS = 2, 2  # trainer 0 leads rollout rank 2, trainer 1 rollout rank 3
 UPDATES = 6
 VICTIM, KILL_AT = 3, 2  # SIGKILLed once it acts with weights version 2
 SEGMENT_FORMAT = with_episodes(SegmentFormat({"version": Field((1,), torch.int64)}), 1)
-
-
-class Acting(nn.Module):
-    """An agent as the runtime's: the policy under ``net`` and statistics beside it."""
-
-    stats: torch.Tensor
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = TransformerActorCritic(probe_spaces(ENV), width=32, layers=2, heads=4,
-                                          context=4)
-        self.register_buffer("stats", torch.zeros(3, dtype=torch.float64))
-
-
-def _values(agent: nn.Module) -> dict[str, np.ndarray]:
-    return {k: v.detach().clone().numpy() for k, v in agent.state_dict().items()}
 
 
 def _setup(rank: int, world: int, ctx: Any, max_staleness: int = 0
@@ -88,7 +69,7 @@ def _trainer(agent: Acting, trained: TrainedModule, hand_off: HandOff) -> dict[s
         sending[0] = True
         hand_off.sync_weights(first=first)
         sending[0] = False
-        sent[hand_off.version(0)] = _values(agent)
+        sent[hand_off.version(0)] = state_values(agent)
 
     sent: dict[int, dict[str, np.ndarray]] = {}
     sync(first=True)
@@ -117,7 +98,7 @@ def _rollout(agent: Acting, hand_off: HandOff, report: Any = None) -> dict[str, 
     going, update = hand_off.sync_weights(first=True), 0
     while going:
         version = hand_off.version(update)
-        held[version] = _values(agent)
+        held[version] = state_values(agent)
         if report is not None:
             report(version)
         own = SEGMENT_FORMAT.empty()

@@ -11,41 +11,21 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from app.api import JobInfo, RankEnv
-from app.runtime.envs import EnvConfig, probe_spaces
 from app.runtime.handoff import HandOffSettings, build_hand_off
 from app.runtime.handoff.sharded import ShardedHandOff
 from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule, is_sharded
-from app.runtime.transformer import TransformerActorCritic
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
+from tests.helpers.handoff_agent import Acting, state_values
 
 pytestmark = pytest.mark.integration
 
-ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
 TRAINERS, ROLLOUTS = 4, 4  # the plan gives each trainer a rollout rank
 GRIDS = {"fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2), "tp2-fsdp2": ("fsdp", 2)}
 VERSIONS = 4
-
-
-class Acting(nn.Module):
-    """An agent as the runtime's: the policy under ``net`` and statistics beside it."""
-
-    stats: torch.Tensor
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = TransformerActorCritic(probe_spaces(ENV), width=32, layers=2, heads=4,
-                                          context=4)
-        self.register_buffer("stats", torch.zeros(3, dtype=torch.float64))
-
-
-def _values(agent: nn.Module) -> dict[str, np.ndarray]:
-    """The agent's state by value (a tensor returned from a rank would be shared memory)."""
-    return {k: v.detach().clone().numpy() for k, v in agent.state_dict().items()}
 
 
 def _settings(max_staleness: int, sharded: bool) -> HandOffSettings:
@@ -74,10 +54,10 @@ def _hand_off(rank: int, world: int, data_parallel: str, tensor: int | None,
                         param.add_(0.01 * version)
                     agent.stats.add_(version)
                 trained.publish()
-                sent[version] = _values(agent)
+                sent[version] = state_values(agent)
             hand_off.sync_weights(first=version == 1)
             if not trainer:
-                held[hand_off.version(0)] = _values(agent)
+                held[hand_off.version(0)] = state_values(agent)
         hand_off.before_optimizer_step()
         return {"sent": sent, "held": held, "owners": hand_off.owners,
                 "bytes": hand_off.weight_bytes_sent, "kind": hand_off.kind}

@@ -25,6 +25,7 @@ from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
+from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses
 
 UPDATES = 20
 DISTINCT = 5  # segments per collector, trained on in turn: enough data, a quarter of the cost
@@ -93,39 +94,20 @@ def _train(rank: int, world: int, data_parallel: str, sequence: int | None, tens
                 "sharded": type(next(trained.trained.parameters())).__name__}
 
 
-def _mean_losses(results: dict[int, Any]) -> list[dict[str, float]]:
-    """Per update, each figure averaged over the trainers (as metrics.csv reports it)."""
-    ranks = sorted(results)
-    return [{name: sum(results[r]["losses"][u][name] for r in ranks) / len(ranks)
-             for name in results[0]["losses"][u]} for u in range(UPDATES)]
-
-
-def _largest_gap(a: list[dict[str, float]], b: list[dict[str, float]]) -> tuple[float, str]:
-    # Relative, against at least 0.01: the policy loss crosses zero.
-    gaps = [(abs(x[k] - y[k]) / max(abs(x[k]), 1e-2), f"update {u} {k}")
-            for u, (x, y) in enumerate(zip(a, b)) for k in ("pg_loss", "v_loss", "entropy")]
-    return max(gaps)
-
-
-# As tests/integration/test_sharding.py: float reassociation (the chunked matmuls, reduce-scatter against
-# all-reduce) moves the losses by about 1e-6 relative, a real change of the update by 1e-2.
-TOLERANCE = 1e-4
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_sequence_parallel_trains_as_ddp_does_and_a_gather_without_gradient_does_not() -> None:
     # DDP over 4 trainers, replicas of 2 ranks (as sp2 x dp2) and of all 4 (as sp2 x tp2).
-    references = {size: _mean_losses(run_ranks(_train, 4, "ddp", None, None, size, timeout=300))
+    references = {size: mean_losses(run_ranks(_train, 4, "ddp", None, None, size, timeout=300))
                   for size in (2, 4)}
     for name, (data_parallel, sequence, tensor) in CONFIGS.items():
         replica = sequence * (tensor or 1)
         results = run_ranks(_train, 4, data_parallel, sequence, tensor, replica, timeout=300)
-        gap, where = _largest_gap(references[replica], _mean_losses(results))
+        gap, where = largest_gap(references[replica], mean_losses(results))
         assert gap < TOLERANCE, f"{name}: {where} differs from DDP by {gap:.2e} (relative)"
         checksums = {round(r["checksum"], 3) for r in results.values()}
         assert len(checksums) == 1, f"{name}: the published weights differ between ranks"
         assert results[0]["sharded"] == "DTensor", name
     dropped = run_ranks(_train, 4, "ddp", 2, None, 2, True, timeout=300)
-    gap, where = _largest_gap(references[2], _mean_losses(dropped))
+    gap, where = largest_gap(references[2], mean_losses(dropped))
     assert gap > 10 * TOLERANCE, f"a dropped gather gradient moved the losses by only {gap:.2e}"

@@ -18,6 +18,7 @@ from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 from rlcomm import LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import free_port, planned_context, run_ranks
+from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses
 
 UPDATES = 20
 # Every configuration trains each replica on the segments of its pair of ranks (2k, 2k + 1):
@@ -101,39 +102,20 @@ def _updates(ctx: Any, plan: Any, rank: int, net: TransformerActorCritic, algori
             "sharded": [type(p).__name__ for p in trained.trained.parameters()][:1]}
 
 
-def _mean_losses(results: dict[int, Any]) -> list[dict[str, float]]:
-    """Per update, each figure averaged over the trainers (as metrics.csv reports it)."""
-    ranks = sorted(results)
-    return [{name: sum(results[r]["losses"][u][name] for r in ranks) / len(ranks)
-             for name in results[0]["losses"][u]} for u in range(UPDATES)]
-
-
-def _largest_gap(a: list[dict[str, float]], b: list[dict[str, float]]) -> tuple[float, str]:
-    # Relative, against at least 0.01: the policy loss crosses zero.
-    gaps = [(abs(x[k] - y[k]) / max(abs(x[k]), 1e-2), f"update {u} {k}")
-            for u, (x, y) in enumerate(zip(a, b)) for k in ("pg_loss", "v_loss", "entropy")]
-    return max(gaps)
-
-
-# Float reassociation (reduce-scatter vs all-reduce, split matmuls) moves these by about 1e-6
-# relative; a change of the update (a quarter of one gradient dropped) by about 1e-2.
-TOLERANCE = 1e-4
-
-
 @pytest.mark.integration
 def test_ddp_fsdp_tensor_parallel_and_both_train_alike_and_a_dropped_shard_gradient_does_not() -> None:
     ports = {name: free_port() for name in [*CONFIGS, "dropped"]}
     by_rank = run_ranks(_train, 4, ports, timeout=900)
     runs = {name: {r: by_rank[r][name] for r in by_rank} for name in ports}
     dropped = runs.pop("dropped")
-    reference = _mean_losses(runs["ddp4"])
+    reference = mean_losses(runs["ddp4"])
     for name, results in runs.items():
-        gap, where = _largest_gap(reference, _mean_losses(results))
+        gap, where = largest_gap(reference, mean_losses(results))
         assert gap < TOLERANCE, f"{name}: {where} differs from ddp4 by {gap:.2e} (relative)"
         checksums = {round(r["checksum"], 3) for r in results.values()}
         assert len(checksums) == 1, f"{name}: the published weights differ between ranks"
     assert runs["tp2-fsdp2"][0]["sharded"] == ["DTensor"]
-    gap, where = _largest_gap(reference, _mean_losses(dropped))
+    gap, where = largest_gap(reference, mean_losses(dropped))
     assert gap > 10 * TOLERANCE, f"a dropped shard gradient moved the losses by only {gap:.2e}"
 
 
