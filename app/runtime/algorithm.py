@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -120,6 +120,17 @@ class Algorithm(Generic[S]):
         """One vector step: the actions for ``obs`` [N, *obs] and each of :attr:`records`
         ([N, *shape]). Runs under ``torch.no_grad``; sample with ``generator``."""
         raise NotImplementedError
+
+    def greedy(self, module: nn.Module, obs: Tensor) -> Tensor:
+        """The deterministic action for ``obs`` [N, *obs] (a Gaussian's mean, a categorical's
+        argmax), for evaluation and export; runs under ``torch.no_grad``. By default the
+        module's own ``greedy(obs)``, which the shipped policies define."""
+        greedy = getattr(module, "greedy", None)
+        if not callable(greedy):
+            raise NotImplementedError(
+                f"{type(self).__name__}.greedy: {type(module).__name__} has no greedy(obs); "
+                "override Algorithm.greedy")
+        return cast(Tensor, greedy(obs))
 
     def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
         """State values [N] to bootstrap episodes cut by a time limit (``gamma * V(final obs)``
