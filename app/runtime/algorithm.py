@@ -8,6 +8,9 @@
 4. the **update** (:meth:`Algorithm.update`), run on each trainer with the DDP-wrapped model
    and the segments the runtime gathered for it.
 
+The deterministic action (:meth:`Algorithm.greedy`, for evaluation and export) defaults to
+the module's own ``greedy(obs)``.
+
 The runtime (``app/runtime/``) owns the rest: roles, environments, collection, moving segments,
 weight sync, normalisation, the stop rule, checkpoints and every record of the run.
 """
