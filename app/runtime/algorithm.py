@@ -8,6 +8,9 @@
 4. the **update** (:meth:`Algorithm.update`), run on each trainer with the DDP-wrapped model
    and the segments the runtime gathered for it.
 
+The deterministic action (:meth:`Algorithm.greedy`, for evaluation and export) defaults to
+the module's own ``greedy(obs)``.
+
 The runtime (``app/runtime/``) owns the rest: roles, environments, collection, moving segments,
 weight sync, normalisation, the stop rule, checkpoints and every record of the run.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -120,6 +123,17 @@ class Algorithm(Generic[S]):
         """One vector step: the actions for ``obs`` [N, *obs] and each of :attr:`records`
         ([N, *shape]). Runs under ``torch.no_grad``; sample with ``generator``."""
         raise NotImplementedError
+
+    def greedy(self, module: nn.Module, obs: Tensor) -> Tensor:
+        """The deterministic action for ``obs`` [N, *obs] (a Gaussian's mean, a categorical's
+        argmax), for evaluation and export; runs under ``torch.no_grad``. By default the
+        module's own ``greedy(obs)``, which the shipped policies define."""
+        greedy = getattr(module, "greedy", None)
+        if not callable(greedy):
+            raise NotImplementedError(
+                f"{type(self).__name__}.greedy: {type(module).__name__} has no greedy(obs); "
+                "override Algorithm.greedy")
+        return cast(Tensor, greedy(obs))
 
     def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
         """State values [N] to bootstrap episodes cut by a time limit (``gamma * V(final obs)``

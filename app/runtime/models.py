@@ -183,6 +183,15 @@ def sample(dist: Distribution, generator: torch.Generator,
     return flat.reshape(*flat.shape[:-1], *action_shape), dist.log_prob(flat).sum(-1)
 
 
+def mode(dist: Distribution, action_shape: tuple[int, ...]) -> Tensor:
+    """The deterministic action of a policy's distribution: a Categorical's most probable index,
+    or a Gaussian's mean shaped [N, *action_shape] (unclipped, as :func:`sample`'s)."""
+    if isinstance(dist, Categorical):
+        return dist.logits.argmax(-1)
+    assert isinstance(dist, Normal)
+    return dist.loc.reshape(*dist.loc.shape[:-1], *action_shape)
+
+
 class ActorCritic(nn.Module):
     """A policy and a state value for one pair of spaces (see the module docstring).
 
@@ -262,6 +271,10 @@ class ActorCritic(nn.Module):
         dist = self._dist(actor_in)
         action, logprob = sample(dist, generator, self.action_shape)
         return action, logprob, self.critic(critic_in).squeeze(-1)
+
+    def greedy(self, obs: Tensor) -> Tensor:
+        """The deterministic action for observations [N, *obs_shape] (:func:`mode`)."""
+        return mode(self._dist(self._features(obs)[0]), self.action_shape)
 
     def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(logprob, entropy, value) of ``action`` [*B, *action_shape] at ``obs``, each [*B]."""

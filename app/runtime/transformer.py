@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributions import Categorical, Distribution, Normal
 
 from app.runtime.algorithm import Spaces
-from app.runtime.models import action_shape, sample, space_problem
+from app.runtime.models import action_shape, mode, sample, space_problem
 from app.runtime.sharding import ReplicateParallel
 
 __all__ = [
@@ -324,6 +324,10 @@ class TransformerActorCritic(nn.Module):
         dist = self._dist(features)
         action, logprob = sample(dist, generator, self.action_shape)
         return action, logprob, self.critic(features).squeeze(-1)
+
+    def greedy(self, obs: Tensor) -> Tensor:
+        """The deterministic action for windows [N, context, obs_dim + 1] (:func:`mode`)."""
+        return mode(self._dist(self._features(obs)), self.action_shape)
 
     def evaluate(self, obs: Tensor, action: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(logprob, entropy, value) of ``action`` [*B, *action_shape] at ``obs``, each [*B]."""

@@ -1,0 +1,1 @@
+"""Evaluate, watch and export the policy a run produced (docs/evaluate.md)."""

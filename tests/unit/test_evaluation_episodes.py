@@ -1,0 +1,56 @@
+"""Whole evaluation episodes on one process (app/evaluate/episodes.py), on real Gymnasium envs."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from app.evaluate.episodes import run_episodes
+from app.loops.ppo.core import PPO, PPOSettings
+from app.runtime.algorithm import Spaces
+from app.runtime.envs import EnvConfig
+from app.runtime.worker import Agent
+
+pytestmark = pytest.mark.unit
+
+
+def _ppo(env_id: str, normalize: bool = False) -> tuple[PPO, Agent, EnvConfig]:
+    env = gym.make(env_id)
+    spaces = Spaces(env.observation_space, env.action_space)
+    env.close()
+    torch.manual_seed(0)
+    algorithm = PPO(PPOSettings(), spaces)
+    cfg = EnvConfig(id=env_id, normalize_obs=normalize)
+    return algorithm, Agent(algorithm.build(), spaces, cfg), cfg
+
+
+def test_episodes_are_whole_seeded_and_greedy_by_default() -> None:
+    algorithm, agent, env = _ppo("CartPole-v1")
+    first = run_episodes(algorithm, agent, env, episodes=3, seed=7)
+    # CartPole pays 1 per step until the episode ends: the return is the length.
+    assert first.returns == [float(n) for n in first.lengths] and len(first.returns) == 3
+    assert all(1 <= n <= 500 for n in first.lengths)
+    # The same seed gives the same episodes; greedy actions use no randomness.
+    assert run_episodes(algorithm, agent, env, episodes=3, seed=7) == first
+    assert first.mean_return == pytest.approx(np.mean(first.returns))
+    assert first.std_return == pytest.approx(np.std(first.returns))
+
+
+def test_stochastic_episodes_sample_with_their_own_seed() -> None:
+    algorithm, agent, env = _ppo("CartPole-v1")
+    runs = [run_episodes(algorithm, agent, env, episodes=4, seed=s, deterministic=False)
+            for s in (3, 3, 4)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_normalisation_statistics_stay_frozen() -> None:
+    algorithm, agent, env = _ppo("Pendulum-v1", normalize=True)
+    assert agent.obs_norm is not None
+    agent.obs_norm.merge(agent.obs_norm.batch_moments(torch.randn(100, 3, dtype=torch.float64), (3,)))
+    before = {k: v.clone() for k, v in agent.normalizers().items()}
+    done = run_episodes(algorithm, agent, env, episodes=1, seed=0)
+    assert done.lengths == [200]  # Pendulum ends only at its time limit
+    assert all(torch.equal(before[k], v) for k, v in agent.normalizers().items())
