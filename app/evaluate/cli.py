@@ -1,0 +1,149 @@
+"""``python -m app.evaluate``: the policy a run produced, on one process, without a layout.
+
+It rebuilds the env and the policy from the run's own composed config (``.hydra/config.yaml``)
+and a verified checkpoint, runs whole episodes, prints mean ± std and each return, and writes
+``eval/<time>/result.json`` inside the run dir (a new folder every time). ``--export FILE``
+also writes the greedy policy as a ``torch.export`` program. Bad input is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from app.api import ConfigError
+from app.evaluate.episodes import Episodes, run_episodes
+from app.evaluate.export import export_policy
+from app.launch.planning import build_loop
+from app.runtime.checkpoints import load_policy_state, newest_valid_checkpoint
+from app.runtime.envs import EnvError, probe_spaces
+from app.runtime.worker import Agent
+
+CONFIG = Path(".hydra") / "config.yaml"
+
+
+class EvaluationError(ValueError):
+    """One line for the user; exit 2."""
+
+
+@dataclass(frozen=True)
+class Request:
+    target: Path  # a run dir, its checkpoints/ dir, or one checkpoint
+    episodes: int
+    seed: int
+    deterministic: bool
+    checkpoint: str  # "last", "best" or a path
+    export: Path | None
+
+
+def parse(argv: list[str] | None) -> Request:
+    parser = argparse.ArgumentParser(prog="python -m app.evaluate", description=__doc__)
+    parser.add_argument("target", type=Path, metavar="RUN_DIR_OR_CHECKPOINT")
+    parser.add_argument("--episodes", type=int, default=10, help="episodes to run (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="episode i resets with seed + i")
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                        help="the greedy action (default), or --no-deterministic to sample")
+    parser.add_argument("--stochastic", dest="deterministic", action="store_false",
+                        help="sample actions, as the run collected them")
+    parser.add_argument("--checkpoint", default="last", help="last (default), best, or a PATH")
+    parser.add_argument("--export", type=Path, default=None, metavar="FILE",
+                        help="also write the greedy policy as a torch.export program (.pt2)")
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error(f"--episodes: must be >= 1, got {args.episodes}")
+    if args.seed < 0:
+        parser.error(f"--seed: must be >= 0, got {args.seed}")
+    return Request(args.target, args.episodes, args.seed, args.deterministic, args.checkpoint,
+                   args.export)
+
+
+def run_dir_of(target: Path) -> Path:
+    """The run dir holding ``target``: the nearest folder, ``target`` included, with a composed
+    config."""
+    for folder in (target, *target.parents):
+        if (folder / CONFIG).is_file():
+            return folder
+    raise EvaluationError(f"{target}: not inside a run dir (no {CONFIG} above it)")
+
+
+def checkpoint_path(run_dir: Path, target: Path, choice: str) -> Path:
+    """Where ``--checkpoint`` points: a named one of the run, a path, or ``target`` itself."""
+    if choice == "best":
+        best = run_dir / "checkpoints" / "best"
+        if not best.exists():
+            raise EvaluationError(f"--checkpoint best: {run_dir} has no checkpoints/best")
+        return best
+    if choice != "last":
+        return Path(choice)
+    return target
+
+
+def evaluate(request: Request) -> tuple[Path, dict[str, Any]]:
+    """Run the request; returns the result file and what it holds."""
+    run_dir = run_dir_of(request.target.resolve())
+    loop = build_loop(OmegaConf.load(run_dir / CONFIG).loop)
+    try:
+        spaces = probe_spaces(loop.env)
+        picked = newest_valid_checkpoint(checkpoint_path(run_dir, request.target,
+                                                         request.checkpoint))
+        policy = load_policy_state(picked.path)
+    except (ConfigError, EnvError) as err:
+        raise EvaluationError(str(err).removeprefix("loop.resume: ")) from None
+    algorithm = loop.build_algorithm(spaces)
+    agent = Agent(loop.build_policy(algorithm, spaces), spaces, loop.env,
+                  context=loop.model.history)
+    agent.net.load_state_dict(policy)
+    for name, value in picked.state.get("normalizers", {}).items():
+        agent.get_buffer(name).copy_(value)
+    episodes = run_episodes(algorithm, agent, loop.env, request.episodes, request.seed,
+                            request.deterministic)
+    result = _result(request, picked.path, episodes)
+    if request.export is not None:
+        example = torch.as_tensor(np.stack([spaces.observation.sample() for _ in range(2)]))
+        result["export"] = str(export_policy(algorithm, agent, example, request.export))
+    return _write(run_dir, result), result
+
+
+def _result(request: Request, checkpoint: Path, episodes: Episodes) -> dict[str, Any]:
+    return {
+        "checkpoint": str(checkpoint), "episodes": request.episodes, "seed": request.seed,
+        "deterministic": request.deterministic, "return_mean": episodes.mean_return,
+        "return_std": episodes.std_return, "length_mean": episodes.mean_length,
+        "returns": episodes.returns, "lengths": episodes.lengths,
+    }
+
+
+def _write(run_dir: Path, result: dict[str, Any]) -> Path:
+    """``eval/<time>/result.json``: a new folder (microseconds in its name, created
+    exclusively), so nothing a run or an earlier evaluation wrote is overwritten."""
+    folder = run_dir / "eval" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
+    folder.mkdir(parents=True, exist_ok=False)
+    path = folder / "result.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    request = parse(argv)
+    try:
+        path, result = evaluate(request)
+    except (EvaluationError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    mode = "greedy" if request.deterministic else "sampled"
+    print(f"{result['episodes']} episodes ({mode} actions) of {result['checkpoint']}: "
+          f"return {result['return_mean']:.2f} ± {result['return_std']:.2f}")
+    print("returns: " + ", ".join(f"{r:g}" for r in result["returns"]))
+    if "export" in result:
+        print(f"exported policy: {result['export']}")
+    print(f"result: {path}")
+    return 0
