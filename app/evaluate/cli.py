@@ -21,11 +21,11 @@ import torch
 from omegaconf import OmegaConf
 
 from app.api import ConfigError
-from app.evaluate.episodes import Episodes, run_episodes
 from app.evaluate.export import export_policy
 from app.launch.planning import build_loop
 from app.runtime.checkpoints import load_policy_state, newest_valid_checkpoint
 from app.runtime.envs import EnvError, probe_spaces
+from app.runtime.episodes import Episodes, run_episodes
 from app.runtime.worker import Agent
 
 CONFIG = Path(".hydra") / "config.yaml"

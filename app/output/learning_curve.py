@@ -9,12 +9,17 @@ from pathlib import Path
 
 def plot_learning_curve(metrics_csv: Path, png: Path, target: float | None, title: str) -> None:
     """The stop rule's quantity (mean return of the last ``window`` episodes) against env steps
-    and against wall time, with each update's mean return faint behind it."""
+    and against wall time, with each update's mean return faint behind it, and the evaluations'
+    mean returns when the run made some."""
     # A Figure of its own, not pyplot's: no global state, safe on the launcher's picture thread.
     from matplotlib.figure import Figure
 
     with metrics_csv.open() as handle:
-        rows = [r for r in csv.DictReader(handle) if r["mean_return"] not in ("", "nan")]
+        every = list(csv.DictReader(handle))
+    rows = [r for r in every if r["mean_return"] not in ("", "nan")]
+    # Evaluations (loop.eval_every): at the env steps of the weights they evaluated, and at the
+    # wall time they finished.
+    evals = [r for r in every if r.get("eval_return_mean") not in (None, "", "nan")]
     fig = Figure(figsize=(10, 4))
     # Fixed margins: tight_layout drew the figure once more to measure it (half the time).
     axes = fig.subplots(1, 2, sharey=True, gridspec_kw={
@@ -23,6 +28,11 @@ def plot_learning_curve(metrics_csv: Path, png: Path, target: float | None, titl
         x = [float(r[x_key]) for r in rows]
         ax.plot(x, [float(r["mean_return"]) for r in rows], alpha=0.3, label="update mean")
         ax.plot(x, [float(r["return_window"]) for r in rows], label="mean of last window")
+        if evals:
+            eval_x = "eval_env_steps" if x_key == "env_steps" else x_key
+            ax.plot([float(r[eval_x]) for r in evals],
+                    [float(r["eval_return_mean"]) for r in evals], marker="o",
+                    label="evaluation (deterministic)")
         if target is not None:
             ax.axhline(target, linestyle="--", color="grey")
         ax.set_xlabel(label)

@@ -33,6 +33,7 @@ class StopRule:
     target_return: float | None
     window: int
     total_env_steps: int
+    on_eval: bool = False  # the target is compared with the last evaluation's mean return
 
     @property
     def by_target(self) -> bool:
@@ -62,6 +63,8 @@ class Snapshot:
     weights_version: int
     elapsed_s: float
     members: int | None = None  # live rollout ranks of an elastic run (None: not elastic)
+    eval_return: float | None = None  # the last evaluation's mean return (loop.eval_every)
+    eval_version: int | None = None  # the weights version it evaluated
     waiting: bool = False  # trainers wait for rollout ranks to join
 
 
@@ -132,7 +135,10 @@ class RunProgress:
 
     def _draw(self, now: Snapshot) -> None:
         self._last_draw, self._drawn = time.monotonic(), now
-        fraction = self.rule.fraction(now.mean_return, now.env_steps)
+        quantity = now.mean_return
+        if self.rule.on_eval:
+            quantity = now.eval_return if now.eval_return is not None else -math.inf
+        fraction = self.rule.fraction(quantity, now.env_steps)
         left, right = self._texts(now)
         if self._bar is None:
             write_console(f"{left} {fraction:4.0%} | {right}", self.stream)
@@ -151,6 +157,12 @@ class RunProgress:
         clock = f"weights v{now.weights_version}, {_clock(now.elapsed_s)}"
         if now.members is not None:
             clock = f"{now.members} rollout ranks, {clock}"
+        if now.eval_return is not None:
+            rate = f"eval {now.eval_return:.1f} (v{now.eval_version}), {rate}"
+        if rule.target_return is not None and rule.on_eval:
+            shown = f"{now.eval_return:.1f}" if now.eval_return is not None else "--"
+            left = f"[rank0] {self.name}: eval return {shown} of {rule.target_return:g}"
+            return left, f"train {mean} ({count}), {now.env_steps:,} env steps, {rate}, {clock}"
         if rule.target_return is not None:
             left = f"[rank0] {self.name}: mean return {mean} of {rule.target_return:g}"
             right = f"{now.env_steps:,} env steps, {rate}, {clock}"

@@ -53,6 +53,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary['loop']} finished on {scale} in {summary['wall_s']:.1f} s, "
             f"{restarts} restart{'s' if restarts != 1 else ''}"
         )
+    lines += _eval_lines(summary)
     changes = summary.get("rollout_ranks")
     if changes:  # an elastic run whose rollout ranks came and went (result.json: leaves, joins)
         lines.append(f"rollout ranks: {changes['left']} left, {changes['joined']} joined "
@@ -62,11 +63,31 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join([*lines, RULE])
 
 
+def _eval_lines(summary: dict[str, Any]) -> list[str]:
+    """The last evaluation and the best checkpoint (loop.eval_every)."""
+    if "eval_episodes" not in summary:
+        return []
+    last, best = summary["eval"], summary["best_checkpoint"]
+    if last is None:
+        return ["eval: none finished"]
+    lines = [f"eval: mean return {last['return_mean']:.1f} ± {last['return_std']:.1f} over "
+             f"{summary['eval_episodes']} episodes (weights v{last['version']}, update "
+             f"{last['update']})"]
+    if best is not None:
+        lines.append(f"best: {best['return_mean']:.1f} (weights v{best['version']}, update "
+                     f"{best['update']}) in {_shown(best['path'])}")
+    return lines
+
+
 def _training_lines(summary: dict[str, Any]) -> list[str]:
     target, window = summary["target_return"], summary["window"]
     final = summary["final_mean_return"]
     mean = f"{final:.1f}" if final is not None else "-- (fewer episodes)"
     of = f"mean return of the last {window} episodes"
+    if summary.get("stop_on") == "eval":
+        last = summary["eval"]
+        mean = f"{last['return_mean']:.1f}" if last else "-- (no evaluation)"
+        of = f"mean return of an evaluation ({summary['eval_episodes']} episodes)"
     if target is None:
         return [f"no target: {of} is {mean} after the budget of {summary['env_steps']:,} "
                 "env steps"]

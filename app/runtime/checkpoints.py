@@ -386,8 +386,11 @@ def save_checkpoint(
     settings: Mapping[str, Any] | None = None,
     normalizers: Mapping[str, torch.Tensor] | None = None,
     epoch: int | None = None,
+    name: str | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Writes ``ckpt_<update>.pt`` with its checksum and ``settings`` (:func:`run_settings`).
+    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum and ``settings``
+    (:func:`run_settings`); ``extra``: more entries (the best one's evaluation).
     Never half-written: written aside (``.tmp``), synced, then renamed; a failed write removes
     its ``.tmp`` and re-raises, an OSError noting the last complete checkpoint. ``policy`` and
     ``optimizer``: the modules, or their whole state dicts (a sharded trainer's, gathered)."""
@@ -410,9 +413,10 @@ def save_checkpoint(
         "torch_rng": torch.get_rng_state(),
         "format": FORMAT,
         "settings": dict(settings or {}),
+        **(extra or {}),
     }
     state["checksum"] = content_checksum(state)
-    final = folder / f"ckpt_{update:06d}.pt"
+    final = folder / (name or f"ckpt_{update:06d}.pt")
     partial = final.with_suffix(".tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)

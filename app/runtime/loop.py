@@ -49,6 +49,8 @@ from app.runtime.transformer import (
 )
 from rlcomm import CommContext, LayoutPlan
 
+STOP_ON = ("train", "eval")
+
 
 @dataclass
 class RLLoop:
@@ -90,6 +92,17 @@ class RLLoop:
         "trainer); below it the trainers wait for joiners (0.8 x the hang timeout) if one can "
         "come, then end the run naming who was lost"
     )
+    eval_every: int = setting(
+        0, "updates between evaluations of the current weights with the deterministic action, "
+        "in a background process beside training (0: none); docs/evaluate.md"
+    )
+    eval_episodes: int = setting(10, "whole episodes per evaluation")
+    eval_seed: int = setting(1_000_000, "episode i of every evaluation resets its env with "
+                             "eval_seed + i")
+    stop_on: str = setting(
+        "train", "what the target return is compared with: train (the mean return of the last "
+        "`window` training episodes) or eval (the last evaluation's mean return)"
+    )
 
     algorithm: ClassVar[type[Algorithm[Any]]]
     # Follows membership epochs: its rollout ranks may leave and join (layout.elastic_rollouts).
@@ -110,6 +123,8 @@ class RLLoop:
             "trainer_wait_fraction": "min",  # trainers blocked on rollouts' trajectories
             "rollout_wait_fraction": "min",  # rollouts blocked on trainers (weights, hand-off)
             "final_mean_return": "max",
+            "eval_return_mean": "max",  # the last evaluation's (None without one)
+            "best_eval_return": "max",  # the best evaluation's: checkpoints/best
         },
         headline=("time_to_target_s", "env_steps_to_target", "env_steps_per_s",
                   "transfer_share", "trainer_wait_fraction", "rollout_wait_fraction"),
@@ -167,6 +182,7 @@ class RLLoop:
             errors.append(f"verify_weights_every: must be >= 0, got {self.verify_weights_every}")
         if self.min_rollouts < 1:
             errors.append(f"min_rollouts: must be >= 1, got {self.min_rollouts}")
+        errors += self._eval_errors()
         if not errors and self.total_env_steps < per_update:
             errors.append(
                 f"total_env_steps: must allow at least one update ({per_update} env steps with "
@@ -195,6 +211,20 @@ class RLLoop:
         self.check_resume()
         if self.tensorboard:
             check_tensorboard()
+
+    def _eval_errors(self) -> list[str]:
+        checks = [
+            ("eval_every", self.eval_every >= 0, ">= 0"),
+            ("eval_episodes", self.eval_episodes >= 1, "a positive integer"),
+            ("eval_seed", self.eval_seed >= 0, ">= 0"),
+            ("stop_on", self.stop_on in STOP_ON, f"one of {', '.join(STOP_ON)}"),
+        ]
+        errors = [f"{name}: must be {want}, got {getattr(self, name)!r}"
+                  for name, ok, want in checks if not ok]
+        if not errors and self.stop_on == "eval" and not self.eval_every:
+            errors.append("stop_on: must be train without evaluations (loop.eval_every=0), "
+                          "got 'eval'")
+        return errors
 
     def _per_update(self, plan: LayoutPlan) -> int:
         """Env steps per update: every collecting rank's ``num_envs`` x ``num_steps``."""
@@ -295,7 +325,7 @@ class RLLoop:
         """What ends a run: the target when there is one (and ``stop_at_target``), else the
         budget alone."""
         return StopRule(self.target() if self.stop_at_target else None, self.window,
-                        self.total_env_steps)
+                        self.total_env_steps, on_eval=self.stop_on == "eval")
 
     def summary(self, result: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         """The closing summary's figures and files, from rank 0's result."""
@@ -314,11 +344,26 @@ class RLLoop:
             # share of their time spent sending weights.
             "env_steps_per_s": result["metrics"]["env_steps_per_s"],
             "transfer_share": result["metrics"]["transfer_share"],
+            **self._eval_summary(result),
             "files": {
                 name: str(run_dir / name)
                 for name in ("metrics.csv", "learning_curve.png", CHECKPOINT_DIR, SUBDIR)
                 if (run_dir / name).exists()
             },
+        }
+
+    def _eval_summary(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The last evaluation and the best checkpoint, for a run with evaluations."""
+        if not self.eval_every:
+            return {}
+        last, best = result.get("eval"), result.get("best_checkpoint")
+        return {
+            "stop_on": self.stop_on,
+            "eval_episodes": self.eval_episodes,
+            "eval": ({k: last[k] for k in ("return_mean", "return_std", "length_mean",
+                                           "version", "update")} if last else None),
+            "best_checkpoint": ({k: best[k] for k in ("path", "return_mean", "version",
+                                                      "update")} if best else None),
         }
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:

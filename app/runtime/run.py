@@ -10,6 +10,7 @@ worker) and updates (here, on trainers); everything else is this module's.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from app.runtime.checkpoints import (
     run_settings,
     save_checkpoint,
 )
+from app.runtime.evaluator import NO_EVALUATION_ROW, Evaluation, Evaluations
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, update_row
 from app.runtime.seeds import env_seed, minibatch_seed
@@ -112,6 +114,9 @@ class RuntimeRun:
         # Measured seconds of this attempt: collecting (the worker splits out env stepping and
         # the policy's forward), the update, and communication (time_split_s in the result).
         self.split_s = {"collect": 0.0, "update": 0.0, "comm": 0.0}
+        self.evaluations = (  # loop.eval_every: beside training, on the lead trainer
+            Evaluations(loop, ctx, min(plan.trainers), self._deciders, job.run_dir)
+            if loop.eval_every and not self.follows else None)
 
     def run(self) -> dict[str, Any]:
         self._maybe_resume()
@@ -124,8 +129,15 @@ class RuntimeRun:
         scalars = (ScalarLog(self.job.run_dir, self._name())
                    if self._writes_outputs(self.loop.tensorboard) else None)
         self.hand_off.on_wait = view.waiting if view is not None else None
-        reached_at = self._loop(start, first_steps, view, scalars)
+        try:
+            reached_at = self._loop(start, first_steps, view, scalars)
+        except BaseException:
+            if self.evaluations is not None:
+                self.evaluations.close()
+            raise
         timeline.mark("stop")
+        if self.evaluations is not None:  # the one still running completes the record
+            self.evaluations.finish(self.ctx.timeout.total_seconds())
         self.hand_off.stop(self.update, self.env_steps)
         if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
             self._save_checkpoint()  # keep the final state too
@@ -155,6 +167,8 @@ class RuntimeRun:
             if handed is None:  # told by its trainer: the run stopped
                 break
             self.episodes.extend(handed.episodes)
+            if self.evaluations is not None:  # after the hand-off: every decider is here
+                handed.shared.update(self._evaluation_row(self.evaluations.share()))
             collected = int(handed.shared.pop("segments"))
             self.env_steps += collected * self.hparams.num_envs * self.hparams.num_steps
             losses = self._train(handed.segments) if self.is_trainer else {}
@@ -168,12 +182,43 @@ class RuntimeRun:
                 self._show(row, elapsed, view, scalars)
                 if self._should_checkpoint():
                     self._save_checkpoint()
-                if reached_at is None and target is not None and self._recent_return() >= target:
+                if reached_at is None and target is not None and self._stop_quantity() >= target:
                     reached_at = (time.perf_counter() - start, self.env_steps)
                     if self.loop.stop_at_target:
                         break
             going = self._more_steps() and self._sync_weights(first=False)
+            if going and self.evaluations is not None and self.update % self.loop.eval_every == 0:
+                self._submit_evaluation()
         return reached_at
+
+    @property
+    def _deciders(self) -> ParallelMode:
+        """The ranks that take the stop decision (and share the job's figures): every rank, or
+        an elastic run's trainers (its rollout ranks follow)."""
+        return ParallelMode.TRAIN_DATA_PARALLEL if self.elastic else ParallelMode.GLOBAL
+
+    def _stop_quantity(self) -> float:
+        """What the target is compared with (``loop.stop_on``)."""
+        if self.loop.stop_on == "eval" and self.evaluations is not None:
+            return self.evaluations.latest_return
+        return self._recent_return()
+
+    def _evaluation_row(self, arrived: Evaluation | None) -> dict[str, float]:
+        return arrived.row() if arrived is not None else dict(NO_EVALUATION_ROW)
+
+    def _submit_evaluation(self) -> None:
+        """The weights just sent (with the normalisers' statistics) to the evaluator; with
+        them, what ``checkpoints/best`` would hold (flat trainers: a sharded one keeps none)."""
+        assert self.evaluations is not None
+        if self.evaluations.process is None:
+            return
+        record = None
+        if self.trained is not None and not self.trained.sharded and self.optimizer is not None:
+            record = self._checkpoint_record()
+            record["policy"] = {k: v.clone() for k, v in self.agent.net.state_dict().items()}
+            record["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+        self.evaluations.submit(self.hand_off.version(self.update), self.update,
+                                self.env_steps, self.agent.state_dict(), record)
 
     def _more_steps(self) -> bool:
         """Whether the run goes on (a follower: until its trainer stops it)."""
@@ -220,12 +265,14 @@ class RuntimeRun:
             self.ctx, self.is_trainer, elapsed=elapsed, transfer_s=hand_off.transfer_s,
             wait_s=hand_off.wait_total_s, reached_at=reached_at, updates=updates, steps=steps,
             recent=self._recent_return(),
-            over=(ParallelMode.TRAIN_DATA_PARALLEL if self.elastic else ParallelMode.GLOBAL),
+            over=self._deciders,
         )
         if self.elastic and elapsed:  # the rollout ranks' waits came with their segments
             waited = sum(row["rollout_wait_s"] for row in self.metrics[-updates:]) \
                 if updates else 0.0
             metrics["rollout_wait_fraction"] = round(waited / elapsed, 4)
+        evaluated = self.evaluations.result() if self.evaluations is not None else {}
+        metrics.update(evaluated.pop("metrics", {}))
         membership = hand_off.result()
         if "epoch" in membership:
             membership["epoch"] += self.epoch_base
@@ -241,6 +288,7 @@ class RuntimeRun:
             **({"staleness_histogram": {str(k): n for k, n in sorted(hand_off.staleness.items())}}
                if self.is_trainer else {}),
             "metrics": {**metrics, **self._declared_losses()},
+            **evaluated,
             **membership,
         }
 
@@ -377,6 +425,7 @@ class RuntimeRun:
         return enabled and self.rank == 0
 
     def _snapshot(self, row: dict[str, float], elapsed: float) -> Snapshot:
+        last = self.evaluations.done[-1] if self.evaluations and self.evaluations.done else None
         return Snapshot(
             env_steps=self.env_steps,
             mean_return=self._recent_return(),
@@ -385,6 +434,8 @@ class RuntimeRun:
             weights_version=int(row["weights_version"]),
             elapsed_s=elapsed,
             members=int(row["members"]) if "members" in row else None,
+            eval_return=last.return_mean if last else None,
+            eval_version=last.version if last else None,
         )
 
     def _should_checkpoint(self) -> bool:
@@ -393,11 +444,7 @@ class RuntimeRun:
     def _save_checkpoint(self) -> None:
         if not self.is_trainer or self.optimizer is None or self.trained is None:
             return
-        record: dict[str, Any] = dict(
-            update=self.update, env_steps=self.env_steps, episodes=self.episodes,
-            metrics=self.metrics, settings=self.settings, normalizers=self.agent.normalizers(),
-            epoch=(int(self.metrics[-1].get("epoch", 0)) if self.elastic and self.metrics
-                   else None))
+        record = self._checkpoint_record()
         if self.trained.sharded:  # each trainer writes its own shards (checkpoints.py)
             save_sharded_checkpoint(self.job.run_dir, self.trained, self.optimizer,
                                     self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL), **record)
@@ -406,6 +453,15 @@ class RuntimeRun:
         if self.rank != 0:
             return
         save_checkpoint(self.job.run_dir, policy, optimizer, **record)
+
+    def _checkpoint_record(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the policy and the optimizer, as of now (copies)."""
+        return dict(
+            update=self.update, env_steps=self.env_steps, episodes=list(self.episodes),
+            metrics=list(self.metrics), settings=self.settings,
+            normalizers={k: v.clone() for k, v in self.agent.normalizers().items()},
+            epoch=(int(self.metrics[-1].get("epoch", 0)) if self.elastic and self.metrics
+                   else None))
 
     def _maybe_resume(self) -> None:
         if self.follows:  # the trainer's weights and statistics come with the first transfer

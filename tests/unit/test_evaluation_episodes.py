@@ -1,4 +1,4 @@
-"""Whole evaluation episodes on one process (app/evaluate/episodes.py), on real Gymnasium envs."""
+"""Whole evaluation episodes on one process (app/runtime/episodes.py), on real Gymnasium envs."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from app.evaluate.episodes import run_episodes
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime.algorithm import Spaces
 from app.runtime.envs import EnvConfig
+from app.runtime.episodes import run_episodes
 from app.runtime.worker import Agent
 
 pytestmark = pytest.mark.unit

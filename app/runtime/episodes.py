@@ -6,6 +6,7 @@ action is :meth:`Algorithm.greedy`'s unless ``deterministic`` is false.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 
 from app.runtime.algorithm import Algorithm
 from app.runtime.envs import EnvConfig, make_env
+from app.runtime.history import ObsHistory
 from app.runtime.worker import Agent
 
 
@@ -45,10 +47,8 @@ def run_episodes(
     """Run ``episodes`` episodes, episode ``i`` on a fresh env reset with ``seed + i``.
 
     Stochastic actions are sampled with a generator seeded with ``seed``. A policy with a
-    history (``agent.context``) is not supported here yet.
+    history (``agent.context``) sees the episode's window, as it does in training.
     """
-    if agent.context:
-        raise ValueError("evaluation of a policy with a history window is not supported yet")
     generator = torch.Generator().manual_seed(seed)
     returns: list[float] = []
     lengths: list[int] = []
@@ -67,12 +67,21 @@ def _one_episode(algorithm: Algorithm[Any], agent: Agent, env_cfg: EnvConfig, se
     image = np.dtype(env.observation_space.dtype) == np.uint8
     try:
         obs, _ = env.reset(seed=seed)
+        history = (ObsHistory(1, agent.context, math.prod(env.observation_space.shape or ()))
+                   if agent.context else None)
         total, length, done = 0.0, 0, False
         while not done:
             raw = torch.as_tensor(np.asarray(obs)[None],
                                   dtype=torch.uint8 if image else torch.float32)
             with torch.no_grad():
-                seen = agent.observe(raw)
+                if history is None:
+                    seen = agent.observe(raw)
+                else:  # the episode's window, as a collector keeps it
+                    if length == 0:
+                        history.reset(raw.reshape(1, -1))
+                    else:
+                        history.push(raw.reshape(1, -1), torch.zeros(1))
+                    seen = agent.observe_window(history.window())
                 action = (algorithm.greedy(agent.net, seen) if deterministic
                           else algorithm.act(agent.net, seen, generator)[0])
             taken = action[0].numpy()

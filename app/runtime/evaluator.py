@@ -1,0 +1,247 @@
+"""Evaluation beside training (``loop.eval_every``): the lead trainer hands a copy of the weights
+it just made, the same whole weights the hand-off sends to rollout ranks, to a background
+process, which runs ``loop.eval_episodes`` whole episodes with the deterministic action on fresh
+environments (app/runtime/episodes.py) while training goes on.
+
+The process is spawned once per run, niced below the ranks (evaluation yields the CPU to
+training), and ends when its pipe closes: when the rank ends, however it ends. One evaluation
+runs at a time; a due one that finds the previous still running is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from app.api import ConfigError
+from app.runtime.checkpoints import CHECKPOINT_DIR, load_checkpoint, save_checkpoint
+from rlcomm import CommContext, ParallelMode, collectives
+
+if TYPE_CHECKING:
+    from app.runtime.loop import RLLoop
+
+BEST = "best"  # checkpoints/best: the weights of the best evaluation so far
+EVAL_COLUMNS = ("eval_return_mean", "eval_return_std", "eval_length_mean", "eval_version",
+                "eval_env_steps")
+_NICE = 10  # below the ranks: an evaluation must not slow the update it runs beside
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One evaluation of the weights of ``version`` (made by update ``update``, after
+    ``env_steps`` env steps)."""
+
+    version: int
+    update: int
+    env_steps: int
+    return_mean: float
+    return_std: float
+    length_mean: float
+
+    def row(self) -> dict[str, float]:
+        """Its columns in the metrics row of the update it arrived in."""
+        values = (self.return_mean, self.return_std, self.length_mean, self.version,
+                  self.env_steps)
+        return {name: float(value) for name, value in zip(EVAL_COLUMNS, values)}
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.version, self.update, self.env_steps, self.return_mean,
+                             self.return_std, self.length_mean], dtype=torch.float64)
+
+    @staticmethod
+    def from_tensor(values: torch.Tensor) -> Evaluation | None:
+        """The inverse of :meth:`as_tensor`; None for a tensor of NaNs (nothing arrived)."""
+        if math.isnan(float(values[0])):
+            return None
+        version, update, steps, mean, std, length = values.tolist()
+        return Evaluation(int(version), int(update), int(steps), mean, std, length)
+
+
+NO_EVALUATION_ROW = dict.fromkeys(EVAL_COLUMNS, float("nan"))
+
+
+class BackgroundEvaluator:
+    """The lead trainer's evaluation process."""
+
+    def __init__(self, loop: RLLoop) -> None:
+        context = multiprocessing.get_context("spawn")  # nothing of the rank's (gloo, threads)
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(loop, child), daemon=True,
+                                         name="evaluator")
+        self._process.start()
+        child.close()
+        self._running: tuple[int, int, int] | None = None  # version, update, env steps
+        self.skipped = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def submit(self, version: int, update: int, env_steps: int,
+               weights: dict[str, torch.Tensor]) -> bool:
+        """Starts evaluating ``weights`` (policy and normalisers, copied); False when the
+        previous evaluation still runs (this one is skipped)."""
+        if self.busy:
+            self.skipped += 1
+            return False
+        self._conn.send({k: v.detach().clone() for k, v in weights.items()})
+        self._running = (version, update, env_steps)
+        return True
+
+    def poll(self, timeout_s: float = 0.0) -> Evaluation | None:
+        """The finished evaluation, if one finished (waiting up to ``timeout_s``)."""
+        if self._running is None or not self._conn.poll(timeout_s):
+            return None
+        message = self._conn.recv()
+        if isinstance(message, str):
+            raise RuntimeError(f"the evaluation process failed: {message}")
+        version, update, env_steps = self._running
+        self._running = None
+        return Evaluation(version, update, env_steps, *message)
+
+    def close(self) -> None:
+        """Ends the process (an evaluation still running is dropped)."""
+        self._conn.close()
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+
+def _serve(loop: RLLoop, conn: Connection) -> None:
+    """The evaluation process: builds the policy once, then evaluates each weights it is sent
+    until the pipe closes."""
+    from app.runtime.episodes import run_episodes
+    from app.runtime.worker import Agent
+
+    os.nice(_NICE)
+    torch.set_num_threads(1)
+    algorithm = loop.build_algorithm(loop.spaces)
+    agent = Agent(loop.build_policy(algorithm, loop.spaces), loop.spaces, loop.env,
+                  context=loop.model.history)
+    while True:
+        try:
+            weights: dict[str, Any] = conn.recv()
+        except (EOFError, OSError):  # the rank ended
+            return
+        try:
+            agent.load_state_dict(weights)
+            done = run_episodes(algorithm, agent, loop.env, loop.eval_episodes, loop.eval_seed)
+            reply: Any = (done.mean_return, done.std_return, done.mean_length)
+        except Exception as err:  # the rank raises it, named
+            reply = f"{type(err).__name__}: {err}"
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+class Evaluations:
+    """A run's evaluations: the lead trainer's process, what it found, shared with every rank
+    that takes the stop decision (``over``) at the same update, and ``checkpoints/best``.
+
+    ``best_record``: what the lead trainer writes as ``checkpoints/best`` (the keyword arguments
+    of :func:`save_checkpoint`, taken when the weights were handed over) if their evaluation is
+    the best so far; None where trainers are sharded (no best is kept)."""
+
+    def __init__(self, loop: RLLoop, ctx: CommContext, lead: int, over: ParallelMode,
+                 run_dir: Path) -> None:
+        self.every, self.ctx, self.lead, self.over = loop.eval_every, ctx, lead, over
+        self.run_dir = run_dir
+        self.process = BackgroundEvaluator(loop) if ctx.get_global_rank() == lead else None
+        self.done: list[Evaluation] = []
+        self.best_path: Path | None = None
+        self._best_return: float | None = None  # read from checkpoints/best on first need
+        self._best: Evaluation | None = None
+        self._record: dict[str, Any] | None = None  # checkpoints/best's, should it be
+
+    def share(self) -> Evaluation | None:
+        """The evaluation that finished since the last call (on every rank of ``over``,
+        alike), or None."""
+        found = self.process.poll() if self.process is not None else None
+        values = (found.as_tensor() if found is not None
+                  else torch.full((6,), float("nan"), dtype=torch.float64))
+        collectives.broadcast(self.ctx, self.over, values, src=self.lead)
+        arrived = Evaluation.from_tensor(values)
+        if arrived is not None:
+            self.done.append(arrived)
+            if self.process is not None:
+                self._keep_if_best(arrived)
+        return arrived
+
+    def submit(self, version: int, update: int, env_steps: int, weights: dict[str, Tensor],
+               best_record: dict[str, Any] | None) -> None:
+        """The lead trainer hands ``weights`` over, if the previous evaluation is done."""
+        if self.process is not None and self.process.submit(version, update, env_steps,
+                                                            weights):
+            self._record = best_record
+
+    @property
+    def latest_return(self) -> float:
+        """The last evaluation's mean return (-inf before the first): ``loop.stop_on=eval``."""
+        return self.done[-1].return_mean if self.done else float("-inf")
+
+    def finish(self, timeout_s: float) -> None:
+        """The lead trainer waits for an evaluation still running, then ends the process."""
+        if self.process is None:
+            return
+        try:
+            last = self.process.poll(timeout_s) if self.process.busy else None
+            if last is not None:
+                self.done.append(last)
+                self._keep_if_best(last)
+        finally:
+            self.process.close()
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+
+    def result(self) -> dict[str, Any]:
+        """Its part of result.json (the figures, for a sweep to rank by, under ``metrics``)."""
+        last = self.done[-1] if self.done else None
+        best = max(self.done, key=lambda e: e.return_mean) if self.done else None
+        out: dict[str, Any] = {
+            "evaluations": len(self.done),
+            "eval": asdict(last) if last else None,
+            "best_eval": asdict(best) if best else None,
+            "metrics": {"eval_return_mean": round(last.return_mean, 2) if last else None,
+                        "best_eval_return": round(best.return_mean, 2) if best else None},
+        }
+        if self.process is not None:
+            out["evaluations_skipped"] = self.process.skipped
+            out["best_checkpoint"] = (
+                {"path": str(self.best_path), **asdict(self._best)}
+                if self.best_path and self._best else None)
+        return out
+
+    def _keep_if_best(self, evaluation: Evaluation) -> None:
+        record, self._record = self._record, None
+        if record is None:
+            return
+        if self._best_return is None:
+            self._best_return = _best_so_far(self.run_dir / CHECKPOINT_DIR / BEST)
+        if evaluation.return_mean <= self._best_return:
+            return
+        self.best_path = save_checkpoint(self.run_dir, **record, name=BEST,
+                                         extra={"eval": asdict(evaluation)})
+        self._best_return, self._best = evaluation.return_mean, evaluation
+
+
+def _best_so_far(path: Path) -> float:
+    """The evaluated return of the run's ``checkpoints/best`` (an earlier attempt's), so that a
+    resumed run replaces it only with a better one; -inf when there is none."""
+    if not path.exists():
+        return float("-inf")
+    try:
+        return float(load_checkpoint(path).get("eval", {}).get("return_mean", float("inf")))
+    except ConfigError:  # unreadable: kept, never replaced by this attempt
+        return float("inf")
