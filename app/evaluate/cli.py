@@ -2,14 +2,16 @@
 
 It rebuilds the env and the policy from the run's own composed config (``.hydra/config.yaml``)
 and a verified checkpoint, runs whole episodes, prints mean ± std and each return, and writes
-``eval/<time>/result.json`` inside the run dir (a new folder every time). ``--export FILE``
-also writes the greedy policy as a ``torch.export`` program. Bad input is one line, exit 2.
+``eval/<time>/result.json`` inside the run dir (a new folder every time), with
+``episode-<i>.mp4`` beside it under ``--video``. ``--export FILE`` also writes the greedy
+policy as a ``torch.export`` program. Bad input is one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from datetime import datetime
@@ -26,6 +28,7 @@ from app.launch.planning import build_loop
 from app.runtime.checkpoints import load_policy_state, newest_valid_checkpoint
 from app.runtime.envs import EnvError, probe_spaces
 from app.runtime.episodes import Episodes, run_episodes
+from app.runtime.video import render_problem
 from app.runtime.worker import Agent
 
 CONFIG = Path(".hydra") / "config.yaml"
@@ -43,6 +46,7 @@ class Request:
     deterministic: bool
     checkpoint: str  # "last", "best" or a path
     export: Path | None
+    video: bool = False
 
 
 def parse(argv: list[str] | None) -> Request:
@@ -57,13 +61,15 @@ def parse(argv: list[str] | None) -> Request:
     parser.add_argument("--checkpoint", default="last", help="last (default), best, or a PATH")
     parser.add_argument("--export", type=Path, default=None, metavar="FILE",
                         help="also write the greedy policy as a torch.export program (.pt2)")
+    parser.add_argument("--video", action="store_true",
+                        help="also record every episode as an mp4 beside the result")
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error(f"--episodes: must be >= 1, got {args.episodes}")
     if args.seed < 0:
         parser.error(f"--seed: must be >= 0, got {args.seed}")
     return Request(args.target, args.episodes, args.seed, args.deterministic, args.checkpoint,
-                   args.export)
+                   args.export, args.video)
 
 
 def run_dir_of(target: Path) -> Path:
@@ -98,19 +104,33 @@ def evaluate(request: Request) -> tuple[Path, dict[str, Any]]:
         policy = load_policy_state(picked.path)
     except (ConfigError, EnvError) as err:
         raise EvaluationError(str(err).removeprefix("loop.resume: ")) from None
+    problem = render_problem(loop.env) if request.video else None
+    if problem:
+        raise EvaluationError(f"--video: {problem}")
     algorithm = loop.build_algorithm(spaces)
     agent = Agent(loop.build_policy(algorithm, spaces), spaces, loop.env,
                   context=loop.model.history)
     agent.net.load_state_dict(policy)
     for name, value in picked.state.get("normalizers", {}).items():
         agent.get_buffer(name).copy_(value)
-    episodes = run_episodes(algorithm, agent, loop.env, request.episodes, request.seed,
-                            request.deterministic)
-    result = _result(request, picked.path, episodes)
-    if request.export is not None:
-        example = torch.as_tensor(np.stack([spaces.observation.sample() for _ in range(2)]))
-        result["export"] = str(export_policy(algorithm, agent, example, request.export))
-    return _write(run_dir, result), result
+    folder = _new_folder(run_dir)
+    try:
+        videos = ([folder / f"episode-{i:03d}.mp4" for i in range(request.episodes)]
+                  if request.video else [])
+        episodes = run_episodes(algorithm, agent, loop.env, request.episodes, request.seed,
+                                request.deterministic, videos)
+        result = _result(request, picked.path, episodes)
+        if videos:
+            result["videos"] = [str(v) for v in videos]
+        if request.export is not None:
+            example = torch.as_tensor(np.stack([spaces.observation.sample() for _ in range(2)]))
+            result["export"] = str(export_policy(algorithm, agent, example, request.export))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # this evaluation's own, new folder
+        raise
+    path = folder / "result.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path, result
 
 
 def _result(request: Request, checkpoint: Path, episodes: Episodes) -> dict[str, Any]:
@@ -122,14 +142,12 @@ def _result(request: Request, checkpoint: Path, episodes: Episodes) -> dict[str,
     }
 
 
-def _write(run_dir: Path, result: dict[str, Any]) -> Path:
-    """``eval/<time>/result.json``: a new folder (microseconds in its name, created
-    exclusively), so nothing a run or an earlier evaluation wrote is overwritten."""
+def _new_folder(run_dir: Path) -> Path:
+    """``eval/<time>/``: a new folder (microseconds in its name, created exclusively), so
+    nothing a run or an earlier evaluation wrote is overwritten."""
     folder = run_dir / "eval" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
     folder.mkdir(parents=True, exist_ok=False)
-    path = folder / "result.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    return path
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,5 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     print("returns: " + ", ".join(f"{r:g}" for r in result["returns"]))
     if "export" in result:
         print(f"exported policy: {result['export']}")
+    for video in result.get("videos", []):
+        print(f"video: {video}")
     print(f"result: {path}")
     return 0

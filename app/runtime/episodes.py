@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ import torch
 from app.runtime.algorithm import Algorithm
 from app.runtime.envs import EnvConfig, make_env
 from app.runtime.history import ObsHistory
+from app.runtime.video import EpisodeVideo, frame, make_rendering_env
 from app.runtime.worker import Agent
 
 
@@ -42,9 +45,10 @@ class Episodes:
 
 def run_episodes(
     algorithm: Algorithm[Any], agent: Agent, env: EnvConfig, episodes: int, seed: int,
-    deterministic: bool = True,
+    deterministic: bool = True, videos: Sequence[Path] = (),
 ) -> Episodes:
-    """Run ``episodes`` episodes, episode ``i`` on a fresh env reset with ``seed + i``.
+    """Run ``episodes`` episodes, episode ``i`` on a fresh env reset with ``seed + i``; episode
+    ``i`` is also recorded as the mp4 ``videos[i]`` while there is one (app/runtime/video.py).
 
     Stochastic actions are sampled with a generator seeded with ``seed``. A policy with a
     history (``agent.context``) sees the episode's window, as it does in training.
@@ -53,44 +57,67 @@ def run_episodes(
     returns: list[float] = []
     lengths: list[int] = []
     for i in range(episodes):
-        total, length = _one_episode(algorithm, agent, env, seed + i, deterministic, generator)
+        video = videos[i] if i < len(videos) else None
+        total, length = _one_episode(algorithm, agent, env, seed + i, deterministic, generator,
+                                     video)
         returns.append(total)
         lengths.append(length)
     return Episodes(returns, lengths)
 
 
 def _one_episode(algorithm: Algorithm[Any], agent: Agent, env_cfg: EnvConfig, seed: int,
-                 deterministic: bool, generator: torch.Generator) -> tuple[float, int]:
-    env = make_env(env_cfg.id, env_cfg._target_, dict(env_cfg.kwargs))
+                 deterministic: bool, generator: torch.Generator,
+                 video: Path | None) -> tuple[float, int]:
+    env = (make_rendering_env(env_cfg) if video is not None
+           else make_env(env_cfg.id, env_cfg._target_, dict(env_cfg.kwargs)))
     low = getattr(env.action_space, "low", None)
     high = getattr(env.action_space, "high", None)
     image = np.dtype(env.observation_space.dtype) == np.uint8
+    recording: EpisodeVideo | None = None
     try:
         obs, _ = env.reset(seed=seed)
+        if video is not None:
+            recording = EpisodeVideo(video, float(env.metadata.get("render_fps") or 30))
+            recording.add(frame(env))
         history = (ObsHistory(1, agent.context, math.prod(env.observation_space.shape or ()))
                    if agent.context else None)
         total, length, done = 0.0, 0, False
         while not done:
             raw = torch.as_tensor(np.asarray(obs)[None],
                                   dtype=torch.uint8 if image else torch.float32)
-            with torch.no_grad():
-                if history is None:
-                    seen = agent.observe(raw)
-                else:  # the episode's window, as a collector keeps it
-                    if length == 0:
-                        history.reset(raw.reshape(1, -1))
-                    else:
-                        history.push(raw.reshape(1, -1), torch.zeros(1))
-                    seen = agent.observe_window(history.window())
-                action = (algorithm.greedy(agent.net, seen) if deterministic
-                          else algorithm.act(agent.net, seen, generator)[0])
+            action = _action(algorithm, agent, raw, history, length, deterministic, generator)
             taken = action[0].numpy()
             if low is not None:
                 taken = np.clip(taken, low, high)
             obs, reward, terminated, truncated, _ = env.step(taken)
+            if recording is not None:
+                recording.add(frame(env))
             total += float(reward)
             length += 1
             done = bool(terminated or truncated)
+        if recording is not None:
+            recording.close()
+            recording = None
         return total, length
     finally:
+        if recording is not None:  # an episode that failed leaves no partial video
+            recording.close(keep=False)
         env.close()
+
+
+def _action(algorithm: Algorithm[Any], agent: Agent, raw: torch.Tensor,
+            history: ObsHistory | None, step: int, deterministic: bool,
+            generator: torch.Generator) -> torch.Tensor:
+    """The action for one raw observation [1, *obs] at ``step`` of the episode."""
+    with torch.no_grad():
+        if history is None:
+            seen = agent.observe(raw)
+        else:  # the episode's window, as a collector keeps it
+            if step == 0:
+                history.reset(raw.reshape(1, -1))
+            else:
+                history.push(raw.reshape(1, -1), torch.zeros(1))
+            seen = agent.observe_window(history.window())
+        if deterministic:
+            return algorithm.greedy(agent.net, seen)
+        return algorithm.act(agent.net, seen, generator)[0]

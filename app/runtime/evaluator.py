@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -23,12 +24,14 @@ from torch import Tensor
 
 from app.api import ConfigError
 from app.runtime.checkpoints import CHECKPOINT_DIR, load_checkpoint, save_checkpoint
+from app.runtime.video import headless
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:
     from app.runtime.loop import RLLoop
 
 BEST = "best"  # checkpoints/best: the weights of the best evaluation so far
+VIDEOS = "videos"  # loop.eval_video: videos/best.mp4 and videos/last.mp4
 EVAL_COLUMNS = ("eval_return_mean", "eval_return_std", "eval_length_mean", "eval_version",
                 "eval_env_steps")
 _NICE = 10  # below the ranks: an evaluation must not slow the update it runs beside
@@ -86,13 +89,14 @@ class BackgroundEvaluator:
         return self._running is not None
 
     def submit(self, version: int, update: int, env_steps: int,
-               weights: dict[str, torch.Tensor]) -> bool:
-        """Starts evaluating ``weights`` (policy and normalisers, copied); False when the
-        previous evaluation still runs (this one is skipped)."""
+               weights: dict[str, torch.Tensor], video: Path | None = None) -> bool:
+        """Starts evaluating ``weights`` (policy and normalisers, copied), recording the first
+        episode as ``video`` if given; False when the previous evaluation still runs (this one
+        is skipped)."""
         if self.busy:
             self.skipped += 1
             return False
-        self._conn.send({k: v.detach().clone() for k, v in weights.items()})
+        self._conn.send(({k: v.detach().clone() for k, v in weights.items()}, video))
         self._running = (version, update, env_steps)
         return True
 
@@ -124,17 +128,19 @@ def _serve(loop: RLLoop, conn: Connection) -> None:
 
     os.nice(_NICE)
     torch.set_num_threads(1)
+    headless()
     algorithm = loop.build_algorithm(loop.spaces)
     agent = Agent(loop.build_policy(algorithm, loop.spaces), loop.spaces, loop.env,
                   context=loop.model.history)
     while True:
         try:
-            weights: dict[str, Any] = conn.recv()
+            weights, video = conn.recv()
         except (EOFError, OSError):  # the rank ended
             return
         try:
             agent.load_state_dict(weights)
-            done = run_episodes(algorithm, agent, loop.env, loop.eval_episodes, loop.eval_seed)
+            done = run_episodes(algorithm, agent, loop.env, loop.eval_episodes, loop.eval_seed,
+                                videos=[video] if video is not None else [])
             reply: Any = (done.mean_return, done.std_return, done.mean_length)
         except Exception as err:  # the rank raises it, named
             reply = f"{type(err).__name__}: {err}"
@@ -155,7 +161,8 @@ class Evaluations:
     def __init__(self, loop: RLLoop, ctx: CommContext, lead: int, over: ParallelMode,
                  run_dir: Path) -> None:
         self.every, self.ctx, self.lead, self.over = loop.eval_every, ctx, lead, over
-        self.run_dir = run_dir
+        self.run_dir, self.video = run_dir, loop.eval_video
+        self._video: Path | None = None  # the running evaluation's first episode
         self.process = BackgroundEvaluator(loop) if ctx.get_global_rank() == lead else None
         self.done: list[Evaluation] = []
         self.best_path: Path | None = None
@@ -174,15 +181,16 @@ class Evaluations:
         if arrived is not None:
             self.done.append(arrived)
             if self.process is not None:
-                self._keep_if_best(arrived)
+                self._keep(arrived)
         return arrived
 
     def submit(self, version: int, update: int, env_steps: int, weights: dict[str, Tensor],
                best_record: dict[str, Any] | None) -> None:
         """The lead trainer hands ``weights`` over, if the previous evaluation is done."""
+        video = self.run_dir / VIDEOS / f"eval-v{version}.mp4" if self.video else None
         if self.process is not None and self.process.submit(version, update, env_steps,
-                                                            weights):
-            self._record = best_record
+                                                            weights, video):
+            self._record, self._video = best_record, video
 
     @property
     def latest_return(self) -> float:
@@ -197,7 +205,7 @@ class Evaluations:
             last = self.process.poll(timeout_s) if self.process.busy else None
             if last is not None:
                 self.done.append(last)
-                self._keep_if_best(last)
+                self._keep(last)
         finally:
             self.process.close()
 
@@ -223,17 +231,25 @@ class Evaluations:
                 if self.best_path and self._best else None)
         return out
 
-    def _keep_if_best(self, evaluation: Evaluation) -> None:
+    def _keep(self, evaluation: Evaluation) -> None:
+        """The lead trainer keeps what an arrived evaluation left: the best checkpoint and
+        video when it is the best so far, and its video as the last."""
         record, self._record = self._record, None
-        if record is None:
-            return
+        video, self._video = self._video, None
         if self._best_return is None:
             self._best_return = _best_so_far(self.run_dir / CHECKPOINT_DIR / BEST)
-        if evaluation.return_mean <= self._best_return:
-            return
-        self.best_path = save_checkpoint(self.run_dir, **record, name=BEST,
-                                         extra={"eval": asdict(evaluation)})
-        self._best_return, self._best = evaluation.return_mean, evaluation
+        best = evaluation.return_mean > self._best_return
+        if best:
+            self._best_return = evaluation.return_mean
+        if best and record is not None:
+            self.best_path = save_checkpoint(self.run_dir, **record, name=BEST,
+                                             extra={"eval": asdict(evaluation)})
+            self._best = evaluation
+        if video is not None and video.exists():
+            if best:
+                shutil.copyfile(video, video.with_name(".best.partial.mp4"))
+                os.replace(video.with_name(".best.partial.mp4"), video.with_name("best.mp4"))
+            os.replace(video, video.with_name("last.mp4"))
 
 
 def _best_so_far(path: Path) -> float:

@@ -47,6 +47,7 @@ from app.runtime.transformer import (
     ffn_hidden,
     transformer_space_problem,
 )
+from app.runtime.video import render_problem
 from rlcomm import CommContext, LayoutPlan
 
 STOP_ON = ("train", "eval")
@@ -99,6 +100,10 @@ class RLLoop:
     eval_episodes: int = setting(10, "whole episodes per evaluation")
     eval_seed: int = setting(1_000_000, "episode i of every evaluation resets its env with "
                              "eval_seed + i")
+    eval_video: bool = setting(
+        False, "record each evaluation's first episode; the run keeps videos/best.mp4 and "
+        "videos/last.mp4 (the video extra)"
+    )
     stop_on: str = setting(
         "train", "what the target return is compared with: train (the mean return of the last "
         "`window` training episodes) or eval (the last evaluation's mean return)"
@@ -207,6 +212,10 @@ class RLLoop:
         if plan.elastic_rollouts and plan.rollouts and self.min_rollouts > len(plan.rollouts):
             raise ConfigError(f"loop.min_rollouts: {self.min_rollouts}, but the layout has "
                               f"{len(plan.rollouts)} rollout ranks")
+        if self.eval_video:
+            problem = render_problem(self.env)
+            if problem:
+                raise ConfigError(f"loop.eval_video: {problem}")
         self.check_grid(plan)
         self.check_resume()
         if self.tensorboard:
@@ -224,6 +233,9 @@ class RLLoop:
         if not errors and self.stop_on == "eval" and not self.eval_every:
             errors.append("stop_on: must be train without evaluations (loop.eval_every=0), "
                           "got 'eval'")
+        if not errors and self.eval_video and not self.eval_every:
+            errors.append("eval_video: must be false without evaluations (loop.eval_every=0), "
+                          "got true")
         return errors
 
     def _per_update(self, plan: LayoutPlan) -> int:
@@ -347,7 +359,8 @@ class RLLoop:
             **self._eval_summary(result),
             "files": {
                 name: str(run_dir / name)
-                for name in ("metrics.csv", "learning_curve.png", CHECKPOINT_DIR, SUBDIR)
+                for name in ("metrics.csv", "learning_curve.png", CHECKPOINT_DIR, SUBDIR,
+                             "videos/best.mp4", "videos/last.mp4")
                 if (run_dir / name).exists()
             },
         }

@@ -272,7 +272,8 @@ class RuntimeRun:
                 if updates else 0.0
             metrics["rollout_wait_fraction"] = round(waited / elapsed, 4)
         evaluated = self.evaluations.result() if self.evaluations is not None else {}
-        metrics.update(evaluated.pop("metrics", {}))
+        metrics.update(evaluated.pop("metrics", dict.fromkeys(("eval_return_mean",
+                                                               "best_eval_return"))))
         membership = hand_off.result()
         if "epoch" in membership:
             membership["epoch"] += self.epoch_base

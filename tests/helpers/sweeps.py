@@ -12,6 +12,7 @@ PPO_METRICS = {
     "env_steps_per_s", "time_to_target_s", "env_steps_to_target", "reached_target",
     "updates_per_s", "transfer_s", "transfer_share", "trainer_wait_fraction",
     "rollout_wait_fraction", "final_mean_return", "startup_s", "group_creation_s", "wall_s",
+    "eval_return_mean", "best_eval_return",  # None without evaluations (loop.eval_every)
 }
 # A plugged-in loop with a figure of its own (``scored_loop`` installs it).
 SCORED_LOOP = '''

@@ -11,6 +11,7 @@ from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime.algorithm import Spaces
 from app.runtime.envs import EnvConfig
 from app.runtime.episodes import run_episodes
+from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent
 
 pytestmark = pytest.mark.unit
@@ -54,3 +55,42 @@ def test_normalisation_statistics_stay_frozen() -> None:
     done = run_episodes(algorithm, agent, env, episodes=1, seed=0)
     assert done.lengths == [200]  # Pendulum ends only at its time limit
     assert all(torch.equal(before[k], v) for k, v in agent.normalizers().items())
+
+
+class _Seen(TransformerActorCritic):
+    """The transformer policy, keeping every window its greedy action was computed from."""
+
+    windows: list[torch.Tensor]
+
+    def greedy(self, obs: torch.Tensor) -> torch.Tensor:
+        self.windows.append(obs.clone())
+        return super().greedy(obs)
+
+
+def test_a_history_policy_sees_the_episode_window_as_in_training() -> None:
+    env = gym.make("CartPole-v1")
+    spaces = Spaces(env.observation_space, env.action_space)
+    env.close()
+    torch.manual_seed(0)
+    context = 4
+    policy = _Seen(spaces, width=16, layers=1, heads=2, context=context)
+    policy.windows = []
+    cfg = EnvConfig(id="CartPole-v1")
+    agent = Agent(policy, spaces, cfg, context=context)
+    done = run_episodes(PPO(PPOSettings(), spaces), agent, cfg, episodes=2, seed=5)
+    assert len(policy.windows) == sum(done.lengths)
+    start = 0
+    for length in done.lengths:  # each episode starts over: padding, then real steps
+        for t, window in enumerate(policy.windows[start : start + length]):
+            assert window.shape == (1, context, 5)
+            real = min(t + 1, context)
+            assert window[0, :, -1].tolist() == [0.0] * (context - real) + [1.0] * real
+            if t:  # the newest step of the last window is now one step older
+                previous = policy.windows[start + t - 1]
+                assert torch.equal(window[0, -2, :-1], previous[0, -1, :-1])
+        start += length
+    again = _Seen(spaces, width=16, layers=1, heads=2, context=context)
+    again.load_state_dict(policy.state_dict())
+    again.windows = []
+    assert run_episodes(PPO(PPOSettings(), spaces), Agent(again, spaces, cfg, context=context),
+                        cfg, episodes=2, seed=5) == done

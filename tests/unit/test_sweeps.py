@@ -189,6 +189,8 @@ def test_the_shipped_loops_declare_the_metrics_they_report() -> None:
     for target in (PPO, COMMCHECK):
         assert set(headline(target)) <= set(known_metrics(target))
     check_metric_name("latency_us:GLOBAL[0,1]", COMMCHECK)  # per group: the base name's
+    for name in ("eval_return_mean", "best_eval_return"):  # sweep.rank_by takes evaluations
+        check_metric_name(name, PPO)
     with pytest.raises(ConfigError, match=r"unknown metric 'latency_us:GLOBAL\[0,1\]'"):
         check_metric_name("latency_us:GLOBAL[0,1]", PPO)
 
