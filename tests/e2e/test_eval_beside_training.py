@@ -14,12 +14,13 @@ import pytest
 
 from app.runtime.checkpoints import load_checkpoint
 from tests.helpers.apprun import describe, metrics, read_result, run_app
+from tests.helpers.videos import read_frames
 
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 300
 EVALUATED = ("layout=single", "seed=1", "loop.eval_every=5", "loop.stop_on=eval",
-             "loop.target_return=500", "loop.tensorboard=true")
+             "loop.target_return=500", "loop.tensorboard=true", "loop.eval_video=true")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_cartpole_reaches_an_eval_return_of_500_shown_in_every_record(
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
     for row in rows:
         assert row["eval_env_steps"] <= row["env_steps"] and row["eval_version"] % 5 == 0, row
-        assert 0 <= row["eval_return_std"] and 0 < row["eval_length_mean"] <= 500
+        assert row["eval_return_std"] >= 0 and 0 < row["eval_length_mean"] <= 500
 
     # TensorBoard, the progress line and the closing summary show them too.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -72,6 +73,20 @@ def test_cartpole_reaches_an_eval_return_of_500_shown_in_every_record(
             in proc.stdout), describe(proc)
     assert re.search(r"^best: 500\.0 \(weights v\d+, update \d+\) in .*checkpoints/best$",
                      proc.stdout, re.MULTILINE), describe(proc)
+
+
+def test_the_best_and_the_last_evaluation_leave_a_video(
+    evaluated_run: tuple[Path, subprocess.CompletedProcess[str]],
+) -> None:
+    run_dir, proc = evaluated_run
+    files = read_result(run_dir)["summary"]["files"]
+    for name in ("best", "last"):
+        video = run_dir / "videos" / f"{name}.mp4"
+        assert files[f"videos/{name}.mp4"] == str(video)
+        assert f"videos/{name}.mp4" in proc.stdout
+        frames = read_frames(video)
+        assert len(frames) == 501 and frames[250].var() > 100  # a whole 500-step episode
+    assert sorted(p.name for p in (run_dir / "videos").iterdir()) == ["best.mp4", "last.mp4"]
 
 
 def test_the_best_checkpoint_holds_the_best_evaluation_and_resumes_and_evaluates(

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from tests.helpers.apprun import describe, run_app
+from tests.helpers.videos import read_frames
 
 pytestmark = pytest.mark.e2e
 
@@ -60,13 +61,26 @@ def test_a_solved_run_evaluates_above_475_and_each_evaluation_is_a_new_result(
     assert json.loads(second.read_text())["deterministic"] is False
 
 
+def test_video_records_every_episode_beside_the_result(solved_run: Path) -> None:
+    code, out, err = evaluate(str(solved_run), "--episodes", "2", "--video")
+    assert code == 0, err
+    result_file = Path(out.strip().splitlines()[-1].removeprefix("result: "))
+    result = json.loads(result_file.read_text())
+    videos = [Path(v) for v in result["videos"]]
+    assert videos == [result_file.parent / f"episode-{i:03d}.mp4" for i in range(2)]
+    for video, length in zip(videos, result["lengths"]):
+        assert f"video: {video}" in out
+        frames = read_frames(video)
+        assert len(frames) == length + 1 and frames[length // 2].var() > 100
+
+
 def _copy(run: Path, to: Path) -> Path:
     shutil.copytree(run, to, ignore=shutil.ignore_patterns("eval"))
     return to
 
 
 @pytest.mark.parametrize("case", ["no_checkpoints", "corrupt", "env_not_installed", "no_best",
-                                  "not_a_run"])
+                                  "not_a_run", "cannot_render"])
 def test_bad_input_is_one_line_and_exit_2(case: str, solved_run: Path, tmp_path: Path) -> None:
     run = _copy(solved_run, tmp_path / "run")
     args = [str(run)]
@@ -89,6 +103,13 @@ def test_bad_input_is_one_line_and_exit_2(case: str, solved_run: Path, tmp_path:
     elif case == "no_best":
         args += ["--checkpoint", "best"]
         want = "has no checkpoints/best"
+    elif case == "cannot_render":  # an env of the user's own, which renders no frames
+        config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+        config["loop"]["env"].update(id="RlcommImage-v0",
+                                     _target_="tests.helpers.image_env.make_image_env")
+        (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+        args += ["--video"]
+        want = "--video: RlcommImage-v0 cannot render"
     else:
         args = [str(tmp_path)]
         want = "not inside a run dir"
