@@ -30,8 +30,9 @@ SECTIONS = (
     "mujoco",
     "elastic",
     "sharding",
+    "evaluation",
 )
-NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic")
+NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
 
 

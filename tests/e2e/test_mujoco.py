@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from omegaconf import OmegaConf
 
 from app.runtime.checkpoints import newest_valid_checkpoint
 from tests.helpers.apprun import describe, metrics, read_result, run_app
+from tests.helpers.videos import read_frames
 
 # One layout of each kind the MuJoCo path takes: one process that collects and trains
 # (single), one trainer whose normaliser merges three rollout ranks' moments (1t3r), and DDP
@@ -108,3 +110,27 @@ def test_a_resumed_hopper_run_restores_the_normalisers(tmp_path: Path) -> None:
     assert read_result(resumed)["summary"]["env_steps"] == 5 * per_update
     config = OmegaConf.load(resumed / ".hydra" / "config.yaml")
     assert config.loop.env.id == "Hopper-v5"
+
+
+@pytest.mark.e2e
+def test_a_short_hopper_run_is_evaluated_beside_training_and_watched(tmp_path: Path) -> None:
+    """docs/evaluate.md on MuJoCo: evaluations with videos during the run, then
+    ``python -m app.evaluate --video`` on its checkpoint; the videos render headless (EGL)."""
+    run_dir = tmp_path / "run"
+    proc = run_app(*SHORT, "layout=single", "loop.eval_every=8", "loop.eval_episodes=2",
+                   "loop.eval_video=true", f"hydra.run.dir={run_dir}", timeout=TIMEOUT_S)
+    assert proc.returncode == 0, describe(proc)
+    summary = read_result(run_dir)["summary"]
+    assert summary["eval"] is not None and math.isfinite(summary["eval"]["return_mean"])
+    for name in ("best", "last"):
+        frames = read_frames(run_dir / "videos" / f"{name}.mp4")
+        assert len(frames) >= 2 and frames[-1].var() > 100
+    proc = run_app(str(run_dir), "--episodes", "1", "--video",
+                   module=(sys.executable, "-m", "app.evaluate"), timeout=TIMEOUT_S)
+    assert proc.returncode == 0, describe(proc)
+    result = json.loads(Path(proc.stdout.strip().splitlines()[-1].removeprefix("result: "))
+                        .read_text())
+    assert math.isfinite(result["return_mean"])
+    frames = read_frames(Path(result["videos"][0]))
+    assert len(frames) == result["lengths"][0] + 1
+    assert min(frame.var() for frame in frames) > 100  # the hopper on its floor, every frame
