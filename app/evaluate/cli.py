@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from app.api import ConfigError
 from app.evaluate.export import export_policy
 from app.launch.planning import build_loop
+from app.runtime.algorithm import Spaces
 from app.runtime.checkpoints import load_policy_state, newest_valid_checkpoint
 from app.runtime.envs import EnvError, probe_spaces
 from app.runtime.episodes import Episodes, run_episodes
@@ -123,14 +124,24 @@ def evaluate(request: Request) -> tuple[Path, dict[str, Any]]:
         if videos:
             result["videos"] = [str(v) for v in videos]
         if request.export is not None:
-            example = torch.as_tensor(np.stack([spaces.observation.sample() for _ in range(2)]))
-            result["export"] = str(export_policy(algorithm, agent, example, request.export))
+            result["export"] = str(export_policy(algorithm, agent, _example(agent, spaces),
+                                                 request.export))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)  # this evaluation's own, new folder
         raise
     path = folder / "result.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path, result
+
+
+def _example(agent: Agent, spaces: Spaces) -> torch.Tensor:
+    """A batch of two raw observations (a history policy's: windows of them, all real steps)
+    to trace the export with."""
+    sampled = torch.as_tensor(np.stack([spaces.observation.sample() for _ in range(2)]))
+    if not agent.context:
+        return sampled
+    steps = sampled.reshape(2, 1, -1).float().expand(2, agent.context, -1)
+    return torch.cat([steps, torch.ones(2, agent.context, 1)], dim=-1)
 
 
 def _result(request: Request, checkpoint: Path, episodes: Episodes) -> dict[str, Any]:

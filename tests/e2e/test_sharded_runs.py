@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,11 @@ def _close(a: list[list[float]], b: list[list[float]]) -> bool:
 
 @pytest.fixture(scope="module")
 def tp2_fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two updates of the transformer on tp2dp2 under FSDP2, a sharded checkpoint after each."""
+    """Two updates of the transformer on tp2dp2 under FSDP2, a sharded checkpoint after each,
+    the first update's weights evaluated beside training (2 episodes)."""
     run_dir = tmp_path_factory.mktemp("sharded") / "first"
-    run_ppo(run_dir, *SMALL, *TP2_FSDP2, "loop.total_env_steps=1024")
+    run_ppo(run_dir, *SMALL, *TP2_FSDP2, "loop.total_env_steps=1024", "loop.eval_every=1",
+            "loop.eval_episodes=2")
     checkpoints = run_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt_000001", "ckpt_000002"]
     # Each of the four trainers wrote its own shard file; rank 0 DCP's index and state.pt.
@@ -58,6 +61,24 @@ def tp2_fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert "ckpt_000002 (update 2, 1024 env steps, 4 trainers' shards)" in (
         run_dir / "logs" / "rank0.log").read_text()
     return run_dir
+
+
+def test_a_sharded_run_evaluates_beside_training_and_its_checkpoint_evaluates_and_exports(
+    tp2_fsdp2_run: Path,
+) -> None:
+    summary = read_result(tp2_fsdp2_run)["summary"]
+    assert summary["eval"] is not None and summary["eval"]["version"] >= 1, summary
+    assert summary["best_checkpoint"] is None  # sharded optimizer state: no checkpoints/best
+    export = tp2_fsdp2_run / "policy.pt2"
+    proc = run_app(str(tp2_fsdp2_run), "--episodes", "2", "--export", str(export),
+                   module=(sys.executable, "-m", "app.evaluate"))
+    assert proc.returncode == 0, describe(proc)
+    assert "checkpoints/ckpt_000002: return" in proc.stdout, describe(proc)
+    # A history policy's program takes windows: [B, context, obs_dim + 1] (the validity flag).
+    windows = torch.zeros(3, 4, 3)
+    windows[:, -1, -1] = 1.0
+    actions = torch.export.load(str(export)).module()(windows)
+    assert actions.shape == (3,) and set(actions.tolist()) <= {0, 1}
 
 
 def _resumed(run_dir: Path, name: str, update: int) -> list[list[float]]:
