@@ -118,3 +118,20 @@ def test_bad_input_is_one_line_and_exit_2(case: str, solved_run: Path, tmp_path:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], err
     assert not (run / "eval").exists()
+
+
+@pytest.mark.parametrize("loop", [
+    ("loop=vtrace", "loop.total_env_steps=2048", "loop.progress=false"),
+    # A plugin's settings are its own: added, not overridden.
+    ("loop=custom", "loop._target_=examples.reinforce.ReinforceLoop",
+     "+loop.total_env_steps=2048", "+loop.progress=false"),
+], ids=["vtrace", "reinforce_plugin"])
+def test_every_shipped_algorithm_evaluates(loop: tuple[str, ...], tmp_path: Path) -> None:
+    """V-trace and the example plugin (PPO: above), two updates each, then one greedy episode."""
+    run_dir = tmp_path / "run"
+    proc = run_app(*loop, "layout=single", f"hydra.run.dir={run_dir}", timeout=TIMEOUT_S)
+    assert proc.returncode == 0, describe(proc)
+    code, out, err = evaluate(str(run_dir), "--episodes", "1")
+    assert code == 0, err
+    result = json.loads(Path(out.strip().splitlines()[-1].removeprefix("result: ")).read_text())
+    assert result["lengths"][0] >= 1 and result["return_mean"] == result["lengths"][0]
