@@ -114,9 +114,7 @@ class RuntimeRun:
         # Measured seconds of this attempt: collecting (the worker splits out env stepping and
         # the policy's forward), the update, and communication (time_split_s in the result).
         self.split_s = {"collect": 0.0, "update": 0.0, "comm": 0.0}
-        self.evaluations = (  # loop.eval_every: beside training, on the lead trainer
-            Evaluations(loop, ctx, min(plan.trainers), self._deciders, job.run_dir)
-            if loop.eval_every and not self.follows else None)
+        self.evaluations = self._start_evaluations()
 
     def run(self) -> dict[str, Any]:
         self._maybe_resume()
@@ -190,6 +188,13 @@ class RuntimeRun:
             if going and self.evaluations is not None and self.update % self.loop.eval_every == 0:
                 self._submit_evaluation()
         return reached_at
+
+    def _start_evaluations(self) -> Evaluations | None:
+        """``loop.eval_every``: beside training, in the lead trainer's background process."""
+        if not self.loop.eval_every or self.follows:
+            return None
+        return Evaluations(self.loop, self.ctx, min(self.job.plan.trainers), self._deciders,
+                           self.job.run_dir)
 
     @property
     def _deciders(self) -> ParallelMode:
