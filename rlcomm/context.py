@@ -98,6 +98,10 @@ class CommContext(metaclass=SingletonMeta):
         self._plan: LayoutPlan | None = None
         self._timeout: datetime.timedelta | None = None
         self._elastic: set[str] = set()  # modes whose group is a membership epoch's (elastic.py)
+        # Epoch groups a newer epoch's replaced: kept for the life of the process. gloo cannot
+        # abort a group, and freeing one while a transfer on it is still posted (a lost member's)
+        # frees memory that transfer goes on using.
+        self._retired_groups: list[ProcessGroup] = []
         self.recorder = FlightRecorder()
         self.watchdog: Watchdog | None = None
 
@@ -423,9 +427,12 @@ class CommContext(metaclass=SingletonMeta):
     def register_epoch_group(self, mode: Mode, group: ProcessGroup, ranks: list[int]) -> None:
         """Make ``group``, a membership epoch's (``ranks``: leader first, in group-rank order,
         validated by rlcomm.elastic.build_epoch_group), this rank's group of ``mode``, replacing
-        the one before. Its collectives take group ranks (it is not in torch's world maps)."""
+        the one before, which is kept alive, never freed. Its collectives take group ranks (it
+        is not in torch's world maps)."""
         key = mode_name(mode)
         rank = self.get_global_rank()
+        if key in self._elastic:
+            self._retired_groups.append(self._groups[key])
         self._groups[key] = group
         self._local_ranks[key] = ranks.index(rank)
         self._world_sizes[key] = len(ranks)
