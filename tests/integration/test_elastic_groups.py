@@ -457,3 +457,33 @@ def test_a_survivor_follows_its_leader_to_the_next_epoch() -> None:
     sent = restore(leader["state"])
     assert mismatches(restore(survivor["state"]), sent) == []
     assert mismatches(sent, linear(seed=0).state_dict()) != []  # version 2 is not version 1
+
+
+# ---- 6. a replaced epoch group outlives its replacement ---------------------------------------
+
+def _replaced_group(rank: int, store: dist.Store) -> dict[str, Any]:
+    import gc
+    import weakref
+
+    ctx = CommContext()
+    ctx.join_running_job(store, rank, 2, timeout=int(GROUP_TIMEOUT.total_seconds()))
+    try:
+        old = build_epoch_group(store, LEADER, 1, [0, 1], rank, ctx.timeout)
+        ctx.register_epoch_group(WT, old, [0, 1])
+        kept = weakref.ref(old)
+        del old
+        new = build_epoch_group(store, LEADER, 2, [0, 1], rank, ctx.timeout)
+        ctx.register_epoch_group(WT, new, [0, 1])
+        del new
+        gc.collect()
+        # Nobody put the old group in the graveyard: the context keeps it (a lost member's
+        # transfer may still be posted on it), and the new one is the mode's group.
+        return {"old_alive": kept() is not None, "current": ctx.get_group(WT) is not kept()}
+    finally:
+        ctx.destroy(barrier=False)
+
+
+def test_a_replaced_epoch_group_is_kept_alive() -> None:
+    results = run_processes(_replaced_group, 2)
+    assert results == {0: {"old_alive": True, "current": True},
+                       1: {"old_alive": True, "current": True}}
