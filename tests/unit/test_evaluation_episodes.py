@@ -78,17 +78,17 @@ def test_a_history_policy_sees_the_episode_window_as_in_training() -> None:
     cfg = EnvConfig(id="CartPole-v1")
     agent = Agent(policy, spaces, cfg, context=context)
     done = run_episodes(PPO(PPOSettings(), spaces), agent, cfg, episodes=2, seed=5)
-    assert len(policy.windows) == sum(done.lengths)
-    start = 0
-    for length in done.lengths:  # each episode starts over: padding, then real steps
-        for t, window in enumerate(policy.windows[start : start + length]):
-            assert window.shape == (1, context, 5)
-            real = min(t + 1, context)
-            assert window[0, :, -1].tolist() == [0.0] * (context - real) + [1.0] * real
-            if t:  # the newest step of the last window is now one step older
-                previous = policy.windows[start + t - 1]
-                assert torch.equal(window[0, -2, :-1], previous[0, -1, :-1])
-        start += length
+    # The two episodes run side by side: one window per live episode and step.
+    assert sum(len(w) for w in policy.windows) == sum(done.lengths)
+    assert len(policy.windows) == max(done.lengths)
+    for t, windows in enumerate(policy.windows):
+        assert windows.shape == (sum(n > t for n in done.lengths), context, 5)
+        real = min(t + 1, context)  # each episode starts over: padding, then real steps
+        for window in windows:
+            assert window[:, -1].tolist() == [0.0] * (context - real) + [1.0] * real
+        if t and len(windows) == len(policy.windows[t - 1]):
+            # The newest step of the last window is now one step older.
+            assert torch.equal(windows[:, -2, :-1], policy.windows[t - 1][:, -1, :-1])
     again = _Seen(spaces, width=16, layers=1, heads=2, context=context)
     again.load_state_dict(policy.state_dict())
     again.windows = []
