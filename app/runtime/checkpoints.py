@@ -386,8 +386,11 @@ def save_checkpoint(
     settings: Mapping[str, Any] | None = None,
     normalizers: Mapping[str, torch.Tensor] | None = None,
     epoch: int | None = None,
+    algorithm: Mapping[str, Any] | None = None,
 ) -> Path:
     """Writes ``ckpt_<update>.pt`` with its checksum and ``settings`` (:func:`run_settings`).
+    ``algorithm``: the algorithm's own state (``Algorithm.state_dict``), kept only when
+    non-empty, so a checkpoint of an algorithm without one is as it always was.
     Never half-written: written aside (``.tmp``), synced, then renamed; a failed write removes
     its ``.tmp`` and re-raises, an OSError noting the last complete checkpoint. ``policy`` and
     ``optimizer``: the modules, or their whole state dicts (a sharded trainer's, gathered)."""
@@ -411,6 +414,8 @@ def save_checkpoint(
         "format": FORMAT,
         "settings": dict(settings or {}),
     }
+    if algorithm:
+        state["algorithm"] = dict(algorithm)
     state["checksum"] = content_checksum(state)
     final = folder / f"ckpt_{update:06d}.pt"
     partial = final.with_suffix(".tmp")

@@ -405,7 +405,8 @@ class RuntimeRun:
         policy, optimizer = self.trained.state_dicts(self.optimizer)  # every trainer takes part
         if self.rank != 0:
             return
-        save_checkpoint(self.job.run_dir, policy, optimizer, **record)
+        save_checkpoint(self.job.run_dir, policy, optimizer, **record,
+                        algorithm=self.algorithm.state_dict())
 
     def _maybe_resume(self) -> None:
         if self.follows:  # the trainer's weights and statistics come with the first transfer
@@ -425,6 +426,8 @@ class RuntimeRun:
                 self.trained.load(state["policy"], state["optimizer"], self.optimizer)
         elif not picked.sharded:  # a rollout rank: a sharded one's weights come with the first
             self.agent.net.load_state_dict(state["policy"])  # transfer, as they do anyway
+        if self.is_trainer and "algorithm" in state:
+            self.algorithm.load_state_dict(state["algorithm"])
         for name, value in state.get("normalizers", {}).items():
             self.agent.state_dict()[name].copy_(value)  # in place: the tensors are bound
         self.update, self.env_steps = state["update"], state["env_steps"]
