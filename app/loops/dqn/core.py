@@ -44,6 +44,8 @@ class DQNSettings(AlgorithmSettings):
     exploration_env_steps: int = setting(10_000, "env steps over which epsilon decays linearly")
     double: bool = setting(False, "double DQN: the online network picks the next action")
     max_grad_norm: float = setting(10.0, "gradient clipping norm (> 0)")
+    # Huber's linear tails keep large early TD errors from swamping the step.
+    huber: bool = setting(True, "Huber (smooth L1) TD loss; false: squared error (CleanRL's)")
 
     def range_errors(self, batch_per_trainer: int) -> list[str]:
         """The base's checks, then DQN's own (``field: must be ..., got value``)."""
@@ -157,7 +159,9 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
                                   net.target_values(batch.next_obs), online_next)
         q = model(batch.obs).gather(-1, batch.actions.long().reshape(-1, 1)).squeeze(-1)
         errors = targets - q
-        loss = (batch.weights * errors.pow(2)).mean()
+        per_sample = (nn.functional.smooth_l1_loss(q, targets, reduction="none")
+                      if self.settings.huber else errors.pow(2))
+        loss = (batch.weights * per_sample).mean()
         info.optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), self.settings.max_grad_norm)
