@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from app.loops.dqn import dqn_replay
 from app.runtime.offpolicy import REPLAY_FIGURES
 from tests.helpers.apprun import describe, metrics, read_result, run_app
 
@@ -27,11 +28,13 @@ def test_dqn_solves_cartpole_on_one_rank_and_records_the_replay(tmp_path: Path) 
     assert rank["mean_return_last_window"] >= 475
     rows = metrics(tmp_path)
     assert set(REPLAY_FIGURES) <= set(rows[0])
-    last = rows[-1]
+    last, replay = rows[-1], dqn_replay()  # the loop.replay defaults
     assert last["replay_inserts"] == last["env_steps"]  # one rank: every step went in
-    assert 0 < last["replay_size"] <= 10_000 and last["replay_samples"] > 0
-    # The ratio held is the declared one within the limiter's tolerance (loop.replay defaults).
-    assert abs(last["samples_per_insert"] - 8.0) * (last["replay_inserts"] - 1000) <= 128 + 8
+    assert 0 < last["replay_size"] <= replay.capacity and last["replay_samples"] > 0
+    # The ratio held is the declared one within the limiter's tolerance.
+    drift = abs(last["samples_per_insert"] - replay.samples_per_insert) * (
+        last["replay_inserts"] - replay.min_size)
+    assert drift <= replay.tolerance + replay.batch_size, drift
     assert rows[0]["learner_wait"] == 1.0  # the learner waited for min_size
 
 
@@ -55,8 +58,8 @@ def test_dqn_on_the_default_layout_learns_from_rollout_ranks_and_ends(tmp_path: 
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
-    (("loop.replay.capacity=64", "loop.replay.min_size=0"),
-     "error: loop.replay.capacity: must be at least batch_size (128), got 64"),
+    (("loop.replay.capacity=32", "loop.replay.min_size=0"),
+     "error: loop.replay.capacity: must be at least batch_size (64), got 32"),
     (("loop.replay.samples_per_insert=0",),
      "error: loop.replay.samples_per_insert: must be > 0, got 0.0"),
     (("loop.replay.n_step=17",),

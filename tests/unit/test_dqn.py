@@ -59,8 +59,8 @@ def _validate(*overrides: str) -> None:
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
-    (["loop.replay.capacity=64", "loop.replay.min_size=0"],
-     "loop.replay.capacity: must be at least batch_size (128), got 64"),
+    (["loop.replay.capacity=32", "loop.replay.min_size=0"],
+     "loop.replay.capacity: must be at least batch_size (64), got 32"),
     (["loop.replay.samples_per_insert=0"], "loop.replay.samples_per_insert: must be > 0, got 0.0"),
     (["loop.replay.n_step=17"], "loop.replay.n_step: must be in [1, 16]"),
     (["loop.env.id=Pendulum-v1"], "loop.env.id: Pendulum-v1: action space Box("),
