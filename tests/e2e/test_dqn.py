@@ -1,6 +1,7 @@
 """``python -m app loop=dqn`` as a user runs it: DQN solves CartPole-v1 on one rank with the
 replay's columns in metrics.csv, runs on the default layout (trainers and rollout ranks) and ends
-cleanly, and bad replay settings or a continuous env are one line and exit 2 before any rank
+cleanly, a resumed run keeps the replay's counters and refills it before learning, and bad
+replay settings or a continuous env are one line and exit 2 before any rank
 starts (docs/off-policy.md)."""
 
 from __future__ import annotations
@@ -55,6 +56,27 @@ def test_dqn_on_the_default_layout_learns_from_rollout_ranks_and_ends(tmp_path: 
     # same weights to their rollouts.
     trainers = [r["result"] for r in result["ranks"] if r["role"] == "trainer"]
     assert trainers[0]["param_checksum"] == pytest.approx(trainers[1]["param_checksum"])
+
+
+def test_a_resumed_run_keeps_the_replay_counters_and_refills_before_learning(
+        tmp_path: Path) -> None:
+    common = ("loop=dqn", "layout=single", "seed=1", "loop.progress=false",
+              "loop.replay.min_size=512")
+    first = run_app(*common, "loop.total_env_steps=2048", "loop.checkpoint_every=8",
+                    f"hydra.run.dir={tmp_path / 'a'}")
+    assert first.returncode == 0, describe(first)
+    before = metrics(tmp_path / "a")[-1]
+    second = run_app(*common, "loop.total_env_steps=3072", f"loop.resume={tmp_path / 'a'}",
+                     f"hydra.run.dir={tmp_path / 'b'}")
+    assert second.returncode == 0, describe(second)
+    rows = metrics(tmp_path / "b")
+    # The counters go on from the checkpoint; the shard starts empty and refills.
+    assert rows[0]["replay_inserts"] == before["replay_inserts"] + 128
+    assert rows[0]["replay_samples"] == before["replay_samples"]
+    assert rows[0]["replay_size"] == 128 and rows[0]["learner_wait"] == 1.0
+    waiting = [r["learner_wait"] for r in rows]
+    assert waiting[:3] == [1.0, 1.0, 1.0] and 0.0 in waiting  # learns again from min_size
+    assert rows[-1]["replay_samples"] > before["replay_samples"]
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
