@@ -75,8 +75,10 @@ class OffPolicyAlgorithm(Algorithm[S]):
 
     def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
               info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
-        """One gradient step on ``batch`` through ``model`` (DDP-wrapped: gradients averaged
-        over the trainers): the figures named in :attr:`losses` (the replay's aside) and new
+        """One gradient step on ``batch`` through ``model`` (DDP-wrapped when there are several
+        trainers: gradients averaged over them; one trainer gets ``module`` itself, since DDP
+        over one rank averages nothing and its hooks weigh on a small network's step): the
+        figures named in :attr:`losses` (the replay's aside) and new
         priorities [B] for the sampled transitions, or None."""
         raise NotImplementedError
 
@@ -88,10 +90,11 @@ class OffPolicyAlgorithm(Algorithm[S]):
         allowed = self.limiter.steps_allowed(replay.inserts - self._base_inserts,
                                              replay.samples - self._base_samples, replay.size)
         steps = agreed_steps(model, allowed)
+        learner = model if _trainers(model) > 1 else module
         figures: dict[str, float] = {}
         for _ in range(steps):
             batch = replay.sample(info.generator)
-            learnt, priorities = self.learn(model, module, batch, info)
+            learnt, priorities = self.learn(learner, module, batch, info)
             self.learner_steps += 1
             if priorities is not None and replay.settings.prioritized:
                 replay.update_priorities(batch.indices, priorities)
@@ -128,16 +131,21 @@ class OffPolicyAlgorithm(Algorithm[S]):
         self._base_inserts, self._base_samples = self.replay.inserts, self.replay.samples
 
 
+def _trainers(model: nn.Module) -> int:
+    """How many trainers ``model``'s DDP group holds (1 without one)."""
+    if not isinstance(model, DistributedDataParallel) or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size(model.process_group))
+
+
 def agreed_steps(model: nn.Module, steps: int) -> int:
     """The fewest learner steps any trainer may take: every DDP rank runs as many backward
     passes (one trainer without a group: its own)."""
-    if not isinstance(model, DistributedDataParallel) or not dist.is_initialized():
+    if _trainers(model) == 1:
         return steps
-    group = model.process_group
-    if dist.get_world_size(group) == 1:
-        return steps
+    assert isinstance(model, DistributedDataParallel)
     count = torch.tensor([steps], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=model.process_group)
     return int(count.item())
 
 
