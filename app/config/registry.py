@@ -23,6 +23,7 @@ from app.config.schema import AppConfig, CommConfig, LayoutConfig
 SHIPPED_LOOPS = {
     "ppo": "app.loops.ppo.PPOLoop",
     "vtrace": "app.loops.vtrace.VTraceLoop",
+    "dqn": "app.loops.dqn.DQNLoop",
     "commcheck": "app.loops.commcheck.CommCheck",
 }
 

@@ -140,6 +140,15 @@ class Algorithm(Generic[S]):
         is added to that step's reward), or None for no bootstrap."""
         return None
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this algorithm besides the module and the optimizer
+        (target networks live in the module; an off-policy algorithm's replay counters here).
+        Empty by default: the checkpoint then holds no ``algorithm`` entry."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed run's :meth:`state_dict`, on every trainer before its first update."""
+
     def optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
         """The trainer's optimizer (checkpointed by the runtime): Adam at ``settings.lr``."""
         return torch.optim.Adam(module.parameters(), lr=self.settings.lr, eps=1e-5)  # type: ignore[attr-defined]

@@ -386,11 +386,14 @@ def save_checkpoint(
     settings: Mapping[str, Any] | None = None,
     normalizers: Mapping[str, torch.Tensor] | None = None,
     epoch: int | None = None,
+    algorithm: Mapping[str, Any] | None = None,
     name: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
     """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum and ``settings``
-    (:func:`run_settings`); ``extra``: more entries (the best one's evaluation).
+    (:func:`run_settings`). ``algorithm``: the algorithm's own state
+    (``Algorithm.state_dict``), kept only when non-empty, so a checkpoint of an algorithm
+    without one is as it always was; ``extra``: more entries (the best one's evaluation).
     Never half-written: written aside (``.tmp``), synced, then renamed; a failed write removes
     its ``.tmp`` and re-raises, an OSError noting the last complete checkpoint. ``policy`` and
     ``optimizer``: the modules, or their whole state dicts (a sharded trainer's, gathered)."""
@@ -415,6 +418,8 @@ def save_checkpoint(
         "settings": dict(settings or {}),
         **(extra or {}),
     }
+    if algorithm:
+        state["algorithm"] = dict(algorithm)
     state["checksum"] = content_checksum(state)
     final = folder / (name or f"ckpt_{update:06d}.pt")
     partial = final.with_suffix(".tmp")

@@ -462,12 +462,16 @@ class RuntimeRun:
 
     def _checkpoint_record(self) -> dict[str, Any]:
         """What a checkpoint holds besides the policy and the optimizer, as of now (copies)."""
-        return dict(
+        record: dict[str, Any] = dict(
             update=self.update, env_steps=self.env_steps, episodes=list(self.episodes),
             metrics=list(self.metrics), settings=self.settings,
             normalizers={k: v.clone() for k, v in self.agent.normalizers().items()},
             epoch=(int(self.metrics[-1].get("epoch", 0)) if self.elastic and self.metrics
                    else None))
+        own = self.algorithm.state_dict()  # an off-policy algorithm's (never sharded trainers)
+        if own:
+            record["algorithm"] = copy.deepcopy(own)
+        return record
 
     def _maybe_resume(self) -> None:
         if self.follows:  # the trainer's weights and statistics come with the first transfer
@@ -487,6 +491,8 @@ class RuntimeRun:
                 self.trained.load(state["policy"], state["optimizer"], self.optimizer)
         elif not picked.sharded:  # a rollout rank: a sharded one's weights come with the first
             self.agent.net.load_state_dict(state["policy"])  # transfer, as they do anyway
+        if self.is_trainer and "algorithm" in state:
+            self.algorithm.load_state_dict(state["algorithm"])
         for name, value in state.get("normalizers", {}).items():
             self.agent.state_dict()[name].copy_(value)  # in place: the tensors are bound
         self.update, self.env_steps = state["update"], state["env_steps"]

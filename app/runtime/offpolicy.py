@@ -1,0 +1,198 @@
+"""Off-policy algorithms on the runtime: a replay shard per trainer behind the one update call.
+
+An :class:`OffPolicyAlgorithm` declares what a transition records (the ``records`` every
+algorithm has), how it explores (``act``) and acts greedily (``greedy``), and one gradient step
+on a sampled batch (:meth:`OffPolicyAlgorithm.learn`), which may return new priorities. Its
+update, written once here, inserts the segments the runtime hands the trainer into the trainer's
+replay shard (app/runtime/replay.py), asks the rate limiter how many learner steps the ratio
+allows, agrees on the fewest over the trainers (every DDP rank must run as many backward
+passes), and samples, learns and feeds priorities back that many times. The runtime, PPO and
+V-trace are untouched: to them this is one more update.
+
+Collectors in this first cut wait for the update as they do for any algorithm (lockstep, or
+``loop.max_staleness``); the learner always catches up with the ratio inside the update, so
+the limiter holds back only the learner (``learner_wait``). A resumed run refills its shard:
+the checkpoint keeps the replay's counters, not its contents (docs/off-policy.md).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from app.api import ConfigError, setting
+from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
+from app.runtime.loop import RLLoop, _plain
+from app.runtime.replay import Batch, RateLimiter, Replay, ReplaySettings
+
+if TYPE_CHECKING:
+    from rlcomm import LayoutPlan
+
+# The replay's figures every off-policy update returns (metrics.csv columns, averaged over the
+# trainers' shards): what the shard holds, what went in and out, the ratio held since sampling
+# began, how unequal the priorities are, the learner steps this update and whether the limiter
+# held the learner back for the whole update.
+REPLAY_FIGURES = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
+                  "priority_spread", "learner_steps", "learner_wait")
+
+
+class OffPolicyAlgorithm(Algorithm[S]):
+    """An algorithm that learns from a replay: implement :meth:`build`, :meth:`act`,
+    :meth:`greedy` (or the module's own) and :meth:`learn`; :meth:`update` is this class's."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The replay's figures follow the algorithm's own in metrics.csv.
+        cls.losses = tuple(cls.losses) + tuple(n for n in REPLAY_FIGURES if n not in cls.losses)
+
+    def __init__(self, settings: S, spaces: Spaces, replay: ReplaySettings | None = None) -> None:
+        super().__init__(settings, spaces)
+        self._replay_settings = replay if replay is not None else ReplaySettings()
+        self._replay: Replay | None = None  # built on a trainer's first update
+        self.limiter = RateLimiter(self._replay_settings.samples_per_insert,
+                                   self._replay_settings.tolerance,
+                                   self._replay_settings.min_size,
+                                   self._replay_settings.batch_size)
+        # Counters as this attempt's shard started filling: the limiter counts from there.
+        self._base_inserts = self._base_samples = 0
+        self.learner_steps = 0  # over the run (checkpointed): e.g. for target-network periods
+
+    def replay_settings(self) -> ReplaySettings:
+        """``loop.replay``, as the loop built this algorithm with it."""
+        return self._replay_settings
+
+    @property
+    def replay(self) -> Replay:
+        if self._replay is None:
+            self._replay = Replay(self._replay_settings, self.records, self.settings.gamma)
+        return self._replay
+
+    def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
+              info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
+        """One gradient step on ``batch`` through ``model`` (DDP-wrapped when there are several
+        trainers: gradients averaged over them; one trainer gets ``module`` itself, since DDP
+        over one rank averages nothing and its hooks weigh on a small network's step): the
+        figures named in :attr:`losses` (the replay's aside) and new
+        priorities [B] for the sampled transitions, or None."""
+        raise NotImplementedError
+
+    def update(self, model: nn.Module, module: nn.Module, segments: list[Segment],
+               info: UpdateInfo) -> dict[str, float]:
+        replay = self.replay
+        for segment in segments:
+            replay.insert(segment)
+        allowed = self.limiter.steps_allowed(replay.inserts - self._base_inserts,
+                                             replay.samples - self._base_samples, replay.size)
+        steps = agreed_steps(model, allowed)
+        learner = model if _trainers(model) > 1 else module
+        figures: dict[str, float] = {}
+        for _ in range(steps):
+            batch = replay.sample(info.generator)
+            learnt, priorities = self.learn(learner, module, batch, info)
+            self.learner_steps += 1
+            if priorities is not None and replay.settings.prioritized:
+                replay.update_priorities(batch.indices, priorities)
+            for name, value in learnt.items():
+                figures[name] = figures.get(name, 0.0) + value / steps
+        own = {n: figures.get(n, float("nan")) for n in self.losses if n not in REPLAY_FIGURES}
+        return {**own, **self.replay_figures(steps)}
+
+    def replay_figures(self, steps: int) -> dict[str, float]:
+        """The replay's figures after an update of ``steps`` learner steps."""
+        replay, limiter = self.replay, self.limiter
+        past_start = replay.inserts - self._base_inserts - limiter.min_size
+        sampled = replay.samples - self._base_samples
+        return {
+            "replay_size": float(replay.size),
+            "replay_inserts": float(replay.inserts),
+            "replay_samples": float(replay.samples),
+            "samples_per_insert": sampled / past_start if past_start > 0 else 0.0,
+            "priority_spread": replay.priority_spread(),
+            "learner_steps": float(steps),
+            "learner_wait": float(steps == 0),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this algorithm beyond the module and the optimizer: the
+        replay's counters and the learner's step count (a subclass adds its own)."""
+        return {"replay": self.replay.state_dict(), "learner_steps": self.learner_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's :meth:`state_dict`; the shard starts empty and refills to
+        ``min_size`` before the learner steps again."""
+        self.replay.load_state_dict(state["replay"])
+        self.learner_steps = int(state["learner_steps"])
+        self._base_inserts, self._base_samples = self.replay.inserts, self.replay.samples
+
+
+def _trainers(model: nn.Module) -> int:
+    """How many trainers ``model``'s DDP group holds (1 without one)."""
+    if not isinstance(model, DistributedDataParallel) or not dist.is_initialized():
+        return 1
+    return int(dist.get_world_size(model.process_group))
+
+
+def agreed_steps(model: nn.Module, steps: int) -> int:
+    """The fewest learner steps any trainer may take: every DDP rank runs as many backward
+    passes (one trainer without a group: its own)."""
+    if _trainers(model) == 1:
+        return steps
+    assert isinstance(model, DistributedDataParallel)
+    count = torch.tensor([steps], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=model.process_group)
+    return int(count.item())
+
+
+def hard_update(target: nn.Module, source: nn.Module) -> None:
+    """Copy ``source``'s parameters into ``target`` (a target network)."""
+    with torch.no_grad():
+        for t, s in zip(target.parameters(), source.parameters(), strict=True):
+            t.copy_(s)
+
+
+def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
+    """Polyak averaging: ``target <- tau * source + (1 - tau) * target``."""
+    with torch.no_grad():
+        for t, s in zip(target.parameters(), source.parameters(), strict=True):
+            t.lerp_(s, tau)
+
+
+@dataclass
+class OffPolicyLoop(RLLoop):
+    """An RL loop whose algorithm learns from a replay: the runtime's settings, ``hparams``, and
+    ``replay`` (``loop.replay``, checked before launch)."""
+
+    replay: ReplaySettings = setting(doc="the replay shard and its rate limiter (docs/off-policy.md)",
+                                     factory=ReplaySettings)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.replay, ReplaySettings):
+            self.replay = typing.get_type_hints(type(self))["replay"](**_plain(self.replay))
+
+    def validate(self, plan: LayoutPlan) -> None:
+        """The runtime's checks, then the replay's (``loop.replay.<field>: ...``) and the
+        trainer kind this first cut supports (DDP)."""
+        super().validate(plan)
+        errors = self.replay.range_errors(self.hparams.num_steps)
+        if errors:
+            raise ConfigError(f"loop.{errors[0]}")
+        if self.model.kind != "mlp":
+            raise ConfigError(f"loop.model.kind: {self.model.kind}, but an off-policy loop acts "
+                              "with its algorithm's own network; use loop.model.kind=mlp")
+        from app.runtime.sharding import is_sharded
+
+        if is_sharded(plan, self.data_parallel):
+            raise ConfigError(f"loop.data_parallel: {self.data_parallel} on this layout shards "
+                              "the trainers, but an off-policy loop's replay needs DDP trainers "
+                              "(data_parallel=ddp, no tensor or sequence parallelism)")
+
+    def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
+        algorithm_cls: Any = self.algorithm  # an OffPolicyAlgorithm: it takes the replay too
+        return typing.cast(Algorithm[Any], algorithm_cls(self.hparams, spaces, replay=self.replay))

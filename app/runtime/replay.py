@@ -1,0 +1,262 @@
+"""A trainer's replay: transitions from its segments, sampled for an off-policy update.
+
+Pure torch (no ``torch.distributed``): each trainer holds one shard (a shard per trainer, as
+segments are routed today), fills it from the segments it receives and samples batches from it.
+
+- **Transitions** are made at insert time from a segment's time-major [T, N] layout, with the
+  n-step return (``n_step``) summed inside the segment: step t of env i keeps
+  ``sum_k gamma^k r[t+k]`` over the k < n steps that stay in its episode and in the segment, the
+  observation those steps lead to, and the discount ``gamma^k`` to bootstrap from it (0 where
+  the episode ended inside the window). Near a segment's end the window is shorter: the last
+  step bootstraps one step from the segment's ``next_obs``.
+- **Capacity** is fixed; the oldest transitions are overwritten first (FIFO).
+- **Sampling** is uniform, or proportional to ``priority ** priority_exponent`` (PER, Schaul et
+  al. 2016; Ape-X, Horgan et al. 2018), with importance weights
+  ``(size * P(i)) ** -importance_exponent`` divided by their maximum over the whole shard, so
+  they only scale updates down. A new transition gets the largest priority seen so far.
+- :class:`RateLimiter` keeps the learner's samples near ``samples_per_insert`` per inserted
+  transition (Reverb's ``SampleToInsertRatio``), counted in whole learner steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from app.api import setting
+from app.runtime.algorithm import Record, Segment
+
+# Added to |TD error| so that no transition's probability falls to zero (PER's epsilon).
+PRIORITY_FLOOR = 1e-6
+# The segment fields a transition is made of; everything else it records is an extra.
+_CORE = ("obs", "actions", "rewards", "dones", "next_obs", "next_done")
+
+
+@dataclass
+class ReplaySettings:
+    """``loop.replay``: one trainer's replay shard and the rate between learning and collecting."""
+
+    capacity: int = setting(10_000, "transitions per trainer shard; the oldest go first (FIFO)")
+    batch_size: int = setting(128, "transitions per learner step")
+    min_size: int = setting(1_000, "transitions in the shard before the learner starts")
+    samples_per_insert: float = setting(
+        8.0, "sampled transitions per inserted transition (> 0), held by the rate limiter")
+    tolerance: float = setting(
+        128.0, "how many samples the learner may run ahead of or behind samples_per_insert; at "
+        "least (batch_size + samples_per_insert) / 2, so that one side can always go on")
+    n_step: int = setting(1, "steps summed into a transition's return (1 .. the segment's steps)")
+    prioritized: bool = setting(False, "sample in proportion to priority ** priority_exponent")
+    priority_exponent: float = setting(0.6, "alpha of prioritized replay, in [0, 1]")
+    importance_exponent: float = setting(0.4, "beta of the importance weights, in [0, 1]")
+
+    def range_errors(self, segment_steps: int) -> list[str]:
+        """Out-of-range settings as ``replay.<field>: must be ..., got value`` (empty when all
+        fit); ``segment_steps``: the steps per env of one segment (``hparams.num_steps``)."""
+        checks = [
+            ("capacity", self.capacity >= 1, "a positive integer"),
+            ("batch_size", self.batch_size >= 1, "a positive integer"),
+            ("min_size", self.min_size >= 0, ">= 0"),
+            ("samples_per_insert", self.samples_per_insert > 0, "> 0"),
+            ("tolerance", self.tolerance >= 0, ">= 0"),
+            ("n_step", 1 <= self.n_step <= max(segment_steps, 1),
+             f"in [1, {segment_steps}] (a segment's steps, hparams.num_steps)"),
+            ("priority_exponent", 0 <= self.priority_exponent <= 1, "in [0, 1]"),
+            ("importance_exponent", 0 <= self.importance_exponent <= 1, "in [0, 1]"),
+        ]
+        errors = [f"replay.{name}: must be {want}, got {getattr(self, name)}"
+                  for name, ok, want in checks if not ok]
+        if errors:
+            return errors
+        if self.capacity < self.batch_size:
+            errors.append(f"replay.capacity: must be at least batch_size ({self.batch_size}), "
+                          f"got {self.capacity}")
+        if self.capacity < self.min_size:
+            errors.append(f"replay.min_size: must be at most capacity ({self.capacity}), "
+                          f"got {self.min_size}")
+        least = (self.batch_size + self.samples_per_insert) / 2
+        if self.tolerance < least:
+            errors.append(f"replay.tolerance: must be at least (batch_size + samples_per_insert)"
+                          f" / 2 = {least:g}, so that the learner or the collectors can always "
+                          f"go on, got {self.tolerance}")
+        return errors
+
+
+@dataclass
+class Batch:
+    """B sampled transitions, as the learner sees them."""
+
+    obs: Tensor  # [B, *obs]
+    actions: Tensor  # [B, *action]
+    rewards: Tensor  # [B] the n-step discounted reward sum
+    next_obs: Tensor  # [B, *obs] the observation the summed steps lead to
+    discounts: Tensor  # [B] gamma ** k for the k steps summed; 0 where the episode ended
+    weights: Tensor  # [B] importance weights, max-normalised (ones when uniform)
+    indices: Tensor  # [B] int64 slots, for Replay.update_priorities
+    extras: dict[str, Tensor] = field(default_factory=dict)  # the algorithm's records, [B, ...]
+
+
+def n_step_transitions(segment: Mapping[str, Tensor], n: int,
+                       gamma: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Each step's n-step reward sum, discount and next observation, [T, N] (and [T, N, *obs]).
+
+    ``dones[t]`` flags that ``obs[t]`` starts an episode, so step t ended one iff
+    ``dones[t + 1]`` (``next_done`` for the last step); rewards after an end belong to the next
+    episode and are not summed, and the discount becomes 0.
+    """
+    obs, rewards = segment["obs"], segment["rewards"].float()
+    steps = rewards.shape[0]
+    ended = torch.cat([segment["dones"][1:], segment["next_done"][None]]).float()
+    later = torch.cat([obs[1:], segment["next_obs"][None]])  # the observation after each step
+    total = torch.zeros_like(rewards)
+    alive = torch.ones_like(rewards)  # 1 while the window has not left its episode
+    span = torch.zeros(steps, dtype=torch.long)  # steps summed per t (same for every env)
+    for k in range(n):
+        stop = steps - k  # steps t with t + k inside the segment
+        if stop <= 0:
+            break
+        total[:stop] += (gamma ** k) * alive[:stop] * rewards[k:]
+        alive[:stop] = alive[:stop] * (1.0 - ended[k:])
+        span[:stop] += 1
+    discounts = (gamma ** span.float())[:, None] * alive
+    next_obs = later[span - 1 + torch.arange(steps)]
+    return total, discounts, next_obs
+
+
+class Replay:
+    """One trainer's replay shard: fixed capacity, FIFO, uniform or proportional sampling.
+
+    ``inserts`` and ``samples`` count transitions over the run (a checkpoint keeps them);
+    ``size`` is how many the shard holds now.
+    """
+
+    def __init__(self, settings: ReplaySettings, fields: Mapping[str, Record],
+                 gamma: float) -> None:
+        self.settings, self.fields, self.gamma = settings, dict(fields), gamma
+        self.storage: dict[str, Tensor] = {}  # allocated at the first insert, from its shapes
+        self.priorities = torch.zeros(settings.capacity, dtype=torch.float64)  # p ** alpha
+        self.max_priority = 1.0
+        self.size = 0
+        self.inserts = 0
+        self.samples = 0
+
+    def insert(self, segment: Segment) -> int:
+        """The segment's T x N transitions (n-step returns made here); returns how many."""
+        rewards, discounts, later = n_step_transitions(segment, self.settings.n_step, self.gamma)
+        columns = {
+            "obs": segment["obs"], "actions": segment["actions"], "rewards": rewards,
+            "next_obs": later, "discounts": discounts,
+            **{name: segment[name] for name in self.fields},
+        }
+        count = rewards.numel()
+        flat = {k: v.reshape(count, *v.shape[2:]) for k, v in columns.items()}
+        capacity = self.settings.capacity
+        if count > capacity:  # only the newest fit
+            flat = {k: v[-capacity:] for k, v in flat.items()}
+        kept = min(count, capacity)
+        if not self.storage:
+            self.storage = {k: torch.zeros(capacity, *v.shape[1:], dtype=v.dtype)
+                            for k, v in flat.items()}
+        slots = (self.inserts + count - kept + torch.arange(kept)) % capacity
+        for name, values in flat.items():
+            self.storage[name][slots] = values
+        self.priorities[slots] = self.max_priority ** self.settings.priority_exponent
+        self.inserts += count
+        self.size = min(self.size + count, capacity)
+        return count
+
+    def sample(self, generator: torch.Generator) -> Batch:
+        """``batch_size`` transitions, drawn with replacement."""
+        size, batch = self.size, self.settings.batch_size
+        if size == 0:
+            raise RuntimeError("replay: sampling from an empty shard")
+        if self.settings.prioritized:
+            indices, weights = self._prioritized(size, batch, generator)
+        else:
+            indices = torch.randint(size, (batch,), generator=generator)
+            weights = torch.ones(batch)
+        self.samples += batch
+        rows = {name: values[indices] for name, values in self.storage.items()}
+        return Batch(obs=rows.pop("obs"), actions=rows.pop("actions"),
+                     rewards=rows.pop("rewards"), next_obs=rows.pop("next_obs"),
+                     discounts=rows.pop("discounts"), weights=weights, indices=indices,
+                     extras=rows)
+
+    def _prioritized(self, size: int, batch: int,
+                     generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Slots drawn in proportion to their stored ``p ** alpha`` (inverse CDF over the
+        cumulative sum: linear in the shard per batch, vectorised), and their weights."""
+        stored = self.priorities[:size]
+        cumulative = torch.cumsum(stored, 0)
+        total = cumulative[-1]
+        draws = torch.rand(batch, generator=generator, dtype=torch.float64) * total
+        indices = torch.searchsorted(cumulative, draws, right=True).clamp_(max=size - 1)
+        beta = self.settings.importance_exponent
+        weights = (size * stored[indices] / total) ** -beta
+        largest = (size * stored.min() / total) ** -beta
+        return indices, (weights / largest).float()
+
+    def update_priorities(self, indices: Tensor, priorities: Tensor) -> None:
+        """New priorities (e.g. |TD error|) for sampled slots."""
+        raw = priorities.detach().abs().double() + PRIORITY_FLOOR
+        self.priorities[indices] = raw ** self.settings.priority_exponent
+        self.max_priority = max(self.max_priority, float(raw.max()))
+
+    def priority_spread(self) -> float:
+        """How unequal the sampling probabilities are: the coefficient of variation (std /
+        mean) of the held ``p ** alpha``; 0 when uniform."""
+        if not self.settings.prioritized or self.size < 2:
+            return 0.0
+        held = self.priorities[: self.size]
+        return float(held.std() / held.mean())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters (a resume refills the shard: docs/off-policy.md)."""
+        return {"inserts": self.inserts, "samples": self.samples,
+                "max_priority": self.max_priority}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.inserts, self.samples = int(state["inserts"]), int(state["samples"])
+        self.max_priority = float(state["max_priority"])
+
+
+class RateLimiter:
+    """Samples per insert, in whole learner steps (Reverb's ``SampleToInsertRatio``).
+
+    Once ``min_size`` transitions are held, the learner's samples track
+    ``target = samples_per_insert * (inserts - min_size)``: a learner step (``batch_size``
+    samples) is allowed while it keeps samples within ``target + tolerance``, and collectors
+    may insert while samples stay within ``tolerance`` below the target. ``tolerance >=
+    (batch_size + samples_per_insert) / 2`` (checked before launch) means one side is always
+    allowed. ``inserts`` and ``samples`` count from when this limiter's shard started filling
+    (a resumed run's refill included).
+    """
+
+    def __init__(self, samples_per_insert: float, tolerance: float, min_size: int,
+                 batch_size: int) -> None:
+        self.samples_per_insert, self.tolerance = samples_per_insert, tolerance
+        self.min_size, self.batch_size = min_size, batch_size
+
+    def target(self, inserts: int) -> float:
+        return self.samples_per_insert * (inserts - self.min_size)
+
+    def steps_allowed(self, inserts: int, samples: int, size: int) -> int:
+        """Learner steps allowed now."""
+        if size < self.min_size or size == 0:
+            return 0
+        room = self.target(inserts) + self.tolerance - samples
+        return max(0, math.floor(room / self.batch_size))
+
+    def inserts_allowed(self, inserts: int, samples: int) -> int:
+        """Transitions collectors may insert now before the learner must catch up."""
+        if inserts < self.min_size:
+            return self.min_size - inserts + self._inserts_past(self.min_size, samples)
+        return self._inserts_past(inserts, samples)
+
+    def _inserts_past(self, inserts: int, samples: int) -> int:
+        room = samples + self.tolerance - self.target(inserts)
+        return max(0, math.floor(room / self.samples_per_insert))
