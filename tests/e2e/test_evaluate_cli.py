@@ -122,12 +122,15 @@ def test_bad_input_is_one_line_and_exit_2(case: str, solved_run: Path, tmp_path:
 
 @pytest.mark.parametrize("loop", [
     ("loop=vtrace", "loop.total_env_steps=2048", "loop.progress=false"),
+    # Past the replay's learning start (1,000 transitions): the learner has stepped.
+    ("loop=dqn", "loop.total_env_steps=2048", "loop.progress=false"),
     # A plugin's settings are its own: added, not overridden.
     ("loop=custom", "loop._target_=examples.reinforce.ReinforceLoop",
      "+loop.total_env_steps=2048", "+loop.progress=false"),
-], ids=["vtrace", "reinforce_plugin"])
+], ids=["vtrace", "dqn", "reinforce_plugin"])
 def test_every_shipped_algorithm_evaluates(loop: tuple[str, ...], tmp_path: Path) -> None:
-    """V-trace and the example plugin (PPO: above), two updates each, then one greedy episode."""
+    """V-trace, DQN and the example plugin (PPO: above), a short run each, then one greedy
+    episode."""
     run_dir = tmp_path / "run"
     proc = run_app(*loop, "layout=single", f"hydra.run.dir={run_dir}", timeout=TIMEOUT_S)
     assert proc.returncode == 0, describe(proc)
