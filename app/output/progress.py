@@ -65,6 +65,8 @@ class Snapshot:
     members: int | None = None  # live rollout ranks of an elastic run (None: not elastic)
     eval_return: float | None = None  # the last evaluation's mean return (loop.eval_every)
     eval_version: int | None = None  # the weights version it evaluated
+    replay_size: int | None = None  # an off-policy run's replay: transitions per trainer shard
+    samples_per_insert: float | None = None  # the ratio the replay held
     waiting: bool = False  # trainers wait for rollout ranks to join
 
 
@@ -159,6 +161,9 @@ class RunProgress:
             clock = f"{now.members} rollout ranks, {clock}"
         if now.eval_return is not None:
             rate = f"eval {now.eval_return:.1f} (v{now.eval_version}), {rate}"
+        if now.replay_size is not None:
+            rate = (f"replay {now.replay_size:,} at {now.samples_per_insert or 0:.1f} "
+                    f"samples/insert, {rate}")
         if rule.target_return is not None and rule.on_eval:
             shown = f"{now.eval_return:.1f}" if now.eval_return is not None else "--"
             left = f"[rank0] {self.name}: eval return {shown} of {rule.target_return:g}"

@@ -54,6 +54,14 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{restarts} restart{'s' if restarts != 1 else ''}"
         )
     lines += _eval_lines(summary)
+    replay = summary.get("replay")
+    if replay:  # an off-policy run (docs/off-policy.md)
+        lines.append(
+            f"replay: {replay['replay_size']:,.0f} transitions per trainer, "
+            f"{replay['replay_inserts']:,.0f} inserted, {replay['replay_samples']:,.0f} sampled, "
+            f"{replay['samples_per_insert']:.2f} samples per insert, priority spread "
+            f"{replay['priority_spread']:.2f}, learner waited {replay['learner_wait_updates']} "
+            "updates")
     changes = summary.get("rollout_ranks")
     if changes:  # an elastic run whose rollout ranks came and went (result.json: leaves, joins)
         lines.append(f"rollout ranks: {changes['left']} left, {changes['joined']} joined "

@@ -357,6 +357,7 @@ class RLLoop:
             "env_steps_per_s": result["metrics"]["env_steps_per_s"],
             "transfer_share": result["metrics"]["transfer_share"],
             **self._eval_summary(result),
+            **({"replay": result["replay"]} if "replay" in result else {}),
             "files": {
                 name: str(run_dir / name)
                 for name in ("metrics.csv", "learning_curve.png", CHECKPOINT_DIR, SUBDIR,

@@ -294,6 +294,7 @@ class RuntimeRun:
             **({"staleness_histogram": {str(k): n for k, n in sorted(hand_off.staleness.items())}}
                if self.is_trainer else {}),
             "metrics": {**metrics, **self._declared_losses()},
+            **self._replay_result(),
             **evaluated,
             **membership,
         }
@@ -312,6 +313,17 @@ class RuntimeRun:
         if not self.is_trainer:
             return None
         return TrainedModule(self.ctx, self.job.plan, self.agent.net, self.loop.data_parallel)
+
+    def _replay_result(self) -> dict[str, Any]:
+        """An off-policy run's replay as its last update left it (result.json's ``replay``)."""
+        last = self.metrics[-1] if self.metrics else {}
+        if "replay_size" not in last:
+            return {}
+        names = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
+                 "priority_spread")
+        waited = sum(int(row.get("learner_wait", 0)) for row in self.metrics)
+        return {"replay": {**{n: round(float(last[n]), 4) for n in names},
+                           "learner_wait_updates": waited}}
 
     def _declared_losses(self) -> dict[str, float | None]:
         """The last update's figures of the algorithm's that its loop declares as metrics
@@ -442,6 +454,8 @@ class RuntimeRun:
             members=int(row["members"]) if "members" in row else None,
             eval_return=last.return_mean if last else None,
             eval_version=last.version if last else None,
+            replay_size=int(row["replay_size"]) if "replay_size" in row else None,
+            samples_per_insert=row.get("samples_per_insert"),
         )
 
     def _should_checkpoint(self) -> bool:

@@ -37,6 +37,20 @@ def test_dqn_solves_cartpole_on_one_rank_and_records_the_replay(tmp_path: Path) 
         last["replay_inserts"] - replay.min_size)
     assert drift <= replay.tolerance + replay.batch_size, drift
     assert rows[0]["learner_wait"] == 1.0  # the learner waited for min_size
+    # result.json and the closing summary show the replay as the last update left it.
+    shown = result["summary"]["replay"]
+    assert shown["replay_inserts"] == last["replay_inserts"]
+    assert shown["learner_wait_updates"] == sum(int(r["learner_wait"]) for r in rows) >= 1
+    assert (f"replay: {last['replay_size']:,.0f} transitions per trainer, "
+            f"{last['replay_inserts']:,.0f} inserted, ") in proc.stdout, describe(proc)
+
+
+def test_the_progress_line_shows_the_replay(tmp_path: Path) -> None:
+    proc = run_app("loop=dqn", "layout=single", "loop.checkpoint_every=0",
+                   "loop.total_env_steps=2048", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, describe(proc)
+    last = [line for line in proc.stderr.splitlines() if line.startswith("[rank0] dqn:")][-1]
+    assert "replay 2,048 at " in last and " samples/insert, " in last, last
 
 
 def test_dqn_on_the_default_layout_learns_from_rollout_ranks_and_ends(tmp_path: Path) -> None:
