@@ -112,7 +112,8 @@ def test_the_best_checkpoint_holds_the_best_evaluation_and_resumes_and_evaluates
     resumed = tmp_path / "resumed"
     budget = best["env_steps"] + 2 * 1024  # two more updates
     proc = run_app("layout=single", "loop.progress=false", f"loop.resume={best_path}",
-                   f"loop.total_env_steps={budget}", f"hydra.run.dir={resumed}",
+                   f"loop.total_env_steps={budget}", "loop.stop_at_target=false",
+                   f"hydra.run.dir={resumed}",
                    timeout=TIMEOUT_S)
     assert proc.returncode == 0, describe(proc)
     assert f"resumed from {best_path} at update {best['update']}" in proc.stderr + proc.stdout
