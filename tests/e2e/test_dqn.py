@@ -7,13 +7,15 @@ starts (docs/off-policy.md)."""
 from __future__ import annotations
 
 import math
+import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from app.loops.dqn import dqn_replay
 from app.runtime.offpolicy import REPLAY_FIGURES
-from tests.helpers.apprun import describe, metrics, read_result, run_app
+from tests.helpers.apprun import AppProcess, describe, metrics, read_result, run_app
 
 pytestmark = pytest.mark.e2e
 
@@ -109,3 +111,35 @@ def test_bad_input_is_one_line_and_exit_2_before_launch(overrides: tuple[str, ..
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(line), last
     assert not (tmp_path / "logs").exists()  # no rank started
+
+
+def test_a_killed_collector_loses_only_its_unsent_transitions_counted(
+    start_app: Callable[..., AppProcess],
+) -> None:
+    """Elastic rollout ranks under DQN (1t3r): rank 3 is SIGKILLed mid-run; the run goes on with
+    the other two, every transition that reached the trainer stays in its replay, and what the
+    lost rank had in flight is counted (docs/off-policy.md)."""
+    app = start_app("dqn_killed", "loop=dqn", "layout=1t3r", "seed=1", "loop.progress=false",
+                    "loop.total_env_steps=12288", "loop.replay.min_size=512", "comm.timeout=60")
+    app.wait_until("8 updates", lambda: len(_rows(app.run_dir)) >= 8)
+    process = app.ranks()[3]
+    assert process.name() == "rlcomm-rank3", process.name()
+    process.send_signal(signal.SIGKILL)
+    assert app.wait() == 0, app.describe()
+    result = read_result(app.run_dir)
+    (leave,) = result["leaves"]
+    assert leave["rank"] == 3, leave
+    rows = metrics(app.run_dir)
+    members = [int(r["members"]) for r in rows]
+    assert members[0] == 3 and members[-1] == 2, members
+    inserts = [r["replay_inserts"] for r in rows]
+    assert inserts == sorted(inserts) and inserts[-1] > inserts[members.index(2)]
+    # One trainer: every transition it was handed went into its replay, none of the lost ones.
+    assert rows[-1]["replay_inserts"] == rows[-1]["env_steps"]
+    trainer = next(r for r in result["ranks"] if r["rank"] == 0)["result"]
+    assert trainer["segments_discarded"] >= 1  # rank 3's segment in flight, counted
+
+
+def _rows(run_dir: Path) -> list[str]:
+    path = run_dir / "metrics.csv"
+    return path.read_text().splitlines()[1:] if path.exists() else []
