@@ -47,7 +47,8 @@ class SACSettings(AlgorithmSettings):
         2, "learner steps between actor and alpha updates (each time that many of them, "
         "CleanRL's delayed form)")
     autotune: bool = setting(True, "tune alpha towards the target entropy -|A|")
-    alpha: float = setting(0.2, "the entropy coefficient without autotune, and its start (> 0)")
+    alpha: float = setting(0.2, "the entropy coefficient without autotune (> 0); autotune "
+                           "starts from 1 (log alpha 0, CleanRL's)")
 
     def range_errors(self, batch_per_trainer: int) -> list[str]:
         """The base's checks, then SAC's own (``field: must be ..., got value``)."""
@@ -200,9 +201,13 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
                  replay: ReplaySettings | None = None) -> None:
         super().__init__(settings, spaces, replay)
         self.target_entropy = -float(math.prod(spaces.action.shape))
-        self.log_alpha = torch.tensor(math.log(settings.alpha), requires_grad=True)
+        self.log_alpha = torch.tensor(math.log(self.start_alpha(settings)), requires_grad=True)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=settings.q_lr)
         self._figures = {"actor_loss": math.nan, "alpha_loss": math.nan, "entropy": math.nan}
+
+    @staticmethod
+    def start_alpha(settings: SACSettings) -> float:
+        return 1.0 if settings.autotune else settings.alpha
 
     @classmethod
     def space_problem(cls, spaces: Any) -> str | None:
@@ -220,7 +225,8 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         low = torch.as_tensor(act.low, dtype=torch.float32)
         high = torch.as_tensor(act.high, dtype=torch.float32)
         return SACModule(math.prod(self.spaces.observation.shape), int(act.shape[0]),
-                         list(self.settings.hidden_sizes), low, high, self.settings.alpha)
+                         list(self.settings.hidden_sizes), low, high,
+                         self.start_alpha(self.settings))
 
     def optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
         """One Adam, two groups: the actor at ``policy_lr``, the Q-networks at ``q_lr`` (the
@@ -254,8 +260,8 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         with torch.no_grad():
             self.log_alpha.copy_(net.alpha.log())
             next_actions, next_log_pi = net.sample(batch.next_obs, info.generator)
-            targets = soft_q_targets(batch.rewards, batch.discounts,
-                                     *net.q(batch.next_obs, next_actions, target=True),
+            next_q1, next_q2 = net.q(batch.next_obs, next_actions, target=True)
+            targets = soft_q_targets(batch.rewards, batch.discounts, next_q1, next_q2,
                                      next_log_pi, net.alpha)
         q_loss = (batch.weights * ((q1 - targets).pow(2) + (q2 - targets).pow(2))).mean()
         info.optimizer.zero_grad()
