@@ -3,8 +3,8 @@
 
 The module holds a tanh-squashed Gaussian actor scaled to the action Box, twin Q-networks and
 their target copies (parameters without gradients, so a checkpoint keeps them), plus two
-buffers that travel to the collectors with the weights: ``alpha`` (the entropy coefficient, for
-the soft state value that bootstraps time-limit cuts) and ``uniform`` (1 until the learner's
+buffers that travel to the collectors with the weights: ``log_alpha`` (a copy of the entropy
+coefficient's log, for the soft state value that bootstraps time-limit cuts) and ``uniform`` (1 until the learner's
 first step: collectors act uniformly at random until the replay holds ``min_size``
 transitions, CleanRL's ``learning_starts``). ``log_alpha`` and its Adam are the algorithm's
 own state, checkpointed through :meth:`SAC.state_dict`.
@@ -138,9 +138,9 @@ class Actor(nn.Module):
 
 
 class SACModule(nn.Module):
-    """The actor, twin Q-networks, their targets and the collectors' ``alpha`` and ``uniform``."""
+    """The actor, twin Q-networks, their targets and the collectors' ``log_alpha`` and ``uniform``."""
 
-    alpha: Tensor
+    log_alpha: Tensor
     uniform: Tensor
 
     def __init__(self, obs_dim: int, act_dim: int, hidden: list[int], low: Tensor, high: Tensor,
@@ -151,7 +151,7 @@ class SACModule(nn.Module):
         self.q2 = _mlp([obs_dim + act_dim, *hidden, 1])
         self.q1_target = copy.deepcopy(self.q1).requires_grad_(False)
         self.q2_target = copy.deepcopy(self.q2).requires_grad_(False)
-        self.register_buffer("alpha", torch.tensor(float(alpha)))
+        self.register_buffer("log_alpha", torch.tensor(math.log(alpha)))
         self.register_buffer("uniform", torch.ones(()))
 
     def forward(self, obs: Tensor, actions: Tensor | None = None,
@@ -181,7 +181,7 @@ class SACModule(nn.Module):
     def soft_value(self, obs: Tensor) -> Tensor:
         """``min(Q1, Q2)(s, a) - alpha log pi(a|s)``, ``a ~ pi(s)``: one-sample soft V(s)."""
         action, log_pi = self.sample(obs)
-        return torch.minimum(*self.q(obs, action)) - self.alpha * log_pi
+        return torch.minimum(*self.q(obs, action)) - self.log_alpha.exp() * log_pi
 
 
 def _drop_grads(*modules: nn.Module) -> None:
@@ -258,11 +258,11 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         q1, q2, tie = model(batch.obs, batch.actions)
         # DDP's forward has broadcast rank 0's buffers: every trainer uses its alpha.
         with torch.no_grad():
-            self.log_alpha.copy_(net.alpha.log())
+            self.log_alpha.copy_(net.log_alpha)
             next_actions, next_log_pi = net.sample(batch.next_obs, info.generator)
             next_q1, next_q2 = net.q(batch.next_obs, next_actions, target=True)
             targets = soft_q_targets(batch.rewards, batch.discounts, next_q1, next_q2,
-                                     next_log_pi, net.alpha)
+                                     next_log_pi, net.log_alpha.exp())
         q_loss = (batch.weights * ((q1 - targets).pow(2) + (q2 - targets).pow(2))).mean()
         info.optimizer.zero_grad()
         (q_loss + tie).backward()
@@ -274,7 +274,7 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         soft_update(net.q1_target, net.q1, self.settings.tau)
         soft_update(net.q2_target, net.q2, self.settings.tau)
         net.uniform.fill_(0.0)  # learning started: the collectors sample the actor from now
-        figures = {"q_loss": float(q_loss.detach()), "alpha": float(net.alpha),
+        figures = {"q_loss": float(q_loss.detach()), "alpha": float(net.log_alpha.exp()),
                    "q_mean": float(torch.minimum(q1, q2).mean().detach()), **self._figures}
         priorities = ((q1 - targets).abs() + (q2 - targets).abs()).detach() / 2
         return figures, priorities
@@ -294,7 +294,7 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
             self.alpha_optimizer.zero_grad()
             a_loss.backward()
             self.alpha_optimizer.step()
-            net.alpha.fill_(float(self.log_alpha.detach().exp()))
+            net.log_alpha.copy_(self.log_alpha.detach())
             figures["alpha_loss"] = float(a_loss.detach())
         self._figures = figures
 
