@@ -290,6 +290,8 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         figures = {"actor_loss": float(loss.detach()), "entropy": float(-log_pi.mean().detach()),
                    "alpha_loss": math.nan}
         if self.settings.autotune:
+            with torch.no_grad():  # CleanRL's: the entropy of the actor just stepped
+                log_pi = net.sample(batch.obs, info.generator)[1]
             a_loss = alpha_loss(self.log_alpha, log_pi, self.target_entropy)
             self.alpha_optimizer.zero_grad()
             a_loss.backward()
