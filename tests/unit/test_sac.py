@@ -11,10 +11,14 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from torch import nn
 
+from app.errors import ConfigError
+from app.launch.planning import validate
 from app.loops.sac import (
     SAC,
+    SACLoop,
     SACSettings,
     actor_loss,
     alpha_loss,
@@ -25,6 +29,7 @@ from app.loops.sac import (
 from app.runtime.algorithm import Spaces, UpdateInfo
 from app.runtime.offpolicy import soft_update
 from app.runtime.replay import Batch
+from tests.helpers.apprun import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -176,3 +181,32 @@ def test_state_dict_round_trips_log_alpha_and_its_optimizer() -> None:
     assert fresh.log_alpha.item() == pytest.approx(sac.log_alpha.item())
     moments = fresh.alpha_optimizer.state_dict()["state"][0]["exp_avg"]
     torch.testing.assert_close(moments, sac.alpha_optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def _validate(*overrides: str) -> None:
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        validate(compose("config", overrides=["loop=sac", *overrides]))
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["loop.hparams.tau=0"], "loop.hparams.tau: must be in (0, 1], got 0.0"),
+    (["loop.hparams.policy_frequency=0"],
+     "loop.hparams.policy_frequency: must be a positive integer, got 0"),
+    (["loop.hparams.q_lr=-1"], "loop.hparams.q_lr: must be > 0, got -1.0"),
+    (["loop.hparams.hidden_sizes=[]"], "loop.hparams.hidden_sizes: must be one or more positive"),
+    (["loop.replay.capacity=100"], "loop.replay.capacity: must be at least batch_size (256)"),
+    (["loop.env.id=CartPole-v1"], "loop.env.id: CartPole-v1: action space Discrete(2) is discrete"),
+])
+def test_bad_settings_are_one_line_before_launch(overrides: list[str], line: str) -> None:
+    with pytest.raises(ConfigError) as failure:
+        _validate(*overrides)
+    assert line in str(failure.value) and "\n" not in str(failure.value)
+
+
+def test_the_shipped_defaults_and_hopper_sac_pass_their_checks() -> None:
+    _validate("layout=single")
+    _validate("+experiment=hopper_sac")
+    loop = SACLoop()
+    assert loop.replay.range_errors(loop.hparams.num_steps) == []
