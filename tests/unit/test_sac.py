@@ -1,11 +1,13 @@
 """SAC's pieces against the paper's formulas (Haarnoja et al. 2018, "Soft Actor-Critic
 Algorithms and Applications"), on hand-made tensors: the soft Q target, the tanh
 change-of-variables log-prob, the actor and alpha losses, Polyak averaging, the actions' bounds,
-the delayed actor steps and the checkpointed entropy coefficient."""
+the delayed actor steps, the checkpointed target networks and entropy coefficient, and the
+settings' checks before launch."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -26,9 +28,10 @@ from app.loops.sac import (
     soft_q_targets,
     squashed_log_prob,
 )
-from app.runtime.algorithm import Spaces, UpdateInfo
+from app.runtime.algorithm import Segment, Spaces, UpdateInfo
+from app.runtime.checkpoints import newest_valid_checkpoint, save_checkpoint
 from app.runtime.offpolicy import soft_update
-from app.runtime.replay import Batch
+from app.runtime.replay import Batch, ReplaySettings
 from tests.helpers.apprun import REPO
 
 pytestmark = pytest.mark.unit
@@ -210,3 +213,37 @@ def test_the_shipped_defaults_and_hopper_sac_pass_their_checks() -> None:
     _validate("+experiment=hopper_sac")
     loop = SACLoop()
     assert loop.replay.range_errors(loop.hparams.num_steps) == []
+
+
+def test_a_checkpoint_keeps_the_targets_log_alpha_and_its_adam(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    replay = ReplaySettings(capacity=64, batch_size=8, min_size=16, samples_per_insert=1.0,
+                            tolerance=8.0)
+    sac = SAC(SACSettings(num_envs=4, num_steps=4, hidden_sizes=[16]), _spaces(), replay=replay)
+    module = sac.build()
+    opt = sac.optimizer(module)
+    for update in range(4):
+        segment = Segment(obs=torch.randn(4, 4, 3), actions=torch.rand(4, 4, 1) * 4 - 2,
+                          rewards=torch.randn(4, 4), dones=torch.zeros(4, 4),
+                          next_obs=torch.randn(4, 3), next_done=torch.zeros(4))
+        info = UpdateInfo(opt, torch.Generator().manual_seed(update), 16 * (update + 1), update, 0)
+        sac.update(module, module, [segment], info)
+    assert sac.learner_steps > 0 and sac.log_alpha.item() != 0.0  # alpha moved from 1
+    save_checkpoint(tmp_path, module, opt, update=4, env_steps=64, episodes=[], metrics=[],
+                    algorithm=sac.state_dict())
+    state = newest_valid_checkpoint(tmp_path).state
+
+    resumed = SAC(SACSettings(num_envs=4, num_steps=4, hidden_sizes=[16]), _spaces(),
+                  replay=replay)
+    fresh = resumed.build()
+    fresh.load_state_dict(state["policy"])
+    resumed.load_state_dict(state["algorithm"])
+    assert resumed.log_alpha.item() == sac.log_alpha.item()
+    assert resumed.learner_steps == sac.learner_steps
+    torch.testing.assert_close(resumed.alpha_optimizer.state_dict()["state"],
+                               sac.alpha_optimizer.state_dict()["state"])
+    for name in ("q1_target", "q2_target"):
+        for a, b in zip(getattr(fresh, name).parameters(), getattr(module, name).parameters(),
+                        strict=True):
+            torch.testing.assert_close(a, b)
+            assert not a.requires_grad
