@@ -116,3 +116,18 @@ def test_an_update_learns_from_the_replay_and_feeds_priorities_back() -> None:
     assert float(net.epsilon) < 1.0
     state = algorithm.state_dict()
     assert state["replay"]["inserts"] == 128 and state["learner_steps"] == algorithm.learner_steps
+
+
+def test_collectors_act_epsilon_greedy_and_greedy_is_the_argmax() -> None:
+    spaces = Spaces(gym_spaces.Box(-1, 1, (4,)), gym_spaces.Discrete(3))
+    algorithm = DQN(DQNSettings(), spaces)
+    module = algorithm.build()
+    obs = torch.randn(256, 4)
+    best = module(obs).argmax(-1)
+    assert torch.equal(algorithm.greedy(module, obs), best)
+    module.epsilon.fill_(0.0)  # type: ignore[operator]
+    actions, _ = algorithm.act(module, obs, torch.Generator().manual_seed(0))
+    assert torch.equal(actions, best)
+    module.epsilon.fill_(1.0)  # type: ignore[operator]
+    actions, _ = algorithm.act(module, obs, torch.Generator().manual_seed(0))
+    assert set(actions.tolist()) == {0, 1, 2} and not torch.equal(actions, best)

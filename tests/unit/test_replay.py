@@ -53,6 +53,17 @@ def test_n_step_returns_match_a_hand_computation_with_an_episode_end_inside() ->
     assert s["next_obs"][3:5, 0].tolist() == [5.0, 5.0]  # next_obs, after the segment
 
 
+def test_n_step_transitions_bootstrap_from_the_observation_n_steps_later() -> None:
+    gamma = 0.5
+    seg = _segment([[1.0]] * 6, [[0.0]] * 6, [0.0])  # one episode through the segment
+    replay = Replay(_settings(n_step=2), {}, gamma)
+    replay.insert(seg)
+    s = replay.storage
+    assert s["next_obs"][:6, 0].tolist() == [2.0, 3.0, 4.0, 5.0, 6.0, 6.0]  # 6: next_obs
+    assert s["rewards"][:6].tolist() == [1.5] * 5 + [1.0]
+    assert s["discounts"][:6].tolist() == [0.25] * 5 + [0.5]
+
+
 def test_one_step_transitions_bootstrap_from_the_next_observation() -> None:
     seg = _segment([[1.0, 1.0], [1.0, 1.0]], [[0, 0], [0, 1]], [1.0, 0.0])
     replay = Replay(_settings(), {"extra": Record()}, 0.5)
