@@ -4,10 +4,13 @@ a discrete env is one line and exit 2 before any rank starts (docs/off-policy.md
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.runtime.offpolicy import REPLAY_FIGURES
 from tests.helpers.apprun import describe, metrics, read_result, run_app
@@ -25,7 +28,7 @@ SMALL = ("loop.hparams.hidden_sizes=[64,64]", "loop.replay.batch_size=128",
 def test_sac_learns_pendulum_on_one_rank(tmp_path: Path) -> None:
     # A uniform random policy scores about -1200 per Pendulum episode; -500 over the last 8
     # episodes needs a policy that swings the pendulum up.
-    proc = run_app("loop=sac", "layout=single", "seed=1", *QUIET, *SMALL,
+    proc = run_app("loop=sac", "layout=single", "seed=1", "loop.progress=false", *SMALL,
                    "loop.total_env_steps=10000", "loop.window=8", "loop.target_return=-500",
                    f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, describe(proc)
@@ -38,6 +41,15 @@ def test_sac_learns_pendulum_on_one_rank(tmp_path: Path) -> None:
     assert rows[0]["learner_wait"] == 1.0  # nothing learnt before min_size
     learnt = [r for r in rows if not math.isnan(r["alpha"])]
     assert learnt and all(0 < r["alpha"] < 1 for r in learnt)  # tuned down from 1 (log 0)
+    # The greedy policy (the scaled tanh of the mean) evaluates and exports from the checkpoint.
+    export = tmp_path / "policy.pt2"
+    evaluation = run_app(str(tmp_path), "--episodes", "5", "--export", str(export),
+                         module=(sys.executable, "-m", "app.evaluate"))
+    assert evaluation.returncode == 0, describe(evaluation)
+    greedy = json.loads((sorted((tmp_path / "eval").iterdir())[-1] / "result.json").read_text())
+    assert greedy["return_mean"] > -1000, greedy  # uniform random play: about -1200
+    actions = torch.export.load(str(export)).module()(torch.randn(7, 3))
+    assert actions.shape == (7, 1) and bool((actions.abs() <= 2.0).all())  # Pendulum's Box
 
 
 def test_sac_on_the_default_layout_runs_two_trainers_and_ends(tmp_path: Path) -> None:
