@@ -47,7 +47,7 @@ def test_sac_learns_pendulum_on_one_rank(tmp_path: Path) -> None:
                          module=(sys.executable, "-m", "app.evaluate"))
     assert evaluation.returncode == 0, describe(evaluation)
     greedy = json.loads((sorted((tmp_path / "eval").iterdir())[-1] / "result.json").read_text())
-    assert greedy["return_mean"] > -1000, greedy  # uniform random play: about -1200
+    assert greedy["return_mean"] > -800, greedy  # uniform random play: about -1200
     actions = torch.export.load(str(export)).module()(torch.randn(7, 3))
     assert actions.shape == (7, 1) and bool((actions.abs() <= 2.0).all())  # Pendulum's Box
 
