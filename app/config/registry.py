@@ -24,6 +24,7 @@ SHIPPED_LOOPS = {
     "ppo": "app.loops.ppo.PPOLoop",
     "vtrace": "app.loops.vtrace.VTraceLoop",
     "dqn": "app.loops.dqn.DQNLoop",
+    "sac": "app.loops.sac.SACLoop",
     "commcheck": "app.loops.commcheck.CommCheck",
 }
 

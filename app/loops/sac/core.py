@@ -1,0 +1,312 @@
+"""SAC (Haarnoja et al. 2018, with automatic entropy tuning) as an off-policy algorithm, no
+``torch.distributed``. The defaults are CleanRL ``sac_continuous_action.py``'s.
+
+The module holds a tanh-squashed Gaussian actor scaled to the action Box, twin Q-networks and
+their target copies (parameters without gradients, so a checkpoint keeps them), plus two
+buffers that travel to the collectors with the weights: ``log_alpha`` (a copy of the entropy
+coefficient's log, for the soft state value that bootstraps time-limit cuts) and ``uniform`` (1 until the learner's
+first step: collectors act uniformly at random until the replay holds ``min_size``
+transitions, CleanRL's ``learning_starts``). ``log_alpha`` and its Adam are the algorithm's
+own state, checkpointed through :meth:`SAC.state_dict`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gymnasium import spaces as gym_spaces
+from torch import Tensor, nn
+
+from app.api import setting
+from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
+from app.runtime.offpolicy import OffPolicyAlgorithm, soft_update
+from app.runtime.replay import Batch, ReplaySettings
+
+# CleanRL's bounds on the actor's log standard deviation.
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+# Keeps log(1 - tanh^2) finite where tanh saturates (CleanRL's, and the SAC paper's code).
+TANH_EPS = 1e-6
+
+
+@dataclass
+class SACSettings(AlgorithmSettings):
+    """SAC settings: CleanRL sac_continuous_action.py's defaults (docs/off-policy.md)."""
+
+    num_envs: int = setting(4, "environments per collecting rank (one vector env)")
+    num_steps: int = setting(8, "steps per environment per update (rollout length)")
+    q_lr: float = setting(1e-3, "Adam learning rate of the Q-networks and of log alpha (> 0)")
+    policy_lr: float = setting(3e-4, "Adam learning rate of the actor (> 0)")
+    hidden_sizes: list[int] = setting(doc="widths of the actor's and Q-networks' hidden layers",
+                                      factory=lambda: [256, 256])
+    tau: float = setting(0.005, "Polyak rate of the target Q-networks, in (0, 1]")
+    policy_frequency: int = setting(
+        2, "learner steps between actor and alpha updates (each time that many of them, "
+        "CleanRL's delayed form)")
+    autotune: bool = setting(True, "tune alpha towards the target entropy -|A|")
+    alpha: float = setting(0.2, "the entropy coefficient without autotune (> 0); autotune "
+                           "starts from 1 (log alpha 0, CleanRL's)")
+
+    def range_errors(self, batch_per_trainer: int) -> list[str]:
+        """The base's checks, then SAC's own (``field: must be ..., got value``)."""
+        checks = [
+            ("q_lr", self.q_lr > 0, "> 0"),
+            ("policy_lr", self.policy_lr > 0, "> 0"),
+            ("hidden_sizes", len(self.hidden_sizes) >= 1 and min(self.hidden_sizes) >= 1,
+             "one or more positive widths"),
+            ("tau", 0 < self.tau <= 1, "in (0, 1]"),
+            ("policy_frequency", self.policy_frequency >= 1, "a positive integer"),
+            ("alpha", self.alpha > 0, "> 0"),
+        ]
+        return super().range_errors(batch_per_trainer) + [
+            f"{name}: must be {want}, got {getattr(self, name)}" for name, ok, want in checks if not ok
+        ]
+
+
+def _mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+def squashed_log_prob(normal: torch.distributions.Normal, pre_tanh: Tensor,
+                      scale: Tensor) -> Tensor:
+    """log pi(a|s) [B] of ``a = bias + scale * tanh(u)``, ``u ~ normal``: the Gaussian's log
+    density minus the change of variables, ``sum_i log(scale_i (1 - tanh(u_i)^2))`` (SAC paper,
+    appendix C; ``TANH_EPS`` inside the log, as CleanRL)."""
+    squash = torch.log(scale * (1 - torch.tanh(pre_tanh).pow(2)) + TANH_EPS)
+    return (normal.log_prob(pre_tanh) - squash).sum(-1)
+
+
+def soft_q_targets(rewards: Tensor, discounts: Tensor, next_q1: Tensor, next_q2: Tensor,
+                   next_log_pi: Tensor, alpha: Tensor | float) -> Tensor:
+    """``r + discount * (min(Q1', Q2')(s', a') - alpha log pi(a'|s'))`` [B], ``a' ~ pi(s')``;
+    ``discounts`` is the replay's ``gamma^n``, 0 where the episode ended."""
+    return rewards + discounts * (torch.minimum(next_q1, next_q2) - alpha * next_log_pi)
+
+
+def actor_loss(log_pi: Tensor, q1: Tensor, q2: Tensor, alpha: Tensor | float) -> Tensor:
+    """``E[alpha log pi(a|s) - min(Q1, Q2)(s, a)]``, ``a ~ pi(s)`` reparameterised."""
+    return (alpha * log_pi - torch.minimum(q1, q2)).mean()
+
+
+def alpha_loss(log_alpha: Tensor, log_pi: Tensor, target_entropy: float) -> Tensor:
+    """CleanRL's ``E[-exp(log_alpha) (log pi + target_entropy)]`` (``log_pi`` detached): alpha
+    grows while the policy's entropy is under the target and shrinks above it."""
+    return (-log_alpha.exp() * (log_pi.detach() + target_entropy)).mean()
+
+
+class Actor(nn.Module):
+    """A tanh-squashed diagonal Gaussian, scaled from (-1, 1) to the action Box."""
+
+    scale: Tensor
+    bias: Tensor
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: list[int], low: Tensor,
+                 high: Tensor) -> None:
+        super().__init__()
+        self.trunk = _mlp([obs_dim, *hidden])
+        self.mean = nn.Linear(hidden[-1], act_dim)
+        self.log_std = nn.Linear(hidden[-1], act_dim)
+        self.register_buffer("scale", (high - low) / 2)
+        self.register_buffer("bias", (high + low) / 2)
+
+    def gaussian(self, obs: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.relu(self.trunk(obs))
+        log_std = torch.tanh(self.log_std(h))
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
+        return self.mean(h), log_std
+
+    def sample(self, obs: Tensor, generator: torch.Generator | None = None
+               ) -> tuple[Tensor, Tensor]:
+        """A reparameterised action [B, A] and its log pi [B]."""
+        mean, log_std = self.gaussian(obs)
+        normal = torch.distributions.Normal(mean, log_std.exp())
+        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+        pre_tanh = mean + log_std.exp() * noise
+        action = torch.tanh(pre_tanh) * self.scale + self.bias
+        return action, squashed_log_prob(normal, pre_tanh, self.scale)
+
+    def greedy(self, obs: Tensor) -> Tensor:
+        return torch.tanh(self.gaussian(obs)[0]) * self.scale + self.bias
+
+
+class SACModule(nn.Module):
+    """The actor, twin Q-networks, their targets and the collectors' ``log_alpha`` and ``uniform``."""
+
+    log_alpha: Tensor
+    uniform: Tensor
+
+    def __init__(self, obs_dim: int, act_dim: int, hidden: list[int], low: Tensor, high: Tensor,
+                 alpha: float) -> None:
+        super().__init__()
+        self.actor = Actor(obs_dim, act_dim, hidden, low, high)
+        self.q1 = _mlp([obs_dim + act_dim, *hidden, 1])
+        self.q2 = _mlp([obs_dim + act_dim, *hidden, 1])
+        self.q1_target = copy.deepcopy(self.q1).requires_grad_(False)
+        self.q2_target = copy.deepcopy(self.q2).requires_grad_(False)
+        self.register_buffer("log_alpha", torch.tensor(math.log(alpha)))
+        self.register_buffer("uniform", torch.ones(()))
+
+    def forward(self, obs: Tensor, actions: Tensor | None = None,
+                generator: torch.Generator | None = None) -> tuple[Tensor, ...]:
+        """The learner's two passes, through DDP when there are several trainers (so every
+        trainable parameter takes part and gradients are averaged): with ``actions``, the
+        Q step's ``(Q1, Q2, tie)``; without, the actor step's ``(log pi, Q1, Q2)`` of a sampled
+        action. ``tie`` is 0 times the actor's parameters: a zero gradient the learner drops."""
+        if actions is not None:
+            tie = sum((p.sum() for p in self.actor.parameters()), torch.zeros(()))
+            return (*self.q(obs, actions), 0.0 * tie)
+        action, log_pi = self.sample(obs, generator)
+        return (log_pi, *self.q(obs, action))
+
+    def q(self, obs: Tensor, actions: Tensor, target: bool = False) -> tuple[Tensor, Tensor]:
+        x = torch.cat([obs.flatten(1).float(), actions.float()], -1)
+        q1, q2 = (self.q1_target, self.q2_target) if target else (self.q1, self.q2)
+        return q1(x).squeeze(-1), q2(x).squeeze(-1)
+
+    def sample(self, obs: Tensor, generator: torch.Generator | None = None
+               ) -> tuple[Tensor, Tensor]:
+        return self.actor.sample(obs.flatten(1).float(), generator)
+
+    def greedy(self, obs: Tensor) -> Tensor:
+        return self.actor.greedy(obs.flatten(1).float())
+
+    def soft_value(self, obs: Tensor) -> Tensor:
+        """``min(Q1, Q2)(s, a) - alpha log pi(a|s)``, ``a ~ pi(s)``: one-sample soft V(s)."""
+        action, log_pi = self.sample(obs)
+        return torch.minimum(*self.q(obs, action)) - self.log_alpha.exp() * log_pi
+
+
+def _drop_grads(*modules: nn.Module) -> None:
+    """Clear gradients after backward (and DDP's averaging): Adam skips a parameter without one,
+    moments included, as CleanRL's separate optimizers leave the other networks alone."""
+    for m in modules:
+        for p in m.parameters():
+            p.grad = None
+
+
+class SAC(OffPolicyAlgorithm[SACSettings]):
+    """SAC on the runtime: sampling collectors, a learner on the replay."""
+
+    losses = ("q_loss", "actor_loss", "alpha_loss", "alpha", "q_mean", "entropy")
+
+    def __init__(self, settings: SACSettings, spaces: Spaces,
+                 replay: ReplaySettings | None = None) -> None:
+        super().__init__(settings, spaces, replay)
+        self.target_entropy = -float(math.prod(spaces.action.shape))
+        self.log_alpha = torch.tensor(math.log(self.start_alpha(settings)), requires_grad=True)
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=settings.q_lr)
+        self._figures = {"actor_loss": math.nan, "alpha_loss": math.nan, "entropy": math.nan}
+
+    @staticmethod
+    def start_alpha(settings: SACSettings) -> float:
+        return 1.0 if settings.autotune else settings.alpha
+
+    @classmethod
+    def space_problem(cls, spaces: Any) -> str | None:
+        obs, act = spaces.observation, spaces.action
+        if not isinstance(act, gym_spaces.Box):
+            return f"action space {act} is discrete: SAC needs a Box (loop=dqn acts in it)"
+        if len(act.shape) != 1 or not (act.is_bounded("both")):
+            return f"action space {act} is not supported: SAC needs a bounded 1-d Box"
+        if not isinstance(obs, gym_spaces.Box) or len(obs.shape) != 1:
+            return f"observation space {obs} is not supported: SAC's MLPs take a 1-d Box"
+        return None
+
+    def build(self) -> nn.Module:
+        act = self.spaces.action
+        low = torch.as_tensor(act.low, dtype=torch.float32)
+        high = torch.as_tensor(act.high, dtype=torch.float32)
+        return SACModule(math.prod(self.spaces.observation.shape), int(act.shape[0]),
+                         list(self.settings.hidden_sizes), low, high,
+                         self.start_alpha(self.settings))
+
+    def optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
+        """One Adam, two groups: the actor at ``policy_lr``, the Q-networks at ``q_lr`` (the
+        targets have no gradients and are not stepped)."""
+        net: Any = module
+        q_params = [*net.q1.parameters(), *net.q2.parameters()]
+        return torch.optim.Adam([{"params": list(net.actor.parameters()),
+                                  "lr": self.settings.policy_lr},
+                                 {"params": q_params, "lr": self.settings.q_lr}])
+
+    def act(self, module: nn.Module, obs: Tensor,
+            generator: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:
+        net: Any = module
+        if bool(net.uniform):  # before learning starts: CleanRL's uniform random actions
+            u = torch.rand((obs.shape[0], *net.actor.scale.shape), generator=generator)
+            return net.actor.bias + net.actor.scale * (2 * u - 1), {}
+        return net.sample(obs, generator)[0], {}
+
+    def greedy(self, module: nn.Module, obs: Tensor) -> Tensor:
+        return module.greedy(obs)  # type: ignore[operator]
+
+    def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
+        """The soft state value: bootstraps a time-limit cut."""
+        return module.soft_value(obs)  # type: ignore[operator]
+
+    def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
+              info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
+        net: Any = module
+        q1, q2, tie = model(batch.obs, batch.actions)
+        # DDP's forward has broadcast rank 0's buffers: every trainer uses its alpha.
+        with torch.no_grad():
+            self.log_alpha.copy_(net.log_alpha)
+            next_actions, next_log_pi = net.sample(batch.next_obs, info.generator)
+            next_q1, next_q2 = net.q(batch.next_obs, next_actions, target=True)
+            targets = soft_q_targets(batch.rewards, batch.discounts, next_q1, next_q2,
+                                     next_log_pi, net.log_alpha.exp())
+        q_loss = (batch.weights * ((q1 - targets).pow(2) + (q2 - targets).pow(2))).mean()
+        info.optimizer.zero_grad()
+        (q_loss + tie).backward()
+        _drop_grads(net.actor)  # the Q step moves only the Q-networks
+        info.optimizer.step()
+        if self.learner_steps % self.settings.policy_frequency == 0:
+            for _ in range(self.settings.policy_frequency):
+                self._policy_step(model, net, batch, info)
+        soft_update(net.q1_target, net.q1, self.settings.tau)
+        soft_update(net.q2_target, net.q2, self.settings.tau)
+        net.uniform.fill_(0.0)  # learning started: the collectors sample the actor from now
+        figures = {"q_loss": float(q_loss.detach()), "alpha": float(net.log_alpha.exp()),
+                   "q_mean": float(torch.minimum(q1, q2).mean().detach()), **self._figures}
+        priorities = ((q1 - targets).abs() + (q2 - targets).abs()).detach() / 2
+        return figures, priorities
+
+    def _policy_step(self, model: nn.Module, net: Any, batch: Batch, info: UpdateInfo) -> None:
+        """One actor step (only the actor's parameters move) and, with autotune, one alpha step."""
+        log_pi, q1, q2 = model(batch.obs, generator=info.generator)
+        loss = actor_loss(log_pi, q1, q2, self.log_alpha.detach().exp())
+        info.optimizer.zero_grad()
+        loss.backward()
+        _drop_grads(net.q1, net.q2)  # the actor step moves only the actor
+        info.optimizer.step()
+        figures = {"actor_loss": float(loss.detach()), "entropy": float(-log_pi.mean().detach()),
+                   "alpha_loss": math.nan}
+        if self.settings.autotune:
+            with torch.no_grad():  # CleanRL's: the entropy of the actor just stepped
+                log_pi = net.sample(batch.obs, info.generator)[1]
+            a_loss = alpha_loss(self.log_alpha, log_pi, self.target_entropy)
+            self.alpha_optimizer.zero_grad()
+            a_loss.backward()
+            self.alpha_optimizer.step()
+            net.log_alpha.copy_(self.log_alpha.detach())
+            figures["alpha_loss"] = float(a_loss.detach())
+        self._figures = figures
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base's (replay counters, learner steps) plus log alpha and its Adam."""
+        return {**super().state_dict(), "log_alpha": self.log_alpha.detach().clone(),
+                "alpha_optimizer": self.alpha_optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        with torch.no_grad():
+            self.log_alpha.copy_(state["log_alpha"])
+        self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
