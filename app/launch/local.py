@@ -88,13 +88,15 @@ class LoopbackRendezvous(StaticTCPRendezvous):
                 wait_for_workers=False,
                 master_listen_fd=self._listener.fileno(),
             )
+            # The store serves on the descriptor and closes it when it goes. The socket object
+            # lets go of it: closed twice, the second close would hit whatever took the number
+            # in between (the picture thread's font file: EBADF drawing layout.png).
+            self._listener.detach()
         store = PrefixStore(self.run_id, self._store)
         return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(LOOPBACK, self.master_port))
 
     def shutdown(self) -> bool:
-        self._store = None
-        if getattr(self, "_listener", None) is not None:
-            self._listener.close()
+        self._store = None  # it closes the listening descriptor (next_rendezvous)
         return True
 
 
