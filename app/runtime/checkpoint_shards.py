@@ -22,10 +22,8 @@ from app.runtime.checkpoints import (
     file_digest,
     named_write_error,
     policy_shapes,
-    remove_stale,
-    sync_folder,
-    write_synced,
 )
+from app.runtime.durable import remove_stale, sync_folder, write_synced
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import logging
 import numbers
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -37,6 +35,7 @@ import torch
 
 from app.api import ConfigError, JobInfo
 from app.output.logs import FILE_ONLY
+from app.runtime.durable import remove_stale, sync_folder, write_synced
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:
@@ -354,15 +353,6 @@ def last_checkpoint_note(folder: Path) -> str:
             else "no checkpoint was written before")
 
 
-def remove_stale(folder: Path) -> None:
-    """Removes the ``*.tmp`` files and folders a rank killed inside a write left."""
-    for stale in folder.glob("*.tmp"):
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale)
-        else:
-            stale.unlink(missing_ok=True)
-
-
 def named_write_error(err: OSError, final: Path, partial: Path, folder: Path) -> OSError:
     """``err`` naming the checkpoint it lost (a file inside ``partial`` by its final name) and
     noting the last complete one, for the launcher's line."""
@@ -390,13 +380,11 @@ def save_checkpoint(
     name: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum and ``settings``
-    (:func:`run_settings`). ``algorithm``: the algorithm's own state
-    (``Algorithm.state_dict``), kept only when non-empty, so a checkpoint of an algorithm
-    without one is as it always was; ``extra``: more entries (the best one's evaluation).
-    Never half-written: written aside (``.tmp``), synced, then renamed; a failed write removes
-    its ``.tmp`` and re-raises, an OSError noting the last complete checkpoint. ``policy`` and
-    ``optimizer``: the modules, or their whole state dicts (a sharded trainer's, gathered)."""
+    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum, ``settings``
+    (:func:`run_settings`), ``algorithm`` (``Algorithm.state_dict``, only when non-empty) and
+    ``extra`` entries. Written aside (``.tmp``), synced, renamed; a failed write removes it and
+    re-raises, an OSError noting the last complete checkpoint. ``policy`` and ``optimizer``: the
+    modules, or their whole state dicts (a sharded trainer's, gathered)."""
     folder = run_dir / CHECKPOINT_DIR
     if isinstance(policy, torch.nn.Module):
         policy = policy.state_dict()
@@ -485,24 +473,3 @@ def _first_failure(err: BaseException) -> str:
         cause = failures[rank][0]
         return f"{type(cause).__name__}: {cause}"
     return str(err)
-
-
-def write_synced(path: Path, state: Mapping[str, Any]) -> None:
-    """``state`` saved to ``path`` and synced, through Python's file calls: a full disk is an
-    OSError naming the file (ENOSPC), not torch's zip writer's error."""
-    buffer = io.BytesIO()
-    torch.save(dict(state), buffer)
-    with path.open("wb") as handle:
-        handle.write(buffer.getbuffer())
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def sync_folder(folder: Path) -> None:
-    """Makes the rename durable; best effort (not every filesystem syncs a directory)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -68,7 +68,9 @@ class Evaluation:
         return Evaluation(int(version), int(update), int(steps), mean, std, length)
 
 
-NO_EVALUATION_ROW = dict.fromkeys(EVAL_COLUMNS, float("nan"))
+def evaluation_row(arrived: Evaluation | None) -> dict[str, float]:
+    """The evaluation columns of an update's metrics row: NaN when none arrived in it."""
+    return arrived.row() if arrived is not None else dict.fromkeys(EVAL_COLUMNS, float("nan"))
 
 
 class BackgroundEvaluator:
@@ -160,7 +162,7 @@ class Evaluations:
 
     def __init__(self, loop: RLLoop, ctx: CommContext, lead: int, over: ParallelMode,
                  run_dir: Path) -> None:
-        self.every, self.ctx, self.lead, self.over = loop.eval_every, ctx, lead, over
+        self.ctx, self.lead, self.over = ctx, lead, over
         self.run_dir, self.video = run_dir, loop.eval_video
         self._video: Path | None = None  # the running evaluation's first episode
         self.process = BackgroundEvaluator(loop) if ctx.get_global_rank() == lead else None

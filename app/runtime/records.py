@@ -13,10 +13,11 @@ import csv
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from app.runtime.worker import Episode
+from app.runtime.worker import Episode, RolloutWorker
 from rlcomm import CommContext, ParallelMode, collectives
 
 
@@ -113,6 +114,36 @@ def job_metrics(
         "rollout_wait_fraction": share(totals["rollout_wait_s"], totals["rollout_s"]),
         "final_mean_return": round(recent, 2) if recent > float("-inf") else None,
     }
+
+
+def time_split(worker: RolloutWorker | None, split_s: dict[str, float],
+               elapsed: float) -> dict[str, float]:
+    """Where a rank's time in the run (``loop``: all of it, this attempt's) went, measured:
+    stepping the envs (``env``), the policy's forward and sampling (``act``), the rest of
+    collecting (``collect_other``: normalising, packing), the update (``update``: DDP's
+    gradient all-reduce included), communication (``comm``: segments, weights, episodes and the
+    normalisers' statistics, time blocked on other ranks included) and the rest (``other``:
+    records, checkpoints, the progress line). Zero for what a role does not do. ``split_s``:
+    the rank's measured ``collect``, ``update`` and ``comm`` seconds."""
+    env = worker.env_s if worker is not None else 0.0
+    act = worker.act_s if worker is not None else 0.0
+    parts = {"env": env, "act": act, "collect_other": split_s["collect"] - env - act,
+             "update": split_s["update"], "comm": split_s["comm"]}
+    parts["other"] = elapsed - sum(parts.values())
+    return {name: round(value, 3) for name, value in {**parts, "loop": elapsed}.items()}
+
+
+def replay_result(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """An off-policy run's replay as its last update left it (result.json's ``replay``), from
+    its metrics rows; empty for any other run."""
+    last = rows[-1] if rows else {}
+    if "replay_size" not in last:
+        return {}
+    names = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
+             "priority_spread")
+    waited = sum(int(row.get("learner_wait", 0)) for row in rows)
+    return {"replay": {**{n: round(float(last[n]), 4) for n in names},
+                       "learner_wait_updates": waited}}
 
 
 class MetricsFile:

@@ -32,9 +32,9 @@ from app.runtime.checkpoints import (
     run_settings,
     save_checkpoint,
 )
-from app.runtime.evaluator import NO_EVALUATION_ROW, Evaluation, Evaluations
+from app.runtime.evaluator import Evaluations, evaluation_row
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
-from app.runtime.records import MetricsFile, job_metrics, update_row
+from app.runtime.records import MetricsFile, job_metrics, replay_result, time_split, update_row
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
 from app.runtime.sharding import (
@@ -166,7 +166,7 @@ class RuntimeRun:
                 break
             self.episodes.extend(handed.episodes)
             if self.evaluations is not None:  # after the hand-off: every decider is here
-                handed.shared.update(self._evaluation_row(self.evaluations.share()))
+                handed.shared.update(evaluation_row(self.evaluations.share()))
             collected = int(handed.shared.pop("segments"))
             self.env_steps += collected * self.hparams.num_envs * self.hparams.num_steps
             losses = self._train(handed.segments) if self.is_trainer else {}
@@ -207,9 +207,6 @@ class RuntimeRun:
         if self.loop.stop_on == "eval" and self.evaluations is not None:
             return self.evaluations.latest_return
         return self._recent_return()
-
-    def _evaluation_row(self, arrived: Evaluation | None) -> dict[str, float]:
-        return arrived.row() if arrived is not None else dict(NO_EVALUATION_ROW)
 
     def _submit_evaluation(self) -> None:
         """The weights just sent (with the normalisers' statistics) to the evaluator; with
@@ -259,7 +256,7 @@ class RuntimeRun:
             "hand_off": hand_off.kind,
             "trajectory_bytes_sent": hand_off.trajectory_bytes_sent,
             "wait_fraction": round(hand_off.wait_total_s / elapsed, 4) if elapsed else 0.0,
-            "time_split_s": self._time_split(elapsed),
+            "time_split_s": time_split(self.worker, self.split_s, elapsed),
             "cpu_s": round(cpu_s, 3),  # this process's CPU time over the run (all threads)
             "param_checksum": float(sum(p.detach().double().sum()
                                         for p in self.agent.net.parameters())),
@@ -294,7 +291,7 @@ class RuntimeRun:
             **({"staleness_histogram": {str(k): n for k, n in sorted(hand_off.staleness.items())}}
                if self.is_trainer else {}),
             "metrics": {**metrics, **self._declared_losses()},
-            **self._replay_result(),
+            **replay_result(self.metrics),
             **evaluated,
             **membership,
         }
@@ -314,17 +311,6 @@ class RuntimeRun:
             return None
         return TrainedModule(self.ctx, self.job.plan, self.agent.net, self.loop.data_parallel)
 
-    def _replay_result(self) -> dict[str, Any]:
-        """An off-policy run's replay as its last update left it (result.json's ``replay``)."""
-        last = self.metrics[-1] if self.metrics else {}
-        if "replay_size" not in last:
-            return {}
-        names = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
-                 "priority_spread")
-        waited = sum(int(row.get("learner_wait", 0)) for row in self.metrics)
-        return {"replay": {**{n: round(float(last[n]), 4) for n in names},
-                           "learner_wait_updates": waited}}
-
     def _declared_losses(self) -> dict[str, float | None]:
         """The last update's figures of the algorithm's that its loop declares as metrics
         (``RLLoop.metrics``), for a sweep to rank by (None on rollout ranks, which train not)."""
@@ -336,21 +322,6 @@ class RuntimeRun:
                 value = last.get(name, float("nan"))
                 figures[name] = round(float(value), 6) if np.isfinite(value) else None
         return figures
-
-    def _time_split(self, elapsed: float) -> dict[str, float]:
-        """Where this rank's time in the run (``loop``: all of it, this attempt's) went,
-        measured: stepping the envs (``env``), the policy's forward and sampling (``act``), the
-        rest of collecting (``collect_other``: normalising, packing), the update (``update``:
-        DDP's gradient all-reduce included), communication (``comm``: segments, weights,
-        episodes and the normalisers' statistics, time blocked on other ranks included) and the
-        rest (``other``: records, checkpoints, the progress line). Zero for what a role does not
-        do."""
-        env = self.worker.env_s if self.worker is not None else 0.0
-        act = self.worker.act_s if self.worker is not None else 0.0
-        parts = {"env": env, "act": act, "collect_other": self.split_s["collect"] - env - act,
-                 "update": self.split_s["update"], "comm": self.split_s["comm"]}
-        parts["other"] = elapsed - sum(parts.values())
-        return {name: round(value, 3) for name, value in {**parts, "loop": elapsed}.items()}
 
     def _sync_weights(self, first: bool) -> bool:
         tick = time.perf_counter()
