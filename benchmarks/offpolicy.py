@@ -16,10 +16,11 @@ Per run it prints, from the run's ``metrics.csv`` and ``result.json``:
   steps/s over the whole run;
 - the samples-per-insert ratio held and the updates in which the limiter held the learner back;
 - the time split of every rank's loop (``time_split_s``), as shares per role: collecting (env
-  steps, the policy's forward, packing), update (the replay's inserts and samples and the
-  learner's steps: ``time_split_s`` does not split them), communication (segments, weights,
-  episodes), waiting (blocked on the other side of the hand-off: part of communication, shown
-  on its own) and other (records, checkpoints);
+  steps, the policy's forward, packing), replay (inserting, sampling and writing priorities:
+  the update's ``replay_s`` in ``metrics.csv``), learning (the rest of the update: the
+  learner's steps), communication (segments, weights, episodes), waiting (blocked on the other
+  side of the hand-off: part of communication, shown on its own) and other (records,
+  checkpoints);
 - the load average before and after.
 
 Each run keeps its run dir under ``outputs/bench/offpolicy-<timestamp>/``, with ``results.json``
@@ -65,7 +66,7 @@ RUN_TIMEOUT_S = {"quick": 240.0, "full": 1200.0}
 # The split's columns: name -> the time_split_s parts summed (waiting comes from wait_fraction).
 COLUMNS = {"collect": ("env", "act", "collect_other"), "update": ("update",),
            "comm": ("comm",), "other": ("other",)}
-SPLIT_NAMES = ("collect", "update", "comm", "waiting", "other")  # the table's order
+SPLIT_NAMES = ("collect", "replay", "learn", "comm", "waiting", "other")  # the table's order
 ROLES = ("trainer+rollout", "trainer", "rollout")
 
 
@@ -104,9 +105,10 @@ def learning_rates(rows: list[dict[str, float]]) -> tuple[float, float] | None:
     return (end["env_steps"] - start["env_steps"]) / seconds, learner_steps / seconds
 
 
-def split_shares(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+def split_shares(result: dict[str, Any], in_replay: float = 0.0) -> dict[str, dict[str, float]]:
     """Per role, the median over its ranks of each column's share of the rank's loop time;
-    waiting (``wait_fraction``) is taken out of communication and shown on its own."""
+    waiting (``wait_fraction``) is taken out of communication and shown on its own, and the
+    update is split into replay (its share ``in_replay``) and learning."""
     per_role: dict[str, list[dict[str, float]]] = {}
     for rank in result.get("ranks", []):
         own = rank.get("result") or {}
@@ -119,9 +121,21 @@ def split_shares(result: dict[str, Any]) -> dict[str, dict[str, float]]:
         waiting = min(float(own.get("wait_fraction", 0.0)), shares["comm"])
         shares["comm"] -= waiting
         shares["waiting"] = waiting
+        update = shares.pop("update")
+        shares["replay"], shares["learn"] = update * in_replay, update * (1 - in_replay)
         per_role.setdefault(str(own.get("role", rank.get("role", "?"))), []).append(shares)
     return {role: {name: statistics.median(s[name] for s in found) for name in found[0]}
             for role, found in per_role.items()}
+
+
+def replay_fraction(result: dict[str, Any], rows: list[dict[str, float]]) -> float:
+    """The share of the update spent in the replay: ``metrics.csv``'s ``replay_s`` (averaged
+    over the trainers) summed over the run, over rank 0's update seconds."""
+    ranks = result.get("ranks") or [{}]
+    update = float(((ranks[0].get("result") or {}).get("time_split_s") or {}).get("update", 0))
+    in_replay = sum(row["replay_s"] for row in rows
+                    if row.get("replay_s") is not None and row["replay_s"] == row["replay_s"])
+    return min(max(in_replay / update, 0.0), 1.0) if update > 0 else 0.0
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
@@ -162,7 +176,7 @@ def fill(measured: Measured, result: dict[str, Any], rows: list[dict[str, float]
     else:
         measured.learning_env_steps_per_s = round(rates[0], 1)
         measured.learner_steps_per_s = round(rates[1], 1)
-    measured.split = split_shares(result)
+    measured.split = split_shares(result, replay_fraction(result, rows))
 
 
 def _num(value: float | None, digits: int = 0) -> str:

@@ -17,6 +17,7 @@ the checkpoint keeps the replay's counters, not its contents (docs/off-policy.md
 
 from __future__ import annotations
 
+import time
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,10 +37,11 @@ if TYPE_CHECKING:
 
 # The replay's figures every off-policy update returns (metrics.csv columns, averaged over the
 # trainers' shards): what the shard holds, what went in and out, the ratio held since sampling
-# began, how unequal the priorities are, the learner steps this update and whether the limiter
-# held the learner back for the whole update.
+# began, how unequal the priorities are, the learner steps this update, whether the limiter
+# held the learner back for the whole update, and the seconds of the update spent in the replay
+# (inserting, sampling, writing priorities: the rest of the update is the learner's).
 REPLAY_FIGURES = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
-                  "priority_spread", "learner_steps", "learner_wait")
+                  "priority_spread", "learner_steps", "learner_wait", "replay_s")
 
 
 class OffPolicyAlgorithm(Algorithm[S]):
@@ -85,23 +87,29 @@ class OffPolicyAlgorithm(Algorithm[S]):
     def update(self, model: nn.Module, module: nn.Module, segments: list[Segment],
                info: UpdateInfo) -> dict[str, float]:
         replay = self.replay
+        tick = time.perf_counter()
         for segment in segments:
             replay.insert(segment)
+        in_replay = time.perf_counter() - tick
         allowed = self.limiter.steps_allowed(replay.inserts - self._base_inserts,
                                              replay.samples - self._base_samples, replay.size)
         steps = agreed_steps(model, allowed)
         learner = model if _trainers(model) > 1 else module
         figures: dict[str, float] = {}
         for _ in range(steps):
+            tick = time.perf_counter()
             batch = replay.sample(info.generator)
+            in_replay += time.perf_counter() - tick
             learnt, priorities = self.learn(learner, module, batch, info)
             self.learner_steps += 1
             if priorities is not None and replay.settings.prioritized:
+                tick = time.perf_counter()
                 replay.update_priorities(batch.indices, priorities)
+                in_replay += time.perf_counter() - tick
             for name, value in learnt.items():
                 figures[name] = figures.get(name, 0.0) + value / steps
         own = {n: figures.get(n, float("nan")) for n in self.losses if n not in REPLAY_FIGURES}
-        return {**own, **self.replay_figures(steps)}
+        return {**own, **self.replay_figures(steps), "replay_s": in_replay}
 
     def replay_figures(self, steps: int) -> dict[str, float]:
         """The replay's figures after an update of ``steps`` learner steps."""

@@ -35,15 +35,19 @@ def _rank(role: str, wait_fraction: float, **parts: float) -> dict[str, Any]:
                                         "update": 0.0, "comm": 0.0, "other": 0.0, **parts}}}
 
 
-def test_the_split_is_per_role_with_waiting_taken_out_of_communication() -> None:
+def test_the_split_is_per_role_with_waiting_and_replay_taken_apart() -> None:
     result = {"ranks": [
         _rank("trainer", 0.1, update=8.0, comm=1.5, other=0.5, loop=10.0),
         _rank("rollout", 0.6, env=1.0, act=1.0, collect_other=0.0, comm=8.0, loop=10.0),
         _rank("rollout", 0.4, env=2.0, act=2.0, collect_other=0.0, comm=6.0, loop=10.0),
     ]}
-    split = offpolicy.split_shares(result)
-    assert split["trainer"] == pytest.approx(
-        {"collect": 0.0, "update": 0.8, "comm": 0.05, "waiting": 0.1, "other": 0.05})
+    # metrics.csv's replay_s over the run: 2 of the trainer's 8 s of update.
+    rows = [{"replay_s": 0.5}, {"replay_s": float("nan")}, {"replay_s": 1.5}]
+    in_replay = offpolicy.replay_fraction(result, rows)
+    assert in_replay == pytest.approx(0.25)
+    split = offpolicy.split_shares(result, in_replay)
+    assert split["trainer"] == pytest.approx({"collect": 0.0, "replay": 0.2, "learn": 0.6,
+                                              "comm": 0.05, "waiting": 0.1, "other": 0.05})
     # The rollout ranks' median: collecting 0.2 and 0.4, communication 0.8 and 0.6 of which
     # they waited 0.6 and 0.4.
     assert split["rollout"]["collect"] == pytest.approx(0.3)
@@ -64,7 +68,7 @@ def test_the_table_has_a_line_per_role_and_says_why_a_run_failed() -> None:
     lines = offpolicy.table([ok, failed])
     widths = {line.count("|") for line in lines}
     assert len(widths) == 1  # every line has every column
-    assert "| sac | 1t2r | 2 | 150 | 149 | 180 | 256.00 | 3 | trainer | 20% |" in lines[2]
+    assert "| sac | 1t2r | 2 | 150 | 149 | 180 | 256.00 | 3 | trainer | 20% | 20% |" in lines[2]
     assert lines[3].startswith("| | |") and "| rollout |" in lines[3]
     assert "failed: exit code 1: boom" in lines[4]
 
