@@ -126,6 +126,7 @@ def run_cleanrl(args: argparse.Namespace, seed: int, out: Path) -> Side:
     env = users_environment()
     checkout = args.cleanrl_script.resolve().parent.parent  # cleanrl_utils lives there
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"  # each return line as printed, for the curve against time
     lines: list[tuple[float, str]] = []
     before = os.getloadavg()[0]
     started = time.monotonic()

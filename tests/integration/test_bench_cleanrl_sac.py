@@ -24,8 +24,11 @@ assert argv[argv.index("--env-id") + 1] == "Hopper-v4", argv
 assert argv[argv.index("--seed") + 1] == "3", argv
 assert {"--no-cuda", "--no-track", "--no-capture-video"} <= set(argv), argv
 if PRINTS:
+    import time
     for step in range(100, steps + 1, 100):
-        print(f"global_step={step}, episodic_return=[{step / 10}]", flush=True)
+        print(f"global_step={step}, episodic_return=[{step / 10}]")  # no flush, as CleanRL
+        if step == 500:
+            time.sleep(0.5)
 '''
 
 
@@ -49,6 +52,10 @@ def test_the_cleanrl_side_runs_the_script_with_the_budget_and_reads_its_returns(
     assert [step for step, _, _ in side.episodes] == list(range(100, 1001, 100))
     assert side.final_return == pytest.approx((70 + 80 + 90 + 100) / 4)
     assert side.env_steps == 1000 and side.wall_s is not None and side.wall_s > 0
+    # Each line is stamped when printed (not when the pipe's buffer fills), for the curve
+    # against wall time: the pause after step 500 shows between its line and the next.
+    seconds = [t for _, t, _ in side.episodes]
+    assert seconds[5] - seconds[4] >= 0.4 and seconds[4] - seconds[0] < 0.4
     assert (tmp_path / "out" / "cleanrl_s3" / "stdout.txt").read_text().count("episodic") == 10
 
 
