@@ -93,8 +93,12 @@ def parse_episodes(lines: list[tuple[float, str]]) -> list[tuple[float, float, f
 
 def tensorboard_episodes(directory: Path) -> list[tuple[float, float, float]]:
     """``charts/episodic_return`` from the TensorBoard events under ``directory`` as (step,
-    seconds since the first event, return); empty when there are none."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    seconds since the first event, return); empty when there are none, or without this
+    project's ``tensorboard`` extra to read them."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return []
 
     found: list[tuple[float, float, float]] = []
     for events in sorted(directory.rglob("events.out.tfevents.*")):
