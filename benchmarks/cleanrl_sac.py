@@ -161,7 +161,7 @@ def run_ours(args: argparse.Namespace, seed: int, out: Path) -> Side:
     """``python -m app +experiment=EXPERIMENT`` for ``args.steps`` env steps."""
     side = Side("ours", seed)
     overrides = [f"+experiment={args.experiment}", f"loop.total_env_steps={args.steps}",
-                 f"seed={seed}", *QUIET]
+                 f"seed={seed}", f"loop.window={args.last}", *QUIET]
     if args.layout:
         overrides.append(f"layout={args.layout}")
     if args.learning_starts is not None:
