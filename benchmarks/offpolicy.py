@@ -53,9 +53,9 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {  # name -> (collector ranks,
 QUIET = ("loop.progress=false", "loop.checkpoint_every=0", "loop.stop_at_target=false")
 # algorithm -> (overrides, full budget overrides, quick budget overrides)
 ALGORITHMS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    # CleanRL's SAC on Hopper: 5,000 uniform random steps, then 20,000 env steps of learning at
-    # one batch of 256 per env step.
-    "sac": (("+experiment=hopper_sac",), ("loop.total_env_steps=25000",),
+    # CleanRL's SAC on Hopper: 5,000 uniform random steps, then 10,000 env steps of learning at
+    # one batch of 256 per env step (the rates are the learning phase's).
+    "sac": (("+experiment=hopper_sac",), ("loop.total_env_steps=15000",),
             ("loop.total_env_steps=1536", "loop.replay.min_size=512",
              "loop.replay.capacity=10000")),
     # loop=dqn's defaults on CartPole-v1, trained on to the budget past the target.
