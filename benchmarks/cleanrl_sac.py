@@ -258,6 +258,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--last", type=int, default=20, help="episodes in the final mean")
     parser.add_argument("--timeout", type=float, default=3 * 3600.0,
                         help="seconds our run may take")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="where the runs and results go "
+                        "(default: outputs/bench/cleanrl-sac-<timestamp>)")
     args = parser.parse_args(argv)
     if not args.cleanrl_script.is_file():
         parser.error(f"--cleanrl-script: {args.cleanrl_script} is not a file")
@@ -270,8 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = REPO_ROOT / "outputs" / "bench" / f"cleanrl-sac-{datetime.now():%Y-%m-%d_%H-%M-%S}"
-    out.mkdir(parents=True)
+    stamp = f"cleanrl-sac-{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    out = args.out or REPO_ROOT / "outputs" / "bench" / stamp
+    out.mkdir(parents=True, exist_ok=True)
     pairs = []
     for seed in args.seeds:
         print(f"seed {seed}: CleanRL {args.env_id}, {args.steps:,} env steps ...", flush=True)

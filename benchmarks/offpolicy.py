@@ -218,6 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), metavar="NAME[,NAME]",
                         help=f"among {', '.join(LAYOUTS)} (default: all)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="where the runs and results go "
+                        "(default: outputs/bench/offpolicy-<timestamp>)")
     args = parser.parse_args(argv)
     args.only = [a.strip() for a in args.only.split(",") if a.strip()]
     args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
@@ -231,8 +234,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = REPO_ROOT / "outputs" / "bench" / f"offpolicy-{datetime.now():%Y-%m-%d_%H-%M-%S}"
-    out.mkdir(parents=True)
+    stamp = f"offpolicy-{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    out = args.out or REPO_ROOT / "outputs" / "bench" / stamp
+    out.mkdir(parents=True, exist_ok=True)
     start_load = os.getloadavg()
     found: list[Measured] = []
     for algorithm in args.only:
