@@ -174,20 +174,28 @@ def run_ours(args: argparse.Namespace, seed: int, out: Path) -> Side:
         side.problem = run.problem
         return side
     side.env_steps = (run.result.get("summary") or {}).get("env_steps")
-    side.episodes = curve_from_metrics(out / f"ours_s{seed}" / "metrics.csv")
+    side.episodes = curve_from_metrics(out / f"ours_s{seed}" / "metrics.csv",
+                                       run.launch_to("first_update"))
     side.final_return = (run.result.get("summary") or {}).get("final_mean_return")
     return side
 
 
-def curve_from_metrics(path: Path) -> list[tuple[float, float, float]]:
-    """(env steps, seconds, mean return of the last ``loop.window`` episodes) per update that
-    has one, from our ``metrics.csv``."""
-    points = []
+def curve_from_metrics(path: Path, first_update_s: float | None = None,
+                       ) -> list[tuple[float, float, float]]:
+    """(env steps, seconds since launch, mean return of the last ``loop.window`` episodes:
+    ``return_window``) per update once an episode has ended, from our ``metrics.csv``. Its
+    ``wall_s`` counts from the training loop's start; ``first_update_s`` (launch to the first
+    update, from the run's timeline) moves it to count from launch, as CleanRL's does."""
     with path.open(newline="") as handle:
-        for row in csv.DictReader(handle):
-            value = float(row["mean_return"]) if row.get("mean_return") else float("nan")
-            if value == value:  # not NaN: an episode has ended
-                points.append((float(row["env_steps"]), float(row["wall_s"]), value))
+        rows = list(csv.DictReader(handle))
+    if not rows:
+        return []
+    shift = first_update_s - float(rows[0]["wall_s"]) if first_update_s is not None else 0.0
+    points = []
+    for row in rows:
+        value = float(row["return_window"]) if row.get("return_window") else float("nan")
+        if value == value:  # not NaN: an episode has ended
+            points.append((float(row["env_steps"]), float(row["wall_s"]) + shift, value))
     return points
 
 

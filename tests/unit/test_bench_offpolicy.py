@@ -116,3 +116,14 @@ def test_cleanrl_sacs_command_line_checks_the_script_and_maps_the_env(
     args = cleanrl_sac.parse_args(["--cleanrl-script", str(script), "--experiment",
                                    "halfcheetah_sac", "--seeds", "1,2"])
     assert (args.env_id, args.seeds, args.steps) == ("HalfCheetah-v4", [1, 2], 300_000)
+
+
+def test_our_curve_is_the_window_mean_counted_from_launch(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    path.write_text("update,env_steps,wall_s,mean_return,return_window\n"
+                    "1,32,0.5,nan,nan\n"  # no episode yet
+                    "2,64,1.0,30.0,20.0\n"  # this update's episodes: 30; the window's: 20
+                    "3,96,1.5,nan,20.0\n")  # none ended in this update: the window holds
+    # The first update came 4.5 s after launch, when the loop's clock read 0.5 s.
+    assert cleanrl_sac.curve_from_metrics(path, 4.5) == [(64.0, 5.0, 20.0), (96.0, 5.5, 20.0)]
+    assert cleanrl_sac.curve_from_metrics(path)[0] == (64.0, 1.0, 20.0)
