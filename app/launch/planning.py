@@ -77,7 +77,25 @@ def validate_job(cfg: DictConfig) -> tuple[LayoutPlan, AppConfig]:
     # Epoch groups are gloo: with NCCL the rollout ranks stay static.
     elastic = (plan.elastic_rollouts and bool(getattr(loop, "elastic_rollouts", False))
                and _backend(cfg) != "nccl")
+    _check_replay_ranks(plan, loop, elastic)
     return dataclasses.replace(plan, elastic_rollouts=elastic), typed_job(cfg, loop)
+
+
+def _check_replay_ranks(plan: LayoutPlan, loop: Any, elastic: bool) -> None:
+    """``layout.replay`` serves a loop that learns from a replay (app/runtime/offpolicy.py),
+    over static rollout ranks (app/runtime/replay_service.py)."""
+    if not plan.replay:
+        return
+    ranks = list(plan.replay)
+    if not getattr(loop, "replay_ranks_supported", False):
+        raise ConfigError(
+            f"layout.replay: ranks {ranks} would hold a replay, but {type(loop).__name__} does "
+            "not learn from one; remove layout.replay (e.g. layout.replay=[]) or use an "
+            "off-policy loop (loop=dqn, loop=sac)")
+    if elastic:
+        raise ConfigError(
+            f"layout.replay: ranks {ranks} hold the replay, which serves static rollout ranks "
+            "only; set layout.elastic_rollouts=false")
 
 
 def typed_job(cfg: DictConfig, loop: Any) -> AppConfig:

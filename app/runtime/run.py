@@ -35,6 +35,7 @@ from app.runtime.checkpoints import (
 from app.runtime.evaluator import Evaluations, evaluation_row
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, replay_result, time_split, update_row
+from app.runtime.replay_service import ReplayLink
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
 from app.runtime.sharding import (
@@ -60,7 +61,7 @@ class RuntimeRun:
         self.loop, self.ctx, self.job, self.hparams, plan = loop, ctx, job, loop.hparams, job.plan
         self.rank = ctx.get_global_rank()
         self.is_trainer = self.rank in plan.trainers
-        self.collects = plan.colocated or self.rank in plan.rollouts
+        self.collects = (plan.colocated and self.is_trainer) or self.rank in plan.rollouts
         self.has_rollout_ranks = not plan.colocated
         # Rollout ranks may leave and join (app/runtime/handoff/elastic.py); such a rank follows
         # its trainer, which tells it when the run stops.
@@ -101,6 +102,7 @@ class RuntimeRun:
             self.trained = self._trained_module()
         self.optimizer = (self.algorithm.optimizer(self.trained.trained)
                           if self.trained is not None else None)
+        self.replay_link = ReplayLink(ctx, plan, self.algorithm, self.segment_format, job.seed)
         # The ranks of one TENSOR x SEQUENCE block train one replica on the same batch, in the
         # same minibatch order: they seed it from the block's first rank.
         self.replica_rank = replica_rank(plan, self.rank) if self.is_trainer else self.rank
@@ -137,6 +139,7 @@ class RuntimeRun:
         if self.evaluations is not None:  # the one still running completes the record
             self.evaluations.finish(self.ctx.timeout.total_seconds())
         self.hand_off.stop(self.update, self.env_steps)
+        self.replay_link.close()  # layout.replay's ranks serve until every rank said STOP
         if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
             self._save_checkpoint()  # keep the final state too
         if view is not None:
@@ -260,6 +263,7 @@ class RuntimeRun:
             "cpu_s": round(cpu_s, 3),  # this process's CPU time over the run (all threads)
             "param_checksum": float(sum(p.detach().double().sum()
                                         for p in self.agent.net.parameters())),
+            **self.replay_link.result(),
         }
         if self.follows:  # the job's counts come from its trainer: this rank's own beside them
             return {**common, **hand_off.result(), "env_steps_collected": steps}
@@ -342,6 +346,7 @@ class RuntimeRun:
             own, mine = self.worker.collect(self.agent, version)
             self.split_s["collect"] += time.perf_counter() - tick
         tick = time.perf_counter()
+        self.replay_link.put(own)  # to its replay rank (layout.replay)
         handed = self.hand_off.exchange(own, mine, self.update)
         self.split_s["comm"] += time.perf_counter() - tick
         if handed is not None:

@@ -11,7 +11,9 @@ sees only :class:`HandOff`; the plan picks the implementation (:func:`build_hand
   assembles whole weights; no trainer gathers the model to send it;
 - :class:`~app.runtime.handoff.elastic.ElasticLeader` and
   :class:`~app.runtime.handoff.elastic.ElasticMember`: rollout ranks that may leave and join
-  (``layout.elastic_rollouts``, the default), point to point over membership epochs.
+  (``layout.elastic_rollouts``, the default), point to point over membership epochs;
+- :class:`~app.runtime.handoff.replay_rank.ReplayRankHandOff`: a replay rank
+  (``layout.replay``), which follows the episodes only.
 
 Checksums (``loop.verify_weights_every``), versions and ``loop.max_staleness`` behave alike on
 every path: each is built on rlcomm.weights' sender and receiver.
@@ -28,6 +30,7 @@ from app.runtime.handoff.base import HandOff, HandOffSettings, Round
 from app.runtime.handoff.elastic import ElasticLeader
 from app.runtime.handoff.elastic_member import ElasticMember
 from app.runtime.handoff.flat import FlatHandOff
+from app.runtime.handoff.replay_rank import ReplayRankHandOff
 from app.runtime.handoff.sharded import ShardedHandOff
 from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, ParallelMode
@@ -43,6 +46,8 @@ def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_for
     plan = job.plan
     rank = ctx.get_global_rank()
     trainer = rank in plan.trainers
+    if rank in plan.replay:  # it serves the replay (app/runtime/replay_service.py)
+        return ReplayRankHandOff(ctx, plan, agent, segment_format, settings)
     if not plan.colocated and plan.elastic_rollouts:
         if trainer:
             return ElasticLeader(ctx, agent, segment_format, settings, dict(job.hosts))
