@@ -87,7 +87,7 @@ def _check_replay_ranks(plan: LayoutPlan, loop: Any, elastic: bool) -> None:
     if not plan.replay:
         return
     ranks = list(plan.replay)
-    if not getattr(loop, "replay_ranks_supported", False):
+    if not getattr(loop, "replay_ranks_supported", True):  # a loop of its own: ranks alike
         raise ConfigError(
             f"layout.replay: ranks {ranks} would hold a replay, but {type(loop).__name__} does "
             "not learn from one; remove layout.replay (e.g. layout.replay=[]) or use an "

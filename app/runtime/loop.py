@@ -58,6 +58,8 @@ class RLLoop:
     """A loop on the RL runtime: the runtime's settings (``loop.*``); a subclass adds
     ``hparams`` (the algorithm's settings) and ``algorithm``."""
 
+    # layout.replay: the runtime hands segments to trainers; only a replay's loop takes them.
+    replay_ranks_supported: ClassVar[bool] = False
     total_env_steps: int = setting(400_000, "budget: stop here if the target is not reached")
     target_return: float | None = setting(
         None, "stop once the mean return of the last `window` episodes reaches it (null: the "

@@ -117,12 +117,13 @@ def resolve_roles(
     rep = () if replay is None else _explicit(REPLAY, replay, world_size)
     if train is None:
         train = _lowest(TRAINERS, trainers, world_size, (*(roll or ()), *(rep or ())),
-                        "rollouts or replay")
+                        "rollouts or replay" if rep else "rollouts")
     if rep is None:
         rep = _lowest(REPLAY, replay, world_size, (*train, *(roll or ())), "trainers or rollouts")
     _check_apart(REPLAY, rep, train, "trainers")
     if roll is None and rollouts is not None:
-        roll = _lowest(ROLLOUTS, rollouts, world_size, (*train, *rep), "trainers or replay")
+        roll = _lowest(ROLLOUTS, rollouts, world_size, (*train, *rep),
+                       "trainers or replay" if rep else "trainers")
     if roll is None:  # not given: the rest of the ranks
         taken = set(train).union(rep)
         roll = tuple(rank for rank in range(world_size) if rank not in taken)
@@ -132,8 +133,8 @@ def resolve_roles(
         assigned = set(train).union(roll, rep)
         missing = [rank for rank in range(world_size) if rank not in assigned]
         raise LayoutError(
-            f"layout: ranks {format_ranks(missing)} are neither trainers, rollouts nor replay "
-            f"(world_size {world_size})"
+            f"layout: ranks {format_ranks(missing)} are neither trainers"
+            f"{', rollouts nor replay' if rep else ' nor rollouts'} (world_size {world_size})"
         )
     if roll and len(roll) < len(train):
         raise LayoutError(
