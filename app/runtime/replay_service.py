@@ -26,6 +26,7 @@ every collector routed to it said STOP.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,6 +40,8 @@ from app.runtime.replay import Batch, RateLimiter, Replay, ReplaySettings
 from app.runtime.segments import Field, SegmentFormat
 from app.runtime.worker import as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode
+
+log = logging.getLogger(__name__)
 
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3
 INSERT, ALLOW, SAMPLE, PRIORITIES, STOP = range(5)
@@ -141,6 +144,7 @@ class ReplayServer:
                 src = dist.recv(header, group=self.group, tag=HEADER_TAG)
                 self._answer(int(header[0]), int(header[1]), src)
         except BaseException as error:
+            log.error("replay server: %s", error)  # in this rank's log now, not at the join
             self.error = error
 
     def _answer(self, kind: int, count: int, src: int) -> None:
