@@ -92,7 +92,7 @@ def _check_replay_ranks(plan: LayoutPlan, loop: Any, elastic: bool) -> None:
             f"layout.replay: ranks {ranks} would hold a replay, but {type(loop).__name__} does "
             "not learn from one; remove layout.replay (e.g. layout.replay=[]) or use an "
             "off-policy loop (loop=dqn, loop=sac)")
-    if elastic:
+    if elastic and plan.rollouts:  # colocated trainers collect: nobody comes and goes
         raise ConfigError(
             f"layout.replay: ranks {ranks} hold the replay, which serves static rollout ranks "
             "only; set layout.elastic_rollouts=false")

@@ -126,6 +126,8 @@ def _validate(*overrides: str) -> None:
 
 def test_the_shipped_replay_layout_validates_for_an_off_policy_loop() -> None:
     _validate("loop=dqn", "layout=replay_server")
+    # Colocated trainers that write to a replay rank: no rollout ranks, so nothing elastic.
+    _validate("loop=dqn", "layout=single", "layout.world_size=2", "layout.replay=[1]")
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
