@@ -60,23 +60,29 @@ def test_dqn_learns_with_its_replay_on_its_own_rank(tmp_path: Path) -> None:
     assert read_result(tmp_path)["summary"]["replay"]["replay_inserts"] == server["inserts"]
 
 
-def test_two_replay_ranks_share_the_segments_and_the_batches(tmp_path: Path) -> None:
-    proc = run_app("loop=dqn", "layout=replay_server", "layout.world_size=5",
-                   "layout.replay=[1,2]", "layout.rollouts=[3,4]",
+def test_two_replay_ranks_share_the_segments_and_serve_two_trainers(tmp_path: Path) -> None:
+    proc = run_app("loop=dqn", "layout=replay_server", "layout.world_size=6",
+                   "layout.trainers=[0,1]", "layout.replay=[2,3]", "layout.rollouts=[4,5]",
                    "loop.replay.prioritized=true", "loop.replay.min_size=512",
                    "loop.total_env_steps=3072", *QUIET, f"hydra.run.dir={tmp_path}",
                    timeout=240)
     assert proc.returncode == 0, describe(proc)
     ranks = _ranks(tmp_path)
+    assert sorted((role, len(r)) for role, r in ranks.items()) == [
+        ("replay", 2), ("rollout", 2), ("trainer", 2)]
     servers = [r["replay_server"] for r in ranks["replay"]]
-    last = metrics(tmp_path)[-1]
+    rows = metrics(tmp_path)
+    last = rows[-1]
     # Collector i writes to replay rank i mod 2: each holds half of what was collected.
     assert [s["inserts"] for s in servers] == [last["env_steps"] / 2] * 2
-    # Every learner batch took its share (64 = 32 + 32) from both replay ranks.
-    assert servers[0]["batches"] == servers[1]["batches"] > 0
+    # Every learner step of both trainers took its share (64 = 32 + 32) from both replay ranks.
+    learner_steps = sum(r["learner_steps"] for r in rows)
+    assert servers[0]["batches"] == servers[1]["batches"] == 2 * learner_steps > 0
     assert servers[0]["samples"] == servers[1]["samples"] == servers[0]["batches"] * 32
-    assert last["replay_samples"] == sum(s["samples"] for s in servers)
-    # The trainer's new priorities reached both shards: their sampling is no longer uniform.
+    # The trainers agreed on their step counts (DDP would hang otherwise): the same weights.
+    trainers = ranks["trainer"]
+    assert trainers[0]["param_checksum"] == pytest.approx(trainers[1]["param_checksum"])
+    # The trainers' new priorities reached both shards: their sampling is no longer uniform.
     assert last["priority_spread"] > 0
 
 
