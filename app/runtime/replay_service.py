@@ -11,6 +11,8 @@ change. With replay ranks:
   per replay rank), makes the n-step transitions and keeps the priorities, in a serving thread
   (:class:`ReplayServer`), while its main thread follows the run's episodes and stop decision
   as a rollout rank without envs does (app/runtime/handoff/replay_rank.py);
+- the hand-off to the trainer carries the rest of the segment (its weights version and the
+  normalisers' moments, :attr:`ReplayLink.hand_off_format`), not its transitions;
 - a trainer's replay is a :class:`RemoteReplay`: ``insert`` does nothing (the collectors wrote
   the segments), ``sample`` asks every replay rank for its share of the batch
   (:func:`batch_shares`), ``update_priorities`` sends each its share back; the rate limiter
@@ -38,7 +40,7 @@ from torch import Tensor
 from app.runtime.algorithm import Record, Segment
 from app.runtime.replay import Batch, RateLimiter, Replay, ReplaySettings
 from app.runtime.segments import Field, SegmentFormat
-from app.runtime.worker import as_segment
+from app.runtime.worker import MOMENTS, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 
 log = logging.getLogger(__name__)
@@ -289,6 +291,12 @@ class ReplayLink:
                  segment_format: SegmentFormat, seed: int) -> None:
         rank = ctx.get_global_rank()
         self.timeout_s = ctx.timeout.total_seconds()
+        self.segment_format = segment_format
+        # What the hand-off carries: all of a segment, or with replay ranks what the trainer
+        # uses besides the transitions (the weights version, the normalisers' moments).
+        self.hand_off_format = (SegmentFormat({k: v for k, v in segment_format.fields.items()
+                                               if k in ("version", *MOMENTS)})
+                                if plan.replay else segment_format)
         self.target: int | None = None
         self.remote: RemoteReplay | None = None
         self.server: ReplayServer | None = None
@@ -306,12 +314,15 @@ class ReplayLink:
                                        seed * 10_000 + rank)
             self.server.start()
 
-    def put(self, packed: Tensor | None) -> None:
-        """A collector's packed segment, to its replay rank."""
+    def put(self, packed: Tensor | None) -> Tensor | None:
+        """A collector's packed segment, to its replay rank; what the hand-off carries of it
+        (:attr:`hand_off_format`)."""
         if self.target is None or packed is None:
-            return
+            return packed
         _send(_header(INSERT), self.target, self.group, HEADER_TAG)
         _send(packed, self.target, self.group, PAYLOAD_TAG)
+        views = self.segment_format.unpack(packed)
+        return self.hand_off_format.pack({k: views[k] for k in self.hand_off_format.fields})
 
     def close(self) -> None:
         """The run ended: say STOP to the replay ranks (a replay rank: serve until all did)."""

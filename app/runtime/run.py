@@ -96,13 +96,13 @@ class RuntimeRun:
         # buffer (the parameters then live there).
         sharded = is_sharded(plan, loop.data_parallel)
         self.trained = self._trained_module() if sharded else None
-        self.hand_off = build_hand_off(ctx, job, self.agent, self.segment_format, self.trained,
-                                       self._hand_off_settings(episode_cap, sharded))
+        self.replay_link = ReplayLink(ctx, plan, self.algorithm, self.segment_format, job.seed)
+        self.hand_off = build_hand_off(ctx, job, self.agent, self.replay_link.hand_off_format,
+                                       self.trained, self._hand_off_settings(episode_cap, sharded))
         if not sharded:
             self.trained = self._trained_module()
         self.optimizer = (self.algorithm.optimizer(self.trained.trained)
                           if self.trained is not None else None)
-        self.replay_link = ReplayLink(ctx, plan, self.algorithm, self.segment_format, job.seed)
         # The ranks of one TENSOR x SEQUENCE block train one replica on the same batch, in the
         # same minibatch order: they seed it from the block's first rank.
         self.replica_rank = replica_rank(plan, self.rank) if self.is_trainer else self.rank
@@ -346,7 +346,7 @@ class RuntimeRun:
             own, mine = self.worker.collect(self.agent, version)
             self.split_s["collect"] += time.perf_counter() - tick
         tick = time.perf_counter()
-        self.replay_link.put(own)  # to its replay rank (layout.replay)
+        own = self.replay_link.put(own)  # to its replay rank (layout.replay)
         handed = self.hand_off.exchange(own, mine, self.update)
         self.split_s["comm"] += time.perf_counter() - tick
         if handed is not None:

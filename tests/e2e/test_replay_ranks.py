@@ -46,6 +46,10 @@ def test_dqn_learns_with_its_replay_on_its_own_rank(tmp_path: Path) -> None:
     assert last["replay_inserts"] == server["inserts"]
     assert last["replay_samples"] == server["samples"] > 0
     assert last["replay_size"] == server["size"] == min(server["inserts"], replay.capacity)
+    # The hand-off to the trainer carried no transitions: less than a CartPole observation
+    # (16 bytes) per collected step.
+    handed = sum(r["trajectory_bytes_sent"] for r in ranks["rollout"])
+    assert 0 < handed < 16 * server["inserts"], handed
     # The ratio held is the declared one within the limiter's tolerance, counted there.
     drift = abs(last["samples_per_insert"] - replay.samples_per_insert) * (
         last["replay_inserts"] - replay.min_size)
