@@ -92,6 +92,11 @@ def _check_replay_ranks(plan: LayoutPlan, loop: Any, elastic: bool) -> None:
             f"layout.replay: ranks {ranks} would hold a replay, but {type(loop).__name__} does "
             "not learn from one; remove layout.replay (e.g. layout.replay=[]) or use an "
             "off-policy loop (loop=dqn, loop=sac)")
+    batch = loop.replay.batch_size  # every replay rank gives a share of each batch
+    if batch < len(ranks):
+        raise ConfigError(
+            f"loop.replay.batch_size: {batch} is fewer than the {len(ranks)} replay ranks "
+            f"{ranks}, which each give a share of every batch; use at least {len(ranks)}")
     if elastic and plan.rollouts:  # colocated trainers collect: nobody comes and goes
         raise ConfigError(
             f"layout.replay: ranks {ranks} hold the replay, which serves static rollout ranks "

@@ -138,7 +138,12 @@ def test_the_shipped_replay_layout_validates_for_an_off_policy_loop() -> None:
     (("loop=dqn", "layout=replay_server", "layout.elastic_rollouts=true"),
      "layout.replay: ranks [1] hold the replay, which serves static rollout ranks only; set "
      "layout.elastic_rollouts=false"),
-], ids=["on-policy loop", "elastic rollouts"])
+    (("loop=dqn", "layout=replay_server", "layout.world_size=5", "layout.replay=[1,2]",
+      "layout.rollouts=[3,4]", "loop.replay.batch_size=1", "loop.replay.capacity=100",
+      "loop.replay.min_size=10", "loop.replay.tolerance=10"),
+     "loop.replay.batch_size: 1 is fewer than the 2 replay ranks [1, 2], which each give a "
+     "share of every batch; use at least 2"),
+], ids=["on-policy loop", "elastic rollouts", "batch smaller than the replay ranks"])
 def test_replay_ranks_a_loop_cannot_use_are_refused(overrides: tuple[str, ...],
                                                     line: str) -> None:
     with pytest.raises(ConfigError) as error:
