@@ -5,7 +5,8 @@ or submits the first job, :func:`refuse_bad_jobs` composes each job's config as 
 see it and runs the checks a single run runs before launch (app/launch/planning.py:
 :func:`~app.launch.planning.validate_job`). The first bad job ends the sweep with one line that
 names the job, its overrides, the field and the value, and exit code 2, so that no job of a
-sweep that cannot finish spends its time (or a cluster's allocation) first.
+sweep that cannot finish spends its time (or a cluster's allocation) first; the sweep dir is
+left free for the fixed sweep.
 
 Used by every sweep launcher the app ships: the basic one (``hydra/launcher=rlcomm_basic``, the
 default; :class:`CheckedBasicLauncher`) and the submitit ones (``rlcomm_local``,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra.core.utils import JobReturn, filter_overrides
@@ -24,6 +26,7 @@ from hydra.types import HydraContext
 from omegaconf import DictConfig, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from app.launch.rundir import withdraw_sweep
 from rlcomm import RlcommError
 
 
@@ -39,6 +42,7 @@ def refuse_bad_jobs(
         if problem is not None:
             what = " ".join(filter_overrides(overrides)) or "(no overrides)"
             print(f"error: sweep job #{num} ({what}): {problem}", file=sys.stderr, flush=True)
+            withdraw_sweep(Path(str(config.hydra.sweep.dir)))
             sys.exit(2)
 
 

@@ -29,6 +29,11 @@ def test_a_sweep_with_a_bad_seed_runs_no_job(tmp_path: Path) -> None:
     assert_refused(proc.stderr, r"error: sweep job #1 \(layout=single seed=-1 [^)]*\): seed: "
                                 r"must be between 0 and \d+ .*, got -1")
     assert not (sweep / "0").exists() and not list(sweep.rglob("result.json"))
+    # Fixed, the sweep runs into the same dir (a plan of each job: no rank starts).
+    again = run_app("--multirun", "layout=single", "seed=0,1", "plan_only=true",
+                    f"hydra.sweep.dir={sweep}", timeout=120)
+    assert again.returncode == 0, describe(again)
+    assert (sweep / "1" / "layout.txt").exists()
 
 
 def test_a_local_submitit_sweep_with_a_bad_replay_capacity_submits_no_job(tmp_path: Path) -> None:
