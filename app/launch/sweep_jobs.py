@@ -36,7 +36,10 @@ def refuse_bad_jobs(
 ) -> None:
     """Validates every job; the first bad one: ``error: sweep job #N (overrides): <problem>`` on
     stderr and exit 2, before any job starts. ``ranks_here``: the jobs' ranks run on this
-    machine, so its backend (nccl needs CUDA) is checked too, as a single run checks it."""
+    machine, so it is checked as a single run checks it: the env built (its spaces probed) and
+    the backend (nccl needs CUDA). Otherwise (SLURM) the checks that build nothing run here
+    (the loop's ``validate_settings``), and the job's rank 0 builds the env where it runs: a
+    submitting host need not be able to (a GPU, a licence, a package only the nodes have)."""
     for num, overrides in enumerate(job_overrides, start=initial_job_idx):
         problem = job_problem(hydra_context, config, overrides, ranks_here)
         if problem is not None:
@@ -59,7 +62,7 @@ def job_problem(
     with read_write(cfg), open_dict(cfg):
         del cfg["hydra"]  # the job's own config, as Hydra hands it to the job
     try:
-        validate_job(cfg)
+        validate_job(cfg, probe=ranks_here)
         if ranks_here:
             from rlcomm import resolve_backend
 

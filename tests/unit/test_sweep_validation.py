@@ -11,6 +11,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.types import HydraContext
 
 from tests.helpers.apprun import REPO
+from tests.helpers.counting_env import constructions
 
 pytestmark = pytest.mark.unit
 
@@ -42,3 +43,26 @@ def test_the_slurm_launcher_refuses_a_sweep_with_a_bad_job_before_submitting(
                            "layout."), line
     assert "\n" not in line and "5" in line
     assert not (sweep / ".submitit").exists()  # nothing submitted
+
+
+def test_the_slurm_launcher_leaves_building_the_env_to_the_job(tmp_path: Path) -> None:
+    """The submitting host checks what builds nothing; the local launchers build the env once."""
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+    from app.launch.sweep_jobs import job_problem
+
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    job = ["loop.env._target_=tests.helpers.counting_env.make_counting_env",
+           f"+loop.env.kwargs.count_dir={counts}"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                      return_hydra_config=True)
+        context = HydraContext(config_loader=GlobalHydra.instance().config_loader(),
+                               callbacks=None)  # type: ignore[arg-type]
+        assert job_problem(context, cfg, job, ranks_here=False) is None
+        assert constructions(counts) == {}
+        assert job_problem(context, cfg, job, ranks_here=True) is None
+        assert constructions(counts) == {"launcher": 1}
+        # A factory that is not there fails on the submitting host too (no env built for it).
+        missing = job_problem(context, cfg, ["loop.env._target_=nosuch.make"], ranks_here=False)
+    assert missing is not None and missing.startswith("loop.env._target_: cannot import")
