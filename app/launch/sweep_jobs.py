@@ -27,7 +27,7 @@ from omegaconf import DictConfig, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from app.launch.rundir import withdraw_sweep
-from rlcomm import RlcommError
+from rlcomm import RlcommError, resolve_backend
 
 
 def refuse_bad_jobs(
@@ -64,8 +64,6 @@ def job_problem(
     try:
         validate_job(cfg, probe=ranks_here)
         if ranks_here:
-            from rlcomm import resolve_backend
-
             resolve_backend(cfg.comm.backend)
     except RlcommError as err:
         return str(err)

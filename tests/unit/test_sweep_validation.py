@@ -32,6 +32,8 @@ def test_the_slurm_launcher_refuses_a_sweep_with_a_bad_job_before_submitting(
         good, bad = ["layout=1t1r", "seed=3"], ["layout=2t2r", "layout.trainers=[0,1,2,5]"]
         assert job_problem(context, cfg, good, ranks_here=False) is None
         assert job_problem(context, cfg, bad, ranks_here=False)  # else it would be submitted
+        typo = job_problem(context, cfg, ["seed=abc"], ranks_here=False)  # composition fails
+        assert typo is not None and "seed=abc" in typo and "\n" not in typo, typo
         params = {k: v for k, v in cfg.hydra.launcher.items() if k != "_target_"}
         launcher = SlurmLauncher(**params)
         launcher.setup(hydra_context=context, task_function=lambda c: None, config=cfg)
