@@ -44,3 +44,16 @@ def test_the_local_launcher_probes_the_env_and_no_trainer_builds_one(tmp_path: P
                    f"hydra.run.dir={tmp_path / 'run'}", timeout=180)
     assert proc.returncode == 0, describe(proc)
     assert constructions(counts) == {"launcher": 1, "rank1": NUM_ENVS}
+
+
+def test_under_torchrun_an_env_that_cannot_be_built_is_rank_0s_one_line(tmp_path: Path) -> None:
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "app")
+    proc = run_app("layout=1t1r", "+loop.env.kwargs.foo=1", cwd=tmp_path, module=torchrun,
+                   env={"PYTHONPATH": str(REPO)}, timeout=180)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    # Only rank 0 builds the env; torchrun's agent stops rank 1, which waits for it.
+    assert errors == ["error: loop.env.kwargs: CartPole-v1 rejects {'foo': 1}: CartPoleEnv."
+                      "__init__() got an unexpected keyword argument 'foo'"], describe(proc)
+    assert not list(tmp_path.glob("outputs/runs/*/result.json"))
