@@ -69,6 +69,11 @@ class OffPolicyAlgorithm(Algorithm[S]):
         """``loop.replay``, as the loop built this algorithm with it."""
         return self._replay_settings
 
+    def use_replay(self, replay: Replay, limiter: RateLimiter) -> None:
+        """Learn from ``replay`` under ``limiter`` instead of a shard of this trainer's own:
+        the replay on its own ranks (app/runtime/replay_service.py)."""
+        self._replay, self.limiter = replay, limiter
+
     @property
     def replay(self) -> Replay:
         if self._replay is None:
@@ -178,6 +183,8 @@ class OffPolicyLoop(RLLoop):
 
     replay: ReplaySettings = setting(doc="the replay shard and its rate limiter (docs/off-policy.md)",
                                      factory=ReplaySettings)
+    # layout.replay may hold this loop's replay (app/launch/planning.py checks it).
+    replay_ranks_supported: typing.ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
