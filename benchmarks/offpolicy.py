@@ -1,13 +1,15 @@
 """Off-policy throughput: ``python -m benchmarks.offpolicy [--quick] [--only sac,dqn]``.
 
 SAC on MuJoCo Hopper-v5 (``+experiment=hopper_sac``) and DQN on CartPole-v1 (``loop=dqn``), each
-on four layouts, one collector or two (docs/benchmarks.md, "Off-policy throughput"):
+on five layouts, one collector or two (docs/benchmarks.md, "Off-policy throughput"):
 
 - ``single``: one rank collects and learns (one collector, colocated with its replay shard);
 - ``1t1r``: one learner with its replay shard, one collector rank;
 - ``1t2r``: one learner with its replay shard, two collector ranks writing to it (Ape-X's many
   writers and one reader, ``layout=1t1r layout.world_size=3 layout.rollouts=[1,2]``);
-- ``2t2r``: the default layout, two DDP learners with a shard each, a collector rank per learner.
+- ``2t2r``: the default layout, two DDP learners with a shard each, a collector rank per learner;
+- ``replay_server``: one learner sampling from a replay on its own rank, which two collector
+  ranks write to (Ape-X's replay server, ``layout.replay``).
 
 Per run it prints, from the run's ``metrics.csv`` and ``result.json``:
 
@@ -49,6 +51,7 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {  # name -> (collector ranks,
     "1t1r": (1, ("layout=1t1r",)),
     "1t2r": (2, ("layout=1t1r", "layout.world_size=3", "layout.rollouts=[1,2]")),
     "2t2r": (2, ("layout=2t2r",)),
+    "replay_server": (2, ("layout=replay_server",)),
 }
 QUIET = ("loop.progress=false", "loop.checkpoint_every=0", "loop.stop_at_target=false")
 # algorithm -> (overrides, full budget overrides, quick budget overrides)
@@ -67,7 +70,7 @@ RUN_TIMEOUT_S = {"quick": 240.0, "full": 1200.0}
 COLUMNS = {"collect": ("env", "act", "collect_other"), "update": ("update",),
            "comm": ("comm",), "other": ("other",)}
 SPLIT_NAMES = ("collect", "replay", "learn", "comm", "waiting", "other")  # the table's order
-ROLES = ("trainer+rollout", "trainer", "rollout")
+ROLES = ("trainer+rollout", "trainer", "replay", "rollout")
 
 
 @dataclass
@@ -201,7 +204,7 @@ def table(found: list[Measured]) -> list[str]:
         if m.problem and not m.split:
             lines.append(head + f"failed: {m.problem[:120]} |" + " |" * len(split_names) + load)
             continue
-        for role in [r for r in ROLES if r in m.split]:
+        for role in [*[r for r in ROLES if r in m.split], *sorted(set(m.split) - set(ROLES))]:
             shares = " | ".join(f"{100 * m.split[role][name]:.0f}%" for name in split_names)
             lines.append(head + f"{role} | {shares} |" + load)
             head = "| | | | | | | | | "  # one run's figures once, its roles below
