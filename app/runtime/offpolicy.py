@@ -51,6 +51,10 @@ class OffPolicyAlgorithm(Algorithm[S]):
         # The replay's figures follow the algorithm's own in metrics.csv.
         cls.losses = tuple(cls.losses) + tuple(n for n in REPLAY_FIGURES if n not in cls.losses)
 
+    #: The replay bootstraps a time-limit cut from the episode's true last observation with the
+    #: learner's current networks, not with the collector's value at collection time.
+    final_observations = True
+
     def __init__(self, settings: S, spaces: Spaces, replay: ReplaySettings | None = None) -> None:
         super().__init__(settings, spaces)
         self._replay_settings = replay if replay is not None else ReplaySettings()

@@ -147,10 +147,6 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
         random = torch.randint(int(self.spaces.action.n), (n,), generator=generator)
         return torch.where(explore, random, greedy), {}
 
-    def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
-        """max_a Q(s, a): bootstraps a time-limit cut."""
-        return module(obs).max(-1).values
-
     def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
               info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
         net: Any = module

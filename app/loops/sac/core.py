@@ -3,9 +3,8 @@
 
 The module holds a tanh-squashed Gaussian actor scaled to the action Box, twin Q-networks and
 their target copies (parameters without gradients, so a checkpoint keeps them), plus two
-buffers that travel to the collectors with the weights: ``log_alpha`` (a copy of the entropy
-coefficient's log, for the soft state value that bootstraps time-limit cuts) and ``uniform`` (1 until the learner's
-first step: collectors act uniformly at random until the replay holds ``min_size``
+buffers that travel with the weights: ``log_alpha`` (a copy of the entropy coefficient's
+log, which the soft Q targets read) and ``uniform`` (1 until the learner's first step: collectors act uniformly at random until the replay holds ``min_size``
 transitions, CleanRL's ``learning_starts``). ``log_alpha`` and its Adam are the algorithm's
 own state, checkpointed through :meth:`SAC.state_dict`.
 """
@@ -178,10 +177,6 @@ class SACModule(nn.Module):
     def greedy(self, obs: Tensor) -> Tensor:
         return self.actor.greedy(obs.flatten(1).float())
 
-    def soft_value(self, obs: Tensor) -> Tensor:
-        """``min(Q1, Q2)(s, a) - alpha log pi(a|s)``, ``a ~ pi(s)``: one-sample soft V(s)."""
-        action, log_pi = self.sample(obs)
-        return torch.minimum(*self.q(obs, action)) - self.log_alpha.exp() * log_pi
 
 
 def _drop_grads(*modules: nn.Module) -> None:
@@ -247,10 +242,6 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
 
     def greedy(self, module: nn.Module, obs: Tensor) -> Tensor:
         return module.greedy(obs)  # type: ignore[operator]
-
-    def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
-        """The soft state value: bootstraps a time-limit cut."""
-        return module.soft_value(obs)  # type: ignore[operator]
 
     def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
               info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
