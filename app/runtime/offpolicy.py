@@ -9,14 +9,17 @@ allows, agrees on the fewest over the trainers (every DDP rank must run as many 
 passes), and samples, learns and feeds priorities back that many times. The runtime, PPO and
 V-trace are untouched: to them this is one more update.
 
-Collectors in this first cut wait for the update as they do for any algorithm (lockstep, or
-``loop.max_staleness``); the learner always catches up with the ratio inside the update, so
-the limiter holds back only the learner (``learner_wait``). A resumed run refills its shard:
-the checkpoint keeps the replay's counters, not its contents (docs/off-policy.md).
+The limiter holds both sides, and the update measures how long each waited on it: the
+collectors' next segment is admitted only once the learner has taken the steps the ratio asks
+for first (``collector_wait_s``: the seconds of those steps), and the learner, once it has
+taken every step the ratio allows, waits for the next inserts (``learner_wait_s``: the seconds
+from then to the next update). A resumed run refills its shard: the checkpoint keeps the
+replay's counters, not its contents (docs/off-policy.md).
 """
 
 from __future__ import annotations
 
+import time
 import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,10 +39,12 @@ if TYPE_CHECKING:
 
 # The replay's figures every off-policy update returns (metrics.csv columns, averaged over the
 # trainers' shards): what the shard holds, what went in and out, the ratio held since sampling
-# began, how unequal the priorities are, the learner steps this update and whether the limiter
-# held the learner back for the whole update.
+# began, how unequal the priorities are, the learner steps this update, whether the limiter
+# held the learner back for the whole update, and the seconds collectors and learner have
+# waited on the limiter (this attempt's, so far).
 REPLAY_FIGURES = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
-                  "priority_spread", "learner_steps", "learner_wait")
+                  "priority_spread", "learner_steps", "learner_wait", "collector_wait_s",
+                  "learner_wait_s")
 
 
 class OffPolicyAlgorithm(Algorithm[S]):
@@ -66,6 +71,12 @@ class OffPolicyAlgorithm(Algorithm[S]):
         # Counters as this attempt's shard started filling: the limiter counts from there.
         self._base_inserts = self._base_samples = 0
         self.learner_steps = 0  # over the run (checkpointed): e.g. for target-network periods
+        # When the learner last ran out of allowed steps (None: it had steps left, or no update
+        # yet): the time from then to the next update is its wait on the limiter.
+        self._idle_since: float | None = None
+        # Seconds each side waited on the limiter over this attempt (a resume starts at 0, as
+        # the run's other times do).
+        self.waited_s = {"collector_wait_s": 0.0, "learner_wait_s": 0.0}
 
     def replay_settings(self) -> ReplaySettings:
         """``loop.replay``, as the loop built this algorithm with it."""
@@ -88,15 +99,19 @@ class OffPolicyAlgorithm(Algorithm[S]):
 
     def update(self, model: nn.Module, module: nn.Module, segments: list[Segment],
                info: UpdateInfo) -> dict[str, float]:
+        started = time.perf_counter()
+        learner_wait_s = started - self._idle_since if self._idle_since is not None else 0.0
         replay = self.replay
-        for segment in segments:
-            replay.insert(segment)
-        allowed = self.limiter.steps_allowed(replay.inserts - self._base_inserts,
-                                             replay.samples - self._base_samples, replay.size)
+        inserted = sum(replay.insert(segment) for segment in segments)
+        allowed = self.limiter.steps_allowed(*self._counts(), replay.size)
         steps = agreed_steps(model, allowed)
+        # The next round brings as many transitions as this one: the collectors wait until the
+        # learner has taken the steps that admit them.
+        blocking = self.limiter.steps_to_admit(*self._counts(), inserted, steps)
         learner = model if _trainers(model) > 1 else module
         figures: dict[str, float] = {}
-        for _ in range(steps):
+        collector_wait_s, tick = 0.0, time.perf_counter()
+        for step in range(steps):
             batch = replay.sample(info.generator)
             learnt, priorities = self.learn(learner, module, batch, info)
             self.learner_steps += 1
@@ -104,8 +119,18 @@ class OffPolicyAlgorithm(Algorithm[S]):
                 replay.update_priorities(batch.indices, priorities)
             for name, value in learnt.items():
                 figures[name] = figures.get(name, 0.0) + value / steps
+            if step + 1 == blocking:
+                collector_wait_s = time.perf_counter() - tick
         own = {n: figures.get(n, float("nan")) for n in self.losses if n not in REPLAY_FIGURES}
+        idle = self.limiter.steps_allowed(*self._counts(), replay.size) == 0
+        self._idle_since = time.perf_counter() if idle else None
+        self.waited_s["collector_wait_s"] += collector_wait_s
+        self.waited_s["learner_wait_s"] += learner_wait_s
         return {**own, **self.replay_figures(steps)}
+
+    def _counts(self) -> tuple[int, int]:
+        """Inserts and samples as the limiter counts them: since this attempt's shard began."""
+        return self.replay.inserts - self._base_inserts, self.replay.samples - self._base_samples
 
     def replay_figures(self, steps: int) -> dict[str, float]:
         """The replay's figures after an update of ``steps`` learner steps."""
@@ -120,6 +145,7 @@ class OffPolicyAlgorithm(Algorithm[S]):
             "priority_spread": replay.priority_spread(),
             "learner_steps": float(steps),
             "learner_wait": float(steps == 0),
+            **self.waited_s,
         }
 
     def state_dict(self) -> dict[str, Any]:

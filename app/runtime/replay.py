@@ -271,6 +271,15 @@ class RateLimiter:
             return self.min_size - inserts + self._inserts_past(self.min_size, samples)
         return self._inserts_past(inserts, samples)
 
+    def steps_to_admit(self, inserts: int, samples: int, count: int, most: int) -> int:
+        """The fewest learner steps (at most ``most``) after which collectors may insert
+        ``count`` more transitions: until the learner has taken them, collectors are blocked."""
+        steps = 0
+        while steps < most and self.inserts_allowed(inserts,
+                                                    samples + steps * self.batch_size) < count:
+            steps += 1
+        return steps
+
     def _inserts_past(self, inserts: int, samples: int) -> int:
         room = samples + self.tolerance - self.target(inserts)
         return max(0, math.floor(room / self.samples_per_insert))

@@ -266,12 +266,10 @@ class RuntimeRun:
         metrics = job_metrics(
             self.ctx, self.is_trainer, elapsed=elapsed, transfer_s=hand_off.transfer_s,
             wait_s=hand_off.wait_total_s, reached_at=reached_at, updates=updates, steps=steps,
-            recent=self._recent_return(),
-            over=self._deciders,
+            recent=self._recent_return(), over=self._deciders,
         )
         if self.elastic and elapsed:  # the rollout ranks' waits came with their segments
-            waited = sum(row["rollout_wait_s"] for row in self.metrics[-updates:]) \
-                if updates else 0.0
+            waited = sum(row["rollout_wait_s"] for row in self.metrics[-updates:] if updates)
             metrics["rollout_wait_fraction"] = round(waited / elapsed, 4)
         evaluated = self.evaluations.result() if self.evaluations is not None else {}
         metrics.update(evaluated.pop("metrics", dict.fromkeys(("eval_return_mean",
@@ -427,6 +425,8 @@ class RuntimeRun:
             eval_version=last.version if last else None,
             replay_size=int(row["replay_size"]) if "replay_size" in row else None,
             samples_per_insert=row.get("samples_per_insert"),
+            limiter_wait_s=((row["collector_wait_s"], row["learner_wait_s"])
+                            if "collector_wait_s" in row else None),
         )
 
     def _should_checkpoint(self) -> bool:
