@@ -142,6 +142,11 @@ class Algorithm(Generic[S]):
                 "override Algorithm.greedy")
         return cast(Tensor, greedy(obs))
 
+    def set_collector(self, index: int, count: int) -> None:
+        """On a collecting rank, before it collects: it is collector ``index`` (0-based, in
+        rank order; a rank that rejoins keeps its index) of the run's ``count``, for exploration
+        that differs per collector (Ape-X's epsilons). Nothing by default."""
+
     def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
         """State values [N] to bootstrap episodes cut by a time limit (``gamma * V(final obs)``
         is added to that step's reward), or None for no bootstrap."""

@@ -85,8 +85,10 @@ class RuntimeRun:
         self.worker = (RolloutWorker(self.algorithm, self.spaces, loop.env, self.agent,
                                      seed=env_seed(job.seed, self.rank))
                        if self.collects else None)
-        if self.worker is not None:
+        if self.worker is not None:  # which collector it is, for per-collector exploration
             self.worker.use_segment_format(self.segment_format)
+            collectors = sorted(plan.rollouts or plan.trainers)
+            self.algorithm.set_collector(collectors.index(self.rank), len(collectors))
         self.grid = TrainerGrid.of(plan)
         self.settings = run_settings(loop, self.spaces)  # what a checkpoint records
         self.generator = torch.Generator()
@@ -247,8 +249,7 @@ class RuntimeRun:
         """This rank's entry in result.json."""
         hand_off = self.hand_off
         common = {
-            "role": self.job.plan.role(self.rank),
-            "updates": self.update,
+            "role": self.job.plan.role(self.rank), "updates": self.update,
             "env_steps": self.env_steps,
             "wall_s": round(elapsed, 2),
             "env_steps_per_s": round(steps / elapsed, 1) if elapsed else 0.0,
@@ -359,8 +360,7 @@ class RuntimeRun:
         self.split_s["comm"] += time.perf_counter() - tick
         # Minibatch order is a function of (seed, replica, update): a resumed run shuffles as
         # the uninterrupted one would, with no generator state to carry.
-        self.generator.manual_seed(
-            minibatch_seed(self.job.seed, self.replica_rank, self.update))
+        self.generator.manual_seed(minibatch_seed(self.job.seed, self.replica_rank, self.update))
         info = UpdateInfo(self.optimizer, self.generator, self.env_steps, self.update, self.lag)
         tick = time.perf_counter()
         losses = self.algorithm.update(self.trained.model, self.agent.net, segments, info)
