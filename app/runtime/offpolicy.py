@@ -179,6 +179,18 @@ def agreed_steps(model: nn.Module, steps: int) -> int:
     return int(count.item())
 
 
+def average_over_trainers(model: nn.Module, tensor: Tensor) -> None:
+    """Average ``tensor`` in place over ``model``'s DDP group (one trainer: nothing to do): the
+    gradient of what a learner steps outside DDP (SAC's log alpha), so that every trainer takes
+    the same step from every trainer's batch."""
+    trainers = _trainers(model)
+    if trainers == 1:
+        return
+    assert isinstance(model, DistributedDataParallel)
+    dist.all_reduce(tensor, group=model.process_group)
+    tensor.div_(trainers)
+
+
 def hard_update(target: nn.Module, source: nn.Module) -> None:
     """Copy ``source``'s parameters into ``target`` (a target network)."""
     with torch.no_grad():
