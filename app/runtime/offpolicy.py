@@ -22,14 +22,14 @@ from __future__ import annotations
 import time
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app.api import ConfigError, setting
+from app.api import ConfigError, LoopMetrics, setting
 from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
 from app.runtime.loop import RLLoop, _plain
 from app.runtime.replay import Batch, RateLimiter, Replay, ReplaySettings
@@ -212,6 +212,11 @@ class OffPolicyLoop(RLLoop):
 
     replay: ReplaySettings = setting(doc="the replay shard and its rate limiter (docs/off-policy.md)",
                                      factory=ReplaySettings)
+    # The runtime's figures plus, for a sweep to compare, the seconds each side waited on the
+    # limiter (this attempt's totals, as the last update left them).
+    metrics: ClassVar[LoopMetrics] = LoopMetrics(
+        {**RLLoop.metrics.directions, "collector_wait_s": "min", "learner_wait_s": "min"},
+        headline=RLLoop.metrics.headline)
 
     def __post_init__(self) -> None:
         super().__post_init__()
