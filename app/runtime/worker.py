@@ -239,11 +239,13 @@ class RolloutWorker:
                     trunc: np.ndarray, info: dict[str, Any]) -> None:
         """Step t's ``truncated`` flags and the cut episodes' last observations, for an
         algorithm that bootstraps them itself (:attr:`Algorithm.final_observations`)."""
-        cut = np.asarray(trunc & ~term)
+        # Without a final observation a cut cannot bootstrap: it stays an end, as a termination.
+        cut = (np.asarray(trunc & ~term) if "final_obs" in info
+               else np.zeros(self.num_envs, dtype=bool))
         seg["truncated"][t] = torch.as_tensor(cut, dtype=torch.float32)
         seg["final_obs"][t].zero_()
         idx = np.flatnonzero(cut)
-        if idx.size and "final_obs" in info:
+        if idx.size:
             seg["final_obs"][t][torch.as_tensor(idx)] = self._final_seen(agent, idx, info).to(
                 seg["final_obs"].dtype)
 
