@@ -31,8 +31,10 @@ SECTIONS = (
     "elastic",
     "sharding",
     "evaluation",
+    "replay_layouts",
 )
-NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation")
+NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation",
+                "replay_layouts")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
 
 

@@ -78,11 +78,12 @@ def _prefix(leader: int) -> str:
 
 def build_epoch_group(
     store: dist.Store, leader: int, epoch: int, members: list[int], rank: int,
-    timeout: datetime.timedelta,
+    timeout: datetime.timedelta, space: str = "",
 ) -> dist.ProcessGroup:
     """This rank's group of ``epoch`` (``members``, leader first, in group-rank order), over the
-    epoch's own store prefix; validated: every member must hold the same epoch and list."""
-    prefix = dist.PrefixStore(f"{_prefix(leader)}epoch{epoch}/", store)
+    epoch's own store prefix; validated: every member must hold the same epoch and list.
+    ``space``: another series of groups the same leader leads (its own epochs, prefixes)."""
+    prefix = dist.PrefixStore(f"{_prefix(leader)}{space}epoch{epoch}/", store)
     position = members.index(rank)
     digest = _digest(members)
     seen = torch.zeros(len(members), 3, dtype=torch.int64)  # each member fills its own row

@@ -140,6 +140,7 @@ _INITIALIZERS: dict[str, type[GroupInitializer]] = {
             CommMode.INTRA_NODE.value,
             CommMode.INTER_NODE.value,
             ParallelMode.WEIGHT_TRANSFER.value,
+            ParallelMode.REPLAY.value,
         ),
         GroupInitializer,
     ),

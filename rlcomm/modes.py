@@ -37,6 +37,7 @@ class ParallelMode(_StrMode):
     TENSOR_PARALLEL = "TENSOR_PARALLEL"
     SEQUENCE_PARALLEL = "SEQUENCE_PARALLEL"
     WEIGHT_TRANSFER = "WEIGHT_TRANSFER"
+    REPLAY = "REPLAY"
 
 
 Mode = str | CommMode | ParallelMode

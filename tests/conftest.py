@@ -105,6 +105,21 @@ def _test_module_imports(items: list[pytest.Item], root: Path) -> list[str]:
     return problems
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without the plugin
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Two test files run at a time (``-n 2`` in pyproject.toml), a file's tests in one worker
+    so that its module fixtures are built once; the cluster tier is one unit, because its
+    modules share one SLURM cluster and the same network-namespace hosts."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrClusterScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+    return FileOrClusterScheduling(config, log)
+
+
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     """``tmpfs(size)``: a fresh tmpfs of ``size`` (mount's syntax: ``4m``), unmounted at

@@ -50,10 +50,15 @@ def validate(cfg: DictConfig) -> LayoutPlan:
     return validate_job(cfg)[0]
 
 
-def validate_job(cfg: DictConfig) -> tuple[LayoutPlan, AppConfig]:
+def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppConfig]:
     """:func:`validate`, and the config in the one typed form its ranks receive: an
     :class:`AppConfig` whose ``loop`` is the loop that validation built and checked, with what
-    it learnt by building things (the env's spaces), so that a rank builds neither again."""
+    it learnt by building things (the env's spaces), so that a rank builds neither again.
+
+    ``probe=False``: the loop's checks that build things (its ``validate_env``: an env to probe
+    its spaces, a policy) are left to another process, which hands this one its validated loop:
+    rank 0 of a joined run, for the other ranks (app/launch/rank.py). A loop without
+    ``validate_settings`` runs its whole ``validate`` anyway."""
     problem = timeout_problem(cfg.comm.timeout, cfg.comm.get("hang_timeout"), prefix="comm.")
     if problem:
         raise ConfigError(problem)
@@ -71,13 +76,36 @@ def validate_job(cfg: DictConfig) -> tuple[LayoutPlan, AppConfig]:
     if cfg.sweep.rank_by is not None:  # the configured loop's declared metrics, or the app's
         check_metric_name(cfg.sweep.rank_by, str(cfg.loop._target_))
     plan = build_plan(cfg)
-    loop = _check_loop(cfg.loop, plan, int(cfg.seed))
+    loop = _check_loop(cfg.loop, plan, int(cfg.seed), probe)
     # Rollout ranks are elastic only under a loop that follows membership (the RL runtime's):
     # any other loop's collectives would wait for a lost rank forever.
     # Epoch groups are gloo: with NCCL the rollout ranks stay static.
     elastic = (plan.elastic_rollouts and bool(getattr(loop, "elastic_rollouts", False))
                and _backend(cfg) != "nccl")
+    _check_replay_ranks(plan, loop, elastic)
     return dataclasses.replace(plan, elastic_rollouts=elastic), typed_job(cfg, loop)
+
+
+def _check_replay_ranks(plan: LayoutPlan, loop: Any, elastic: bool) -> None:
+    """``layout.replay`` serves a loop that learns from a replay (app/runtime/offpolicy.py),
+    over static rollout ranks (app/runtime/replay_service.py)."""
+    if not plan.replay:
+        return
+    ranks = list(plan.replay)
+    if not getattr(loop, "replay_ranks_supported", True):  # a loop of its own: ranks alike
+        raise ConfigError(
+            f"layout.replay: ranks {ranks} would hold a replay, but {type(loop).__name__} does "
+            "not learn from one; remove layout.replay (e.g. layout.replay=[]) or use an "
+            "off-policy loop (loop=dqn, loop=sac)")
+    batch = loop.replay.batch_size  # every replay rank gives a share of each batch
+    if batch < len(ranks):
+        raise ConfigError(
+            f"loop.replay.batch_size: {batch} is fewer than the {len(ranks)} replay ranks "
+            f"{ranks}, which each give a share of every batch; use at least {len(ranks)}")
+    if elastic and plan.rollouts:  # colocated trainers collect: nobody comes and goes
+        raise ConfigError(
+            f"layout.replay: ranks {ranks} hold the replay, which serves static rollout ranks "
+            "only; set layout.elastic_rollouts=false")
 
 
 def typed_job(cfg: DictConfig, loop: Any) -> AppConfig:
@@ -116,10 +144,11 @@ def build_loop(loop: DictConfig) -> Any:
     return instantiate(loop, _convert_="object", _recursive_=False)
 
 
-def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int) -> Any:
+def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int, probe: bool = True) -> Any:
     """Type-check the loop's settings against its dataclass (unknown keys included), build it
-    once so bad arguments fail before any rank starts, then run its own ``validate(plan)`` and
-    ``check_seed(seed, plan)`` (the seeds its ranks derive), where it has them."""
+    once so bad arguments fail before any rank starts, then run its own ``validate(plan)`` (or,
+    without ``probe``, its ``validate_settings(plan)``) and ``check_seed(seed, plan)`` (the
+    seeds its ranks derive), where it has them."""
     from hydra.utils import get_object
     from omegaconf.errors import OmegaConfBaseException
 
@@ -135,6 +164,8 @@ def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int) -> Any:
     except Exception as err:
         raise ConfigError(f"loop: cannot build {loop.get('_target_')!r}: {err}") from None
     check = getattr(built, "validate", None)
+    if not probe and callable(getattr(built, "validate_settings", None)):
+        check = built.validate_settings
     if callable(check):
         check(plan)
     check_seed = getattr(built, "check_seed", None)

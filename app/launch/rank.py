@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import signal
@@ -36,6 +37,8 @@ from rlcomm.errors import PeerLostError
 from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
 
 log = logging.getLogger(__name__)
+
+_LOOP_KEY = "app/validated_loop"  # rank 0's validated loop, pickled (_validated_loop)
 
 
 @record
@@ -81,6 +84,8 @@ def _run(
     check_world_size(plan, env.world_size, env.rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     ctx = _init(cfg, plan, env)
+    if not launched_here:  # this process validated the config itself: without probing, but rank 0
+        cfg.loop = _validated_loop(ctx, cfg.loop, env.rank)
     if ctx.joined_running_job:  # a replacement rollout rank (rlcomm.elastic)
         _join_running_job(cfg, plan, env, run_dir, ctx)
         return None
@@ -128,6 +133,19 @@ def _init(cfg: AppConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
         elastic_member=plan.elastic_rollouts and env.rank in plan.rollouts,
     )
     return ctx
+
+
+def _validated_loop(ctx: CommContext, loop: Loop, rank: int) -> Loop:
+    """Rank 0's validated loop, on every rank of a joined run: it holds what rank 0 learnt by
+    probing the env (its spaces), so that no other rank builds an env to learn them (a trainer
+    then builds none at all). Rank 0 leaves it in the rendezvous store for the others, and for
+    a rank that joins later."""
+    if rank == 0:
+        # Store.set takes bytes too (its stub says str only).
+        ctx.store.set(_LOOP_KEY, pickle.dumps(loop))  # type: ignore[arg-type]
+        return loop
+    validated: Loop = pickle.loads(ctx.store.get(_LOOP_KEY))  # written by rank 0 of this run
+    return validated
 
 
 def _agree_and_create_groups(

@@ -240,6 +240,14 @@ def release(directory: Path) -> None:
         os.close(held[0])
 
 
+def withdraw_sweep(directory: Path) -> None:
+    """A sweep refused before any job started leaves no marker in its dir (Hydra's
+    ``multirun.yaml``): fixing the config and running again into the same dir must work. Only
+    for a dir this process holds, where such a file can only be this sweep's."""
+    if Path(os.path.abspath(directory)) in _held:
+        (directory / "multirun.yaml").unlink(missing_ok=True)
+
+
 class RunDirLock(Callback):
     """Takes the run dir (``on_run_start``) or the sweep dir (``on_multirun_start``) before
     Hydra writes anything there; a refusal is one ``error:`` line and exit code 2."""

@@ -44,6 +44,7 @@ from app.errors import JobFailedError, RankFailedError
 from app.launch.environment import submitit_executor
 from app.launch.failures import read_records
 from app.launch.joined import JoinedLauncher
+from app.launch.sweep_jobs import refuse_bad_jobs
 from rlcomm.net.env import RANK_VARIABLES
 
 if TYPE_CHECKING:
@@ -173,6 +174,9 @@ class RlcommLauncher(BaseSubmititLauncher):
             os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
 
+        # Every job validated before the first is submitted: a bad one ends the sweep, exit 2.
+        refuse_bad_jobs(self.hydra_context, self.config, job_overrides, initial_job_idx,
+                        ranks_here=self._EXECUTOR == "local")
         planned = []  # (job num, overrides, shape)
         job_dirs: dict[int, Path | None] = {}
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):

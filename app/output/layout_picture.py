@@ -27,6 +27,7 @@ ROLE_COLORS = {
     "trainer": "#d62728",
     "rollout": "#1f77b4",
     "trainer+rollout": "#9467bd",
+    "replay": "#2ca02c",  # layout.replay (docs/off-policy.md)
     "idle": "#bbbbbb",
 }
 

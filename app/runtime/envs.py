@@ -253,8 +253,22 @@ def missing_package_line(env_id: str, err: BaseException) -> str:
     return f"loop.env.id: {env_id} needs a package that is not installed: {_first_line(err)}"
 
 
-def _make_registered(env_id: str, kwargs: Mapping[str, Any]) -> gym.Env[Any, Any]:
-    """``gym.make(env_id, **kwargs)``, each failure as the one line naming its setting."""
+def check_env_names(cfg: EnvConfig) -> None:
+    """What :func:`probe_spaces` checks without building an env: the id is registered (its
+    package installed), or the factory imports, is callable and takes ``kwargs``. Each problem
+    is the same one line. Ranks that receive the spaces from another process run this instead
+    (app/runtime/loop.py: ``RLLoop.validate_settings``)."""
+    if cfg.vector == "envpool":
+        return  # envpool's ids are its own: its probe checks them
+    if cfg._target_:
+        _factory(cfg._target_, cfg.kwargs)
+    else:
+        _registered_name(cfg.id)
+
+
+def _registered_name(env_id: str) -> str:
+    """The registry name of ``env_id`` (its module imported first for ``module:Name-v0``);
+    a missing package, module or id is one line."""
     try:
         ensure_registered(env_id)
     except ImportError as err:
@@ -270,6 +284,12 @@ def _make_registered(env_id: str, kwargs: Mapping[str, Any]) -> gym.Env[Any, Any
         name = env_id
     if name not in gym.registry:
         raise ConfigError(_unknown_id_line(env_id, name, list(gym.registry)))
+    return name
+
+
+def _make_registered(env_id: str, kwargs: Mapping[str, Any]) -> gym.Env[Any, Any]:
+    """``gym.make(env_id, **kwargs)``, each failure as the one line naming its setting."""
+    name = _registered_name(env_id)
     try:
         return gym.make(env_id, **kwargs)
     except (gym.error.DependencyNotInstalled, ImportError) as err:
@@ -288,6 +308,20 @@ def _make_registered(env_id: str, kwargs: Mapping[str, Any]) -> gym.Env[Any, Any
 
 def _call_factory(target: str, kwargs: Mapping[str, Any]) -> gym.Env[Any, Any]:
     """The user's factory called with ``kwargs``, each failure as one line."""
+    factory = _factory(target, kwargs)
+    try:
+        env = factory(**kwargs)
+    except Exception as err:
+        raise ConfigError(f"loop.env._target_: {target}(**{dict(kwargs)}) raised "
+                          f"{type(err).__name__}: {_first_line(err)}") from None
+    if not isinstance(env, gym.Env):
+        raise ConfigError(f"loop.env._target_: {target} returned {type(env).__name__}, "
+                          "not a gymnasium.Env")
+    return env
+
+
+def _factory(target: str, kwargs: Mapping[str, Any]) -> Callable[..., Any]:
+    """The user's factory, imported and checked against ``kwargs`` (not called)."""
     try:
         factory = _locate(target)
     except (ImportError, AttributeError, ValueError) as err:
@@ -300,15 +334,7 @@ def _call_factory(target: str, kwargs: Mapping[str, Any]) -> gym.Env[Any, Any]:
         raise ConfigError(f"loop.env.kwargs: {target} rejects {dict(kwargs)}: {_first_line(err)}") from None
     except ValueError:
         pass  # no signature to check (some builtins): calling it tells
-    try:
-        env = factory(**kwargs)
-    except Exception as err:
-        raise ConfigError(f"loop.env._target_: {target}(**{dict(kwargs)}) raised "
-                          f"{type(err).__name__}: {_first_line(err)}") from None
-    if not isinstance(env, gym.Env):
-        raise ConfigError(f"loop.env._target_: {target} returned {type(env).__name__}, "
-                          "not a gymnasium.Env")
-    return env
+    return factory
 
 
 def _probe_envpool(cfg: EnvConfig) -> Spaces:

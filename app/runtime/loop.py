@@ -38,7 +38,7 @@ from app.runtime.checkpoints import (
     resume_mismatch,
     run_settings,
 )
-from app.runtime.envs import EnvConfig, ensure_registered, probe_spaces
+from app.runtime.envs import EnvConfig, check_env_names, ensure_registered, probe_spaces
 from app.runtime.models import ModelConfig, is_image
 from app.runtime.seeds import seed_problem
 from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
@@ -58,6 +58,8 @@ class RLLoop:
     """A loop on the RL runtime: the runtime's settings (``loop.*``); a subclass adds
     ``hparams`` (the algorithm's settings) and ``algorithm``."""
 
+    # layout.replay: the runtime hands segments to trainers; only a replay's loop takes them.
+    replay_ranks_supported: ClassVar[bool] = False
     total_env_steps: int = setting(400_000, "budget: stop here if the target is not reached")
     target_return: float | None = setting(
         None, "stop once the mean return of the last `window` episodes reaches it (null: the "
@@ -167,6 +169,13 @@ class RLLoop:
 
     def validate(self, plan: LayoutPlan) -> None:
         """Range checks and the environment's, run by the launcher before any rank starts."""
+        self.validate_settings(plan)
+        self.validate_env(plan)
+
+    def validate_settings(self, plan: LayoutPlan) -> None:
+        """The checks of :meth:`validate` that build nothing (no env, no policy): all that a
+        rank of a joined run other than rank 0 runs, since rank 0 probes the env for every rank
+        and hands its validated loop to them (app/launch/rank.py)."""
         per_update = self._per_update(plan)
         # The ranks of a TENSOR_PARALLEL group train one replica on their segments together.
         replicas, _, _ = plan.grid_sizes
@@ -195,6 +204,16 @@ class RLLoop:
             )
         if errors:
             raise ConfigError(f"loop.{errors[0]}")
+        check_env_names(self.env)  # a typo in the id fails every rank alike, at once
+        if plan.elastic_rollouts and plan.rollouts and self.min_rollouts > len(plan.rollouts):
+            raise ConfigError(f"loop.min_rollouts: {self.min_rollouts}, but the layout has "
+                              f"{len(plan.rollouts)} rollout ranks")
+        if self.tensorboard:
+            check_tensorboard()
+
+    def validate_env(self, plan: LayoutPlan) -> None:
+        """The checks of :meth:`validate` that need the env's spaces (one env probed), a
+        rendering env, the policy or the checkpoint to resume from."""
         if self.env.normalize_obs and is_image(self.spaces.observation):
             raise ConfigError(
                 f"loop.env.normalize_obs: {self.env.id} has image observations, which the CNN "
@@ -209,17 +228,12 @@ class RLLoop:
             if problem:
                 raise ConfigError(f"loop.env.id: {self.env.id}: {problem} (loop.model.kind="
                                   "transformer cannot act in it)")
-        if plan.elastic_rollouts and plan.rollouts and self.min_rollouts > len(plan.rollouts):
-            raise ConfigError(f"loop.min_rollouts: {self.min_rollouts}, but the layout has "
-                              f"{len(plan.rollouts)} rollout ranks")
         if self.eval_video:
             problem = render_problem(self.env)
             if problem:
                 raise ConfigError(f"loop.eval_video: {problem}")
         self.check_grid(plan)
         self.check_resume()
-        if self.tensorboard:
-            check_tensorboard()
 
     def _eval_errors(self) -> list[str]:
         checks = [

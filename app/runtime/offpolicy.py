@@ -82,6 +82,11 @@ class OffPolicyAlgorithm(Algorithm[S]):
         """``loop.replay``, as the loop built this algorithm with it."""
         return self._replay_settings
 
+    def use_replay(self, replay: Replay, limiter: RateLimiter) -> None:
+        """Learn from ``replay`` under ``limiter`` instead of a shard of this trainer's own:
+        the replay on its own ranks (app/runtime/replay_service.py)."""
+        self._replay, self.limiter = replay, limiter
+
     @property
     def replay(self) -> Replay:
         if self._replay is None:
@@ -122,8 +127,8 @@ class OffPolicyAlgorithm(Algorithm[S]):
             if step + 1 == blocking:
                 collector_wait_s = time.perf_counter() - tick
         own = {n: figures.get(n, float("nan")) for n in self.losses if n not in REPLAY_FIGURES}
-        idle = self.limiter.steps_allowed(*self._counts(), replay.size) == 0
-        self._idle_since = time.perf_counter() if idle else None
+        # Every allowed step taken (not held back by another trainer): the learner now waits.
+        self._idle_since = time.perf_counter() if steps == allowed else None
         self.waited_s["collector_wait_s"] += collector_wait_s
         self.waited_s["learner_wait_s"] += learner_wait_s
         return {**own, **self.replay_figures(steps)}
@@ -217,6 +222,8 @@ class OffPolicyLoop(RLLoop):
     metrics: ClassVar[LoopMetrics] = LoopMetrics(
         {**RLLoop.metrics.directions, "collector_wait_s": "min", "learner_wait_s": "min"},
         headline=RLLoop.metrics.headline)
+    # layout.replay may hold this loop's replay (app/launch/planning.py checks it).
+    replay_ranks_supported: typing.ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -135,9 +136,10 @@ def time_split(worker: RolloutWorker | None, split_s: dict[str, float],
 
 def replay_result(rows: list[dict[str, float]]) -> dict[str, Any]:
     """An off-policy run's replay as its last update left it (result.json's ``replay``), from
-    its metrics rows; empty for any other run."""
+    its metrics rows; empty for any other run, and on a rank that trains not (its rows hold
+    NaN: a static rollout rank's, a replay rank's)."""
     last = rows[-1] if rows else {}
-    if "replay_size" not in last:
+    if not math.isfinite(last.get("replay_size", math.nan)):
         return {}
     names = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
              "priority_spread", "collector_wait_s", "learner_wait_s")

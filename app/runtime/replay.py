@@ -43,7 +43,8 @@ _CORE = ("obs", "actions", "rewards", "dones", "next_obs", "next_done", "final_o
 class ReplaySettings:
     """``loop.replay``: one trainer's replay shard and the rate between learning and collecting."""
 
-    capacity: int = setting(10_000, "transitions per trainer shard; the oldest go first (FIFO)")
+    capacity: int = setting(10_000, "transitions per trainer shard, or per replay rank "
+                            "(layout.replay); the oldest go first (FIFO)")
     batch_size: int = setting(128, "transitions per learner step")
     min_size: int = setting(1_000, "transitions in the shard before the learner starts")
     samples_per_insert: float = setting(

@@ -35,6 +35,7 @@ from app.runtime.checkpoints import (
 from app.runtime.evaluator import Evaluations, evaluation_row
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, replay_result, time_split, update_row
+from app.runtime.replay_service import ReplayLink, collectors
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
 from app.runtime.sharding import (
@@ -60,7 +61,7 @@ class RuntimeRun:
         self.loop, self.ctx, self.job, self.hparams, plan = loop, ctx, job, loop.hparams, job.plan
         self.rank = ctx.get_global_rank()
         self.is_trainer = self.rank in plan.trainers
-        self.collects = plan.colocated or self.rank in plan.rollouts
+        self.collects = (plan.colocated and self.is_trainer) or self.rank in plan.rollouts
         self.has_rollout_ranks = not plan.colocated
         # Rollout ranks may leave and join (app/runtime/handoff/elastic.py); such a rank follows
         # its trainer, which tells it when the run stops.
@@ -87,8 +88,7 @@ class RuntimeRun:
                        if self.collects else None)
         if self.worker is not None:  # which collector it is, for per-collector exploration
             self.worker.use_segment_format(self.segment_format)
-            collectors = sorted(plan.rollouts or plan.trainers)
-            self.algorithm.set_collector(collectors.index(self.rank), len(collectors))
+            self.algorithm.set_collector(collectors(plan).index(self.rank), len(collectors(plan)))
         self.grid = TrainerGrid.of(plan)
         self.settings = run_settings(loop, self.spaces)  # what a checkpoint records
         self.generator = torch.Generator()
@@ -97,8 +97,9 @@ class RuntimeRun:
         # buffer (the parameters then live there).
         sharded = is_sharded(plan, loop.data_parallel)
         self.trained = self._trained_module() if sharded else None
-        self.hand_off = build_hand_off(ctx, job, self.agent, self.segment_format, self.trained,
-                                       self._hand_off_settings(episode_cap, sharded))
+        self.replay_link = ReplayLink(ctx, plan, self.algorithm, self.segment_format, job.seed)
+        self.hand_off = build_hand_off(ctx, job, self.agent, self.replay_link.hand_off_format,
+                                       self.trained, self._hand_off_settings(episode_cap, sharded))
         if not sharded:
             self.trained = self._trained_module()
         self.optimizer = (self.algorithm.optimizer(self.trained.trained)
@@ -139,6 +140,7 @@ class RuntimeRun:
         if self.evaluations is not None:  # the one still running completes the record
             self.evaluations.finish(self.ctx.timeout.total_seconds())
         self.hand_off.stop(self.update, self.env_steps)
+        self.replay_link.close()  # layout.replay's ranks serve until every rank said STOP
         if self.loop.checkpoint_every and self.update % self.loop.checkpoint_every:
             self._save_checkpoint()  # keep the final state too
         if view is not None:
@@ -261,6 +263,7 @@ class RuntimeRun:
             "cpu_s": round(cpu_s, 3),  # this process's CPU time over the run (all threads)
             "param_checksum": float(sum(p.detach().double().sum()
                                         for p in self.agent.net.parameters())),
+            **self.replay_link.result(),
         }
         if self.follows:  # the job's counts come from its trainer: this rank's own beside them
             return {**common, **hand_off.result(), "env_steps_collected": steps}
@@ -341,6 +344,7 @@ class RuntimeRun:
             own, mine = self.worker.collect(self.agent, version)
             self.split_s["collect"] += time.perf_counter() - tick
         tick = time.perf_counter()
+        own = self.replay_link.put(own)  # to its replay rank (layout.replay)
         handed = self.hand_off.exchange(own, mine, self.update)
         self.split_s["comm"] += time.perf_counter() - tick
         if handed is not None:

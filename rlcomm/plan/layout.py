@@ -39,6 +39,7 @@ _DERIVED_ORDER = (
     ParallelMode.TENSOR_PARALLEL,
     ParallelMode.SEQUENCE_PARALLEL,
     ParallelMode.DATA_PARALLEL,
+    ParallelMode.REPLAY,
 )
 
 
@@ -71,6 +72,9 @@ class LayoutPlan:
     # Rollout ranks may leave and join while the run goes on (rlcomm.elastic): every group that
     # contains one is elastic (:attr:`elastic_modes`); trainers and their groups stay static.
     elastic_rollouts: bool = False
+    # Ranks that hold an off-policy loop's replay (layout.replay): collectors write to them and
+    # trainers sample from them, point to point over the REPLAY group (every rank).
+    replay: tuple[int, ...] = ()
 
     @property
     def elastic_modes(self) -> tuple[str, ...]:
@@ -91,7 +95,9 @@ class LayoutPlan:
     def role(self, rank: int) -> str:
         if rank in self._trainer_set:
             return "trainer+rollout" if self.colocated else "trainer"
-        return "rollout" if rank in self._rollout_set else "idle"
+        if rank in self._rollout_set:
+            return "rollout"
+        return "replay" if rank in self.replay else "idle"
 
     # Sets for role(): a picture or table of a 65,536-rank plan asks for many ranks' roles.
     @cached_property
@@ -132,7 +138,7 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     """Validate ``spec`` and return every group to create, in creation order."""
     world = _check_positive_int("layout.world_size", spec.world_size)
     per_node, nodes = _node_shape(spec, world)
-    trainers, rollouts = resolve_roles(spec.trainers, spec.rollouts, world)
+    trainers, rollouts, replay = resolve_roles(spec.trainers, spec.rollouts, world, spec.replay)
 
     explicit = {}
     for raw_mode, lists in spec.groups.items():
@@ -155,6 +161,8 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     if rollouts:
         derived[ParallelMode.WEIGHT_TRANSFER] = _pair_trainers(trainers, rollouts)
     derived.update(_size_groups(spec, trainers))
+    if replay:  # one group for the replay's point-to-point traffic, apart from GLOBAL's
+        derived[ParallelMode.REPLAY] = (tuple(range(world)),)
 
     ordered = [m.value for m in _DERIVED_ORDER] + [m for m in explicit if m not in _DERIVED_ORDER]
     groups = tuple(
@@ -168,7 +176,7 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
         or any(m in explicit for m in (ParallelMode.INTRA_NODE, ParallelMode.INTER_NODE))
     )
     return LayoutPlan(world, per_node, nodes, trainers, rollouts, groups, declared,
-                      elastic_rollouts=bool(spec.elastic_rollouts))
+                      elastic_rollouts=bool(spec.elastic_rollouts), replay=replay)
 
 
 def place_on_hosts(plan: LayoutPlan, hosts: Sequence[str]) -> LayoutPlan:
@@ -326,6 +334,6 @@ def plan_digest(plan: LayoutPlan) -> str:
     plan, go through ``hash`` in C; the rest is small."""
     lists = tuple(spec.rank_lists for spec in plan.groups)
     names = [spec.mode for spec in plan.groups]
-    roles = hash((plan.trainers, plan.rollouts, plan.ranks_per_node))
+    roles = hash((plan.trainers, plan.rollouts, plan.replay, plan.ranks_per_node))
     text = f"{plan.world_size}/{names}/{[len(rl) for rl in lists]}/{hash(lists)}/{roles}"
     return hashlib.sha256(text.encode()).hexdigest()

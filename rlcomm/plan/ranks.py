@@ -1,6 +1,6 @@
 """Rank lists as a user writes them, checked: groups of one mode, and the ranks of each role.
 
-A role (``layout.trainers``, ``layout.rollouts``) takes a list of ranks, a count or ranges
+A role (``layout.trainers``, ``layout.rollouts``, ``layout.replay``) takes a list of ranks, a count or ranges
 (``"0-3,8,10-11"``); see :func:`resolve_roles` for how they combine. Everything is checked on
 the numbers a user wrote, before a rank list is built, so a typo such as ``"0-99999999"`` costs
 nothing and every error is one line that names the field and the value.
@@ -21,6 +21,7 @@ RankLists = tuple[tuple[int, ...], ...]
 
 TRAINERS = "layout.trainers"
 ROLLOUTS = "layout.rollouts"
+REPLAY = "layout.replay"
 _FORMS = 'a list of ranks [0,1], a count 2 or ranges "0-3,8"'
 _ITEM = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
 
@@ -92,17 +93,19 @@ def parse_ranges(where: str, text: str, world_size: int) -> tuple[int, ...]:
 
 
 def resolve_roles(
-    trainers: RankSelection | None, rollouts: RankSelection | None, world_size: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The trainer and rollout ranks a layout declares, checked.
+    trainers: RankSelection | None, rollouts: RankSelection | None, world_size: int,
+    replay: RankSelection | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The trainer, rollout and replay ranks a layout declares, checked.
 
     - A list keeps its order (a WEIGHT_TRANSFER group pairs the i-th trainer with the i-th share
       of the rollouts); ranges keep the order written.
-    - A count N takes the N lowest ranks that the other role does not name as a list or ranges;
-      when both are counts, the trainers come first.
-    - ``rollouts`` not given (None): every rank that is not a trainer, in rank order; if none is
-      left the layout is colocated. ``rollouts=[]``: colocated, the trainers must be every rank.
-    - ``trainers`` is required; every rank needs a role; no rank has both.
+    - A count N takes the N lowest ranks that the other roles do not name as a list or ranges;
+      when several are counts, the trainers come first, then the replay ranks.
+    - ``rollouts`` not given (None): every rank that is neither a trainer nor a replay rank, in
+      rank order; if none is left the layout is colocated. ``rollouts=[]``: colocated.
+    - ``replay`` None or []: no replay ranks (an off-policy loop keeps a replay per trainer).
+    - ``trainers`` is required; every rank needs a role; no rank has two.
     """
     train = None if trainers is None else _explicit(TRAINERS, trainers, world_size)
     if trainers is None or train == ():
@@ -111,31 +114,42 @@ def resolve_roles(
             'count (1) or ranges ("0-3")'
         )
     roll = None if rollouts is None else _explicit(ROLLOUTS, rollouts, world_size)
+    rep = () if replay is None else _explicit(REPLAY, replay, world_size)
     if train is None:
-        train = _lowest(TRAINERS, trainers, world_size, roll or (), "rollouts")
+        train = _lowest(TRAINERS, trainers, world_size, (*(roll or ()), *(rep or ())),
+                        "rollouts or replay" if rep else "rollouts")
+    if rep is None:
+        rep = _lowest(REPLAY, replay, world_size, (*train, *(roll or ())), "trainers or rollouts")
+    _check_apart(REPLAY, rep, train, "trainers")
     if roll is None and rollouts is not None:
-        roll = _lowest(ROLLOUTS, rollouts, world_size, train, "trainers")
+        roll = _lowest(ROLLOUTS, rollouts, world_size, (*train, *rep),
+                       "trainers or replay" if rep else "trainers")
     if roll is None:  # not given: the rest of the ranks
-        trainer_set = set(train)
-        roll = tuple(rank for rank in range(world_size) if rank not in trainer_set)
-    both = sorted(set(train).intersection(roll))
-    if both:
-        raise LayoutError(
-            f"{ROLLOUTS}: ranks {format_ranks(both)} are also trainers; roles must not overlap"
-        )
-    if len(train) + len(roll) != world_size:
-        assigned = set(train).union(roll)
+        taken = set(train).union(rep)
+        roll = tuple(rank for rank in range(world_size) if rank not in taken)
+    _check_apart(ROLLOUTS, roll, train, "trainers")
+    _check_apart(REPLAY, rep, roll, "rollouts")
+    if len(train) + len(roll) + len(rep) != world_size:
+        assigned = set(train).union(roll, rep)
         missing = [rank for rank in range(world_size) if rank not in assigned]
         raise LayoutError(
-            f"layout: ranks {format_ranks(missing)} are neither trainers nor rollouts "
-            f"(world_size {world_size})"
+            f"layout: ranks {format_ranks(missing)} are neither trainers"
+            f"{', rollouts nor replay' if rep else ' nor rollouts'} (world_size {world_size})"
         )
     if roll and len(roll) < len(train):
         raise LayoutError(
             f"{ROLLOUTS}: {len(roll)} rollout ranks cannot serve {len(train)} trainers;"
             " give each trainer at least one, or none for colocated training"
         )
-    return train, roll
+    return train, roll, rep
+
+
+def _check_apart(where: str, ranks: Sequence[int], others: Sequence[int], role: str) -> None:
+    both = sorted(set(ranks).intersection(others))
+    if both:
+        raise LayoutError(
+            f"{where}: ranks {format_ranks(both)} are also {role}; roles must not overlap"
+        )
 
 
 def is_int(value: object) -> bool:
@@ -160,7 +174,8 @@ def _lowest(
     """The ``count`` lowest ranks not in ``taken``."""
     n = cast(int, count)  # the caller found it is an int
     if n < 1:
-        hint = "; [] means no rollout ranks (colocated)" if where == ROLLOUTS else ""
+        hint = {ROLLOUTS: "; [] means no rollout ranks (colocated)",
+                REPLAY: "; [] means no replay ranks"}.get(where, "")
         raise LayoutError(f"{where}: a count must be at least 1, got {n}{hint}")
     if n > world_size:
         raise LayoutError(f"{where}: count {n} is more than world_size {world_size}")

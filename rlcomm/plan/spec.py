@@ -43,6 +43,13 @@ class LayoutSpec:
             "null: every rank that is not a trainer; []: none (colocated)"
         ),
     )
+    replay: RankSelection | None = field(
+        default=None,
+        metadata=_doc(
+            "ranks that hold the replay (an off-policy loop's replay server): a list, count or "
+            "ranges, apart from trainers and rollouts; null or []: none (a replay per trainer)"
+        ),
+    )
     groups: Mapping[str, Sequence[Sequence[int]]] = field(
         default_factory=dict,
         metadata=_doc("explicit rank lists per mode; override what is derived"),

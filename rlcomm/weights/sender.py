@@ -221,6 +221,23 @@ class WeightSender(Endpoint):
         self._pending_calls = []
         return works
 
+    def settle(self) -> list[BaseException]:
+        """Like :meth:`wait`, but each send in flight is waited for on its own, and a failed
+        one (its receiver is gone: at once on a closed connection, after the group's timeout
+        on a downed link) does not stop the others: when this returns, no send reads the
+        buffers any more. Returns the failures (an elastic group's lost members)."""
+        pending, self._pending = self._pending, []
+        calls, self._pending_calls = self._pending_calls, []
+        failures: list[BaseException] = []
+        for work in pending:
+            try:
+                work.wait()
+            except Exception as err:
+                failures.append(err)
+        for call in calls:
+            call.finish()
+        return failures
+
     def wait(self) -> None:
         """Block until the last ``send(..., wait=False)`` has been delivered."""
         pending, self._pending = self._pending, []

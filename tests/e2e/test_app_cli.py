@@ -92,13 +92,17 @@ def test_multirun_over_three_layouts_leaves_one_result_per_job(tmp_path: Path) -
 
 @pytest.mark.e2e
 def test_a_failing_sweep_job_does_not_hide_the_others(tmp_path: Path) -> None:
-    proc = run_app("--multirun", "layout=1t1r", "layout.world_size=3,2", "loop=commcheck",
-                   "loop.bandwidth_bytes=65536", f"hydra.sweep.dir={tmp_path}")
+    # Job 0 passes validation, then fails as it runs: its rollout rank's env raises at its first
+    # step (a job whose config is bad ends the sweep before any job: test_sweep_validation.py).
+    proc = run_app("--multirun", "layout=1t1r", "loop.progress=false", "loop.hparams.num_envs=4",
+                   "loop.hparams.num_steps=32", "loop.total_env_steps=256",
+                   "loop.env._target_=tests.helpers.failing_env.make_failing_env",
+                   "+loop.env.kwargs.fail_rank=1,-1", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode != 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [j["status"] for j in summary["jobs"]] == ["failed", "ok"]
-    assert "ranks [2] are neither trainers nor rollouts" in summary["jobs"][0]["error"]
-    assert_commcheck_passed(read_result(tmp_path / "1"), 2)
+    assert "lost: rank 1" in summary["jobs"][0]["error"]
+    assert read_result(tmp_path / "1")["world_size"] == 2
 
 
 @pytest.mark.e2e

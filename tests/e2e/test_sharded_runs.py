@@ -156,7 +156,7 @@ def test_a_sharded_checkpoint_of_another_width_is_refused_before_any_rank_starts
     assert not (run_dir / "logs").exists()
 
 
-@pytest.mark.parametrize("hand_off", ["sharded", "elastic"])
+@pytest.mark.parametrize("hand_off", ["sharded", "elastic-sharded"])
 def test_rollout_ranks_fed_by_tp2_x_fsdp2_trainers_act_with_the_whole_models_exact_weights(
     tmp_path: Path, hand_off: str,
 ) -> None:
@@ -170,22 +170,22 @@ def test_rollout_ranks_fed_by_tp2_x_fsdp2_trainers_act_with_the_whole_models_exa
     version = reports[0]["weights_version"]
     # Every version was checked against the trainer's bytes on arrival (verify_weights_every=1).
     # The last one, sent after update version - 1, is what the checkpoint of that update holds:
-    # the whole model, read from the shards on this one process, bit for bit (sharded hand-off:
-    # assembled by each rollout rank from the four owners' slices).
+    # the whole model, read from the shards on this one process, bit for bit (assembled by
+    # each rollout rank from the four owners' slices).
     checkpoint = run_dir / "checkpoints" / f"ckpt_{version - 1:06d}"
     policy = load_policy_state(checkpoint)
     whole = float(sum(t.double().sum() for t in policy.values()))
     for rank in range(4, 8):
         assert reports[rank]["weights_version"] == version, reports[rank]
         assert reports[rank]["param_checksum"] == whole, rank
-    if hand_off == "sharded":
-        # Each element left one trainer: together they sent the whole weights once per
-        # version to each of the 4 rollout ranks, and none sent more than half of them.
-        normalizers = torch.load(checkpoint / "state.pt", weights_only=False)["normalizers"]
-        whole_bytes = sum(t.nbytes for t in [*policy.values(), *normalizers.values()])
-        sent = [reports[r]["weight_bytes_sent"] for r in range(4)]
-        assert sum(sent) == version * 4 * whole_bytes, (sent, whole_bytes)
-        assert max(sent) < version * 4 * whole_bytes / 2, sent
+    # Each element left one trainer (static or elastic rollout ranks alike): together they
+    # sent the whole weights once per version to each of the 4 rollout ranks, and none sent
+    # more than half of them.
+    normalizers = torch.load(checkpoint / "state.pt", weights_only=False)["normalizers"]
+    whole_bytes = sum(t.nbytes for t in [*policy.values(), *normalizers.values()])
+    sent = [reports[r]["weight_bytes_sent"] for r in range(4)]
+    assert sum(sent) == version * 4 * whole_bytes, (sent, whole_bytes)
+    assert max(sent) < version * 4 * whole_bytes / 2, sent
 
 
 def test_a_killed_rollout_rank_of_a_sharded_grid_rejoins_with_verified_weights(
@@ -203,6 +203,12 @@ def test_a_killed_rollout_rank_of_a_sharded_grid_rejoins_with_verified_weights(
     (join,) = result["joins"]
     assert join["rank"] == 7 and join["reason"] == "admitted"
     reports = _reports(result)
+    # Through the sharded hand-off of elastic rollout ranks: every owner's slices, re-formed
+    # job-wide when rank 7 left and when it was admitted (a new epoch on every trainer).
+    assert {reports[r]["hand_off"] for r in range(8)} == {"elastic-sharded"}
+    (leave,) = result["leaves"]
+    assert leave["rank"] == 7
+    assert all(reports[r]["epoch"] >= 1 for r in range(4)), [reports[r] for r in range(4)]
     assert reports[7]["joined"] is True
     for rank in (4, 5, 6):  # the same version, so the same whole weights as every rollout's
         assert reports[7]["weights_version"] == reports[rank]["weights_version"]

@@ -83,19 +83,20 @@ def check_sweep(sweep: Path, stdout: str, layouts: list[str], seeds: list[int], 
 @pytest.mark.timeout(900)  # 10 jobs, 22 rank processes: about 2 minutes on 2 idle cores
 def test_sweep_over_four_layouts_and_two_seeds_ranks_its_jobs(tmp_path: Path) -> None:
     conf = tmp_path / "conf" / "layout"
-    conf.mkdir(parents=True)  # a layout that fails in its job: rank 2 has no role
-    (conf / "broken.yaml").write_text("defaults: [layout_schema, _self_]\nworld_size: 3\n"
-                                      "trainers: [0]\nrollouts: [1]\n")
+    conf.mkdir(parents=True)  # a layout whose jobs pass validation, then fail: rank 1's env raises
+    (conf / "broken.yaml").write_text("# @package _global_\nlayout: {world_size: 2, trainers: [0], "
+                                      "rollouts: [1]}\nloop: {env: {kwargs: {fail_rank: 1}}}\n")
     sweep = tmp_path / "sweep"
     proc = run_app("--multirun", "layout=broken,single,1t1r,2t2r,1t3r", "seed=0,1",
                    "sweep.rank_by=env_steps_per_s", *SHORT_PPO, f"hydra.sweep.dir={sweep}",
+                   "loop.env._target_=tests.helpers.failing_env.make_failing_env",
                    f"hydra.searchpath=[file://{tmp_path / 'conf'}]", timeout=840)
     assert proc.returncode != 0, describe(proc)  # the broken jobs fail the multirun...
     check_sweep(sweep, proc.stdout, ["single", "1t1r", "2t2r", "1t3r"], [0, 1],
                 "env_steps_per_s", failed=2)  # ...yet the report covers every job
     failed = [r for r in table_rows((sweep / "summary.md").read_text()) if r[0] == "failed"]
     assert [r[2] for r in failed] == ["#0", "#1"]
-    assert all("ranks [2] are neither trainers nor rollouts" in r[3] for r in failed)
+    assert all("lost: rank 1" in r[3] for r in failed)  # its rollout rank, at its first step
 
 
 def test_sweep_through_the_local_submitit_launcher_ranks_its_jobs(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@
 - :mod:`tests.helpers.sweeps`: the PPO loop's metrics and a plugged-in loop with its own;
 - :mod:`tests.helpers.transformer_inputs`: a small transformer policy and random inputs;
 - :mod:`tests.helpers.single_process`: an algorithm, agent and worker on CartPole, a PPO run;
-- :mod:`tests.helpers.image_env`, :mod:`tests.helpers.failing_env`,
+- :mod:`tests.helpers.image_env`, :mod:`tests.helpers.failing_env`, :mod:`tests.helpers.counting_env`,
   :mod:`tests.helpers.userpkg`: environments and a user package for the tests.
 
 Real ranks come from the library itself: :func:`rlcomm.testing.run_ranks`. Fixtures shared by

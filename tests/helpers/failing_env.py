@@ -1,5 +1,6 @@
 """An environment that fails mid-run on one rank: CartPole that raises after a number of steps
-in the process whose ``RANK`` is ``fail_rank`` (the launcher's probe, with no RANK, is spared)."""
+in the process whose ``RANK`` is ``fail_rank`` (the launcher's probe, with no RANK, is spared;
+the default ``fail_rank`` spares every process)."""
 
 from __future__ import annotations
 
@@ -22,5 +23,5 @@ class FailingCartPole(gym.Wrapper[Any, Any, Any, Any]):
         return self.env.step(action)
 
 
-def make_failing_env(fail_rank: int, after_steps: int) -> gym.Env[Any, Any]:
+def make_failing_env(fail_rank: int = -1, after_steps: int = 0) -> gym.Env[Any, Any]:
     return FailingCartPole(fail_rank, after_steps)

@@ -1,5 +1,5 @@
-"""The agent the hand-off tests publish and receive (tests/integration/test_handoff.py): a
-transformer policy under ``net``, statistics beside it."""
+"""The agent the hand-off tests publish and receive (tests/integration/test_handoff.py,
+test_elastic_sharded_handoff.py): a transformer policy under ``net``, statistics beside it."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ tier, the tier of its folder (tests/<tier>/), and no test module imports another
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -42,8 +43,11 @@ def suite(tmp_path: Path, modules: dict[str, str]) -> Path:
 
 
 def collect(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # A pytest of its own: not a worker of this run's xdist (its PYTEST_XDIST_* variables).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *args, "tests"],
-                          cwd=root, capture_output=True, text=True, timeout=120, check=False)
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
 
 
 GOOD = {

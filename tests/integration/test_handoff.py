@@ -108,6 +108,7 @@ def _chosen(rank: int, world: int, elastic: bool, data_parallel: str) -> str:
 
 
 @pytest.mark.parametrize(("elastic", "data_parallel", "kind"), [
-    (False, "ddp", "flat"), (False, "fsdp", "sharded"), (True, "fsdp", "elastic")])
+    (False, "ddp", "flat"), (False, "fsdp", "sharded"), (True, "ddp", "elastic"),
+    (True, "fsdp", "elastic-sharded")])
 def test_the_plan_picks_the_hand_off(elastic: bool, data_parallel: str, kind: str) -> None:
     assert set(run_ranks(_chosen, 2, elastic, data_parallel, timeout=120).values()) == {kind}

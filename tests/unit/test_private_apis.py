@@ -178,6 +178,15 @@ def _hydra_config_loader() -> None:
     assert callable(Singleton.get_state)
 
 
+def _basic_launcher() -> None:
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+    params = list(inspect.signature(BasicLauncher.launch).parameters)
+    assert params == ["self", "job_overrides", "initial_job_idx"], params
+    source = inspect.getsource(BasicLauncher.setup)
+    assert "self.config = config" in source and "self.hydra_context = hydra_context" in source
+
+
 def _composable_replicate() -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -195,7 +204,8 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("BaseSubmititLauncher.__call__/params/config/hydra_context", "app/launch/slurm.py: RlcommLauncher", _submitit_launcher),
     ("BaseSubmititLauncher.launch (its body)", "app/launch/slurm.py: RlcommLauncher.launch mirrors it", _submitit_launch_body),
     ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/launch/slurm.py: waiting for and reading task results", _submitit_job_internals),
-    ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/config/help.py", _hydra_config_loader),
+    ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/launch/sweep_jobs.py, app/config/help.py", _hydra_config_loader),
+    ("hydra._internal.core_plugins.basic_launcher.BasicLauncher (launch, setup)", "app/launch/sweep_jobs.py: CheckedBasicLauncher", _basic_launcher),
     ("torch elastic _get_fq_hostname (api, LocalElasticAgent)", "app/launch/private.py: name_agent_host", _elastic_hostname),
     ("torch elastic's log texts (restart notice, worker failed)", "app/launch/private.py: AgentRestartNotice, NoWorkerTraceback", _elastic_log_texts),
     ("/proc/<pid>/fd links", "app/launch/private.py: open_files (DeathWatch)", _open_files),
@@ -216,7 +226,8 @@ def test_private_api_still_behaves_as_the_code_expects(
 
 
 # What reaches into torch's, Python's or submitit's internals: in the launch room only
-# app/launch/private.py may (subclass hooks aside: LoopbackRendezvous, RlcommLauncher).
+# app/launch/private.py may (subclass hooks aside: LoopbackRendezvous, RlcommLauncher,
+# CheckedBasicLauncher).
 _PRIVATE_USES = {
     "multiprocessing.process._children": r"process\._children",
     "readlink of /proc/<pid>/fd": r"os\.readlink|/fd\b",

@@ -10,8 +10,15 @@ sees only :class:`HandOff`; the plan picks the implementation (:func:`build_hand
   sharded (docs/sharding.md): each shard owner sends its own slice to every rollout rank, which
   assembles whole weights; no trainer gathers the model to send it;
 - :class:`~app.runtime.handoff.elastic.ElasticLeader` and
-  :class:`~app.runtime.handoff.elastic.ElasticMember`: rollout ranks that may leave and join
-  (``layout.elastic_rollouts``, the default), point to point over membership epochs.
+  :class:`~app.runtime.handoff.elastic_member.ElasticMember`: rollout ranks that may leave and
+  join (``layout.elastic_rollouts``, the default), point to point over membership epochs; each
+  trainer sends its whole weights to its own members;
+- :class:`~app.runtime.handoff.elastic_sharded.ElasticShardedLeader` and
+  :class:`~app.runtime.handoff.elastic_sharded.ElasticShardedMember`: elastic rollout ranks fed
+  by sharded trainers: segments as on the elastic path, weights as on the sharded one (each
+  owner's slices to every live rollout rank of the job), over job-wide membership changes;
+- :class:`~app.runtime.handoff.replay_rank.ReplayRankHandOff`: a replay rank
+  (``layout.replay``), which follows the episodes only.
 
 Checksums (``loop.verify_weights_every``), versions and ``loop.max_staleness`` behave alike on
 every path: each is built on rlcomm.weights' sender and receiver.
@@ -27,7 +34,9 @@ from app.api import JobInfo
 from app.runtime.handoff.base import HandOff, HandOffSettings, Round
 from app.runtime.handoff.elastic import ElasticLeader
 from app.runtime.handoff.elastic_member import ElasticMember
+from app.runtime.handoff.elastic_sharded import ElasticShardedLeader, ElasticShardedMember
 from app.runtime.handoff.flat import FlatHandOff
+from app.runtime.handoff.replay_rank import ReplayRankHandOff
 from app.runtime.handoff.sharded import ShardedHandOff
 from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, ParallelMode
@@ -43,11 +52,16 @@ def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_for
     plan = job.plan
     rank = ctx.get_global_rank()
     trainer = rank in plan.trainers
+    if rank in plan.replay:  # it serves the replay (app/runtime/replay_service.py)
+        return ReplayRankHandOff(ctx, plan, agent, segment_format, settings)
     if not plan.colocated and plan.elastic_rollouts:
+        if trainer and settings.sharded:
+            return ElasticShardedLeader(ctx, agent, segment_format, settings, dict(job.hosts), trained)
         if trainer:
             return ElasticLeader(ctx, agent, segment_format, settings, dict(job.hosts))
         leader = plan.groups_of(rank)[ParallelMode.WEIGHT_TRANSFER.value][0]
-        return ElasticMember(ctx, agent, segment_format, leader, settings, joining=job.joining)
+        member = ElasticShardedMember if settings.sharded else ElasticMember
+        return member(ctx, agent, segment_format, leader, settings, joining=job.joining)
     if not plan.colocated and settings.sharded:
         return ShardedHandOff(ctx, plan, agent, segment_format, trained, settings)
     return FlatHandOff(ctx, plan, agent, segment_format, settings)

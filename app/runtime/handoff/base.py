@@ -34,7 +34,7 @@ class HandOff(Protocol):
     the last update.
     """
 
-    kind: str  # "flat", "sharded" or "elastic": which one the plan chose (result.json)
+    kind: str  # "flat", "sharded", "elastic" or "elastic-sharded": the plan's choice (result.json)
     transfer_s: float  # trainers: seconds spent sending weights
     wait_total_s: float  # seconds blocked on the other side of the hand-off
     weight_bytes_sent: int

@@ -12,7 +12,9 @@ on it are verified by checksum. A trainer left with no live member trains on the
 segments dealt over the trainers (its surviving rollout ranks serve the job). Below
 ``loop.min_rollouts`` live members in the whole job the trainers wait that long for joiners, if
 one can come, then end the run naming who was lost. The member's side is
-app/runtime/handoff/elastic_member.py.
+app/runtime/handoff/elastic_member.py. Under sharded trainers the weights go another way (each
+owner's slices to every rollout rank, job-wide epochs: app/runtime/handoff/elastic_sharded.py,
+which overrides the weights side here and nothing else).
 
 Nothing in the steady state spans every rank: a member's finished episodes and waiting time
 travel in its segment, the trainers share them over TRAIN_DATA_PARALLEL and take the stop
@@ -114,8 +116,6 @@ class ElasticLeader:
         planned = ctx.get_declared_ranks(WT)
         self.membership = Membership(ctx.store, self.rank, planned)
         self._register(self.membership.group(self.rank, self.patience))  # epoch 0
-        self.sender = WeightSender(ctx, WT, verify_every=self.verify_every)
-        self.sender.bind(agent)
         self.changes: list[Change] = []
         self.dropped: dict[int, str] = {}  # lost since the current epoch formed
         self.discarded = 0  # segments lost with their member, or left behind by an epoch change
@@ -126,6 +126,40 @@ class ElasticLeader:
         self.staleness: dict[int, int] = {}
         self.update = 0
         self.on_wait: Callable[[str], None] | None = None  # the progress line, on rank 0
+        self._start_weights()
+
+    # ---- the weights: whole, from this trainer (elastic_sharded.py overrides these) ---------
+
+    def _start_weights(self) -> None:
+        """Epoch 0's sender, bound to the agent (zero-copy sends)."""
+        self.sender = WeightSender(self.ctx, WT, verify_every=self.verify_every)
+        self.sender.bind(self.agent)
+
+    def _send_weights(self, first: bool) -> None:
+        self.sender.send(self.agent, wait=first)
+        self.weight_bytes_sent += len(self.members) * self.weight_bytes
+
+    def _end_weights(self, moved: bool) -> None:
+        """No more versions on this group: tell the members (moved: to a new epoch)."""
+        graveyard.append((self.sender, self.ctx.get_group(WT), self.sender.end(moved=moved)))
+
+    def _first_weights(self) -> None:
+        """A new epoch's group formed: its first weights, verified whatever
+        loop.verify_weights_every says (every member, a joiner above all, starts from them)."""
+        version = self.sender.version
+        self.sender = WeightSender(self.ctx, WT, verify_every=self.verify_every,
+                                   first_version=version)
+        self.sender.bind(self.agent)
+        self.sender.send(self.agent, wait=True, verify=True)
+        self.weight_bytes_sent += len(self.members) * self.weight_bytes
+
+    def _changing(self, joins: list[Join]) -> bool:
+        """Whether this update boundary forms a new epoch: here, this group's own changes."""
+        return bool(joins or self.dropped)
+
+    def _admitting(self, joins: list[Join]) -> bool:
+        """Whether a wait for joiners forms a new epoch: here, when this group has some."""
+        return bool(joins)
 
     @property
     def members(self) -> list[int]:
@@ -152,11 +186,10 @@ class ElasticLeader:
         """Admits joiners and drops the lost (a new epoch), then sends the next weights."""
         tick = time.perf_counter()
         joins = self.membership.pending_joins()
-        if joins or self.dropped:
+        if self._changing(joins):
             self._next_epoch(joins)
         else:
-            self.sender.send(self.agent, wait=first)
-            self.weight_bytes_sent += len(self.members) * self.weight_bytes
+            self._send_weights(first)
         self.transfer_s += time.perf_counter() - tick
         return True
 
@@ -184,7 +217,7 @@ class ElasticLeader:
         members = sorted(survivors + joining)
         # The record first: a survivor told "moved" reads it at once.
         epoch = self.membership.announce(members, joins)
-        graveyard.append((self.sender, old_group, self.sender.end(moved=True)))
+        self._end_weights(moved=True)
         if self.max_staleness:  # what the members sent ahead on the old group
             drain(old_group, list(positions.values()), self.segment_format.nbytes,
                   self.max_staleness + 1)
@@ -202,14 +235,7 @@ class ElasticLeader:
             log.warning("rank %d (%s) joined rank %d's group: epoch %d, %d rollout ranks",
                         rank, self.hosts.get(rank, "?"), self.rank, epoch, len(members))
         self.dropped = {}
-        version = self.sender.version
-        self.sender = WeightSender(self.ctx, WT, verify_every=self.verify_every,
-                                   first_version=version)
-        self.sender.bind(self.agent)
-        # Every member (a joiner above all) starts from these, verified whatever
-        # loop.verify_weights_every says.
-        self.sender.send(self.agent, wait=True, verify=True)
-        self.weight_bytes_sent += len(self.members) * self.weight_bytes
+        self._first_weights()
         log.info("rank %d: epoch %d formed in %.3f s: members %s", self.rank, epoch,
                  time.perf_counter() - tick, members)
 
@@ -305,7 +331,7 @@ class ElasticLeader:
             segment = segment_fields(self.segment_format, packed)
             segments.append(segment)
             versions.append((rank, segment.version))
-        lags = check_staleness(versions, self.sender.version, self.max_staleness, updates + 1)
+        lags = check_staleness(versions, self.version(updates), self.max_staleness, updates + 1)
         for segment, lag in zip(segments, lags):
             segment.lag = lag
             self.staleness[lag] = self.staleness.get(lag, 0) + 1
@@ -349,7 +375,7 @@ class ElasticLeader:
                     f"{live} live rollout ranks of loop.min_rollouts={self.min_rollouts} for "
                     f"{self.patience_s:g} s; lost: {lost}")
             joins = self.membership.pending_joins()
-            if joins:
+            if self._admitting(joins):
                 self._next_epoch(joins)
                 received += self._receive()
                 continue
@@ -409,7 +435,7 @@ class ElasticLeader:
         live = [i + 1 for i, m in enumerate(self.members) if m not in self.dropped]
         self.ctx.store.set(f"elastic/{self.rank}/final", json.dumps(
             {"members": self.live, "updates": updates, "env_steps": env_steps}))
-        graveyard.append((self.sender, self.sender.end(moved=False)))
+        self._end_weights(moved=False)
         drain(group, live, self.segment_format.nbytes, self.max_staleness + 1)
 
 

@@ -69,8 +69,23 @@ class ElasticMember:
             group = build_epoch_group(ctx.store, leader, 0, planned, self.rank, self.patience)
             ctx.register_epoch_group(WT, group, planned)
             self.epoch = 0
-            self.receiver = policy_receiver(ctx, agent)
-            self.receiver.bind(agent)
+            self._start_weights()
+
+    # ---- the weights: whole, from the trainer (elastic_sharded.py overrides these) ----------
+
+    def _start_weights(self) -> None:
+        """Epoch 0's receiver, bound to the agent (zero-copy loads)."""
+        self.receiver = policy_receiver(self.ctx, self.agent)
+        self.receiver.bind(self.agent)
+
+    def _first_weights(self) -> None:
+        """A new epoch's first weights: complete before acting, verified by their checksums."""
+        self._start_weights()
+        self.acting_version = self.receiver.receive_into(self.agent)
+
+    def _abandon_weights(self) -> None:
+        """No more versions come on this epoch's group(s): keep what was posted alive."""
+        graveyard.append((self.receiver, self.ctx.get_group(WT), self.receiver.abandon()))
 
     def version(self, updates: int) -> int:
         return self.acting_version
@@ -119,17 +134,14 @@ class ElasticMember:
                                   self.patience)
         self.ctx.register_epoch_group(WT, group, members)
         self.epoch = epoch
-        self.receiver = policy_receiver(self.ctx, self.agent)
-        self.receiver.bind(self.agent)
-        # The first transfer on a group: complete before acting, verified by its checksums.
-        self.acting_version = self.receiver.receive_into(self.agent)
+        self._first_weights()
         log.info("rank %d: in epoch %d of rank %d's group (members %s), weights version %d",
                  self.rank, epoch, self.leader, members[1:], self.acting_version)
 
     def _follow(self) -> bool:
         """The trainer moved to a new epoch: go with it, or ask to join again if it has
         dropped this rank (it took it for lost); False if a newer process replaced this one."""
-        graveyard.append((self.receiver, self.ctx.get_group(WT), self.receiver.abandon()))
+        self._abandon_weights()
         epoch = latest_epoch(self.ctx.store, self.leader)
         deadline = time.monotonic() + self.timeout_s
         while epoch <= self.epoch and time.monotonic() < deadline:  # not written yet
@@ -202,23 +214,10 @@ class ElasticMember:
             return True
         tick = time.perf_counter()
         try:
-            if first:
-                if self.acting_version == 0:
-                    self.acting_version = self.receiver.receive_into(self.agent)
-            elif self.max_staleness == 0:
-                # Beside the weights acted with, not in place: the trainer's last message (stop,
-                # or moved to a new epoch) carries no version and must not overwrite them.
-                self.receiver.receive()
-                self.acting_version = self.receiver.load(self.agent)
-            else:
-                self.receiver.post()
-                newest = self.receiver.version + self.receiver.posted
-                while self.receiver.version < newest - self.max_staleness:
-                    self.receiver.receive()
-                self.acting_version = self.receiver.load(self.agent)
+            self._take_weights(first)
         except TransfersEnded as ended:
             if not ended.moved:
-                graveyard.append((self.receiver, self.receiver.abandon()))
+                self._abandon_weights()
                 return self._stopped()
             return self._follow()
         except RuntimeError as err:  # gloo's error, or rlcomm's HangError around it
@@ -226,3 +225,20 @@ class ElasticMember:
         finally:
             self.wait_s += time.perf_counter() - tick
         return True
+
+    def _take_weights(self, first: bool) -> None:
+        """The next weights, as the static hand-off takes them."""
+        if first:
+            if self.acting_version == 0:
+                self.acting_version = self.receiver.receive_into(self.agent)
+        elif self.max_staleness == 0:
+            # Beside the weights acted with, not in place: the trainer's last message (stop,
+            # or moved to a new epoch) carries no version and must not overwrite them.
+            self.receiver.receive()
+            self.acting_version = self.receiver.load(self.agent)
+        else:
+            self.receiver.post()
+            newest = self.receiver.version + self.receiver.posted
+            while self.receiver.version < newest - self.max_staleness:
+                self.receiver.receive()
+            self.acting_version = self.receiver.load(self.agent)

@@ -11,6 +11,8 @@ sender, so versions, checksums (``loop.verify_weights_every``) and ``loop.max_st
 as on the flat path; where each slice goes in the whole tensor (flat element indices, computed
 by DTensor itself) travels once, when the groups form. Segments and episodes move as on the flat
 path (:class:`~app.runtime.handoff.flat.FlatHandOff`). No trainer gathers the model to send it.
+With elastic rollout ranks the same slices, index maps and assembly serve
+app/runtime/handoff/elastic_sharded.py.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class OwnedSlices:
 Placement = slice | Tensor  # where a slice goes in the flat whole tensor
 
 
-def _placements(indices: dict[str, Tensor | None]) -> dict[str, Placement]:
+def placements_of(indices: dict[str, Tensor | None]) -> dict[str, Placement]:
     """Each slice's flat indices as a block where they are one (copied, not scattered)."""
     placements: dict[str, Placement] = {}
     for name, index in indices.items():
@@ -105,6 +107,28 @@ def _placements(indices: dict[str, Tensor | None]) -> dict[str, Placement]:
         else:
             placements[name] = index
     return placements
+
+
+def slices_for(agent: nn.Module, indices: dict[str, Tensor | None]) -> Slices:
+    """Where one owner's slices land on a rollout rank (``indices``: as
+    :meth:`OwnedSlices.indices` gives them)."""
+    state = agent.state_dict()
+    return Slices({name: state[name].reshape(-1)[index] if index is not None else state[name]
+                   for name, index in indices.items()})
+
+
+@torch.no_grad()
+def assemble(agent: nn.Module, parts: list[tuple[Slices, dict[str, Placement]]]) -> None:
+    """The whole weights, into ``agent``, from every owner's received slices."""
+    state = agent.state_dict()
+    for slices, placements in parts:
+        for name, values in slices.slices().items():
+            flat = state[name].view(-1)
+            where = placements[name]
+            if isinstance(where, slice):  # a contiguous block (FSDP's dim-0 shards)
+                flat[where].copy_(values)
+            else:
+                flat.index_copy_(0, where, values)
 
 
 def _local(param: Any) -> Tensor:
@@ -145,17 +169,12 @@ class ShardedHandOff(FlatHandOff):
             indices = self._share_indices(owner)
             if self.is_trainer:
                 continue
-            like = {name: self._whole(name).reshape(-1)[index] if index is not None
-                    else self._whole(name) for name, index in indices.items()}
-            slices = Slices(like)
+            slices = slices_for(agent, indices)
             receiver = WeightReceiver(ctx, shards_mode(owner), expected=slices.state_dict())
             receiver.bind(slices)  # loads point the slices at the received bytes: no copy
-            self.receivers.append((receiver, slices, _placements(indices)))
+            self.receivers.append((receiver, slices, placements_of(indices)))
         if self.owned is not None:
             self.weight_bytes = sum(t.nbytes for t in self.owned.values().values())
-
-    def _whole(self, name: str) -> Tensor:
-        return self.agent.state_dict()[name]
 
     def _share_indices(self, owner: int) -> dict[str, Tensor | None]:
         """Where each of ``owner``'s slices goes, sent once over its group."""
@@ -189,17 +208,8 @@ class ShardedHandOff(FlatHandOff):
         self.wait_s += time.perf_counter() - tick
         return True
 
-    @torch.no_grad()
     def _assemble(self) -> None:
-        state = self.agent.state_dict()
-        for _, slices, placements in self.receivers:
-            for name, values in slices.slices().items():
-                flat = state[name].view(-1)
-                where = placements[name]
-                if isinstance(where, slice):  # a contiguous block (FSDP's dim-0 shards)
-                    flat[where].copy_(values)
-                else:
-                    flat.index_copy_(0, where, values)
+        assemble(self.agent, [(slices, placements) for _, slices, placements in self.receivers])
 
     def before_optimizer_step(self) -> None:
         if self.shard_sender is not None:
