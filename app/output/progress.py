@@ -67,6 +67,8 @@ class Snapshot:
     eval_version: int | None = None  # the weights version it evaluated
     replay_size: int | None = None  # an off-policy run's replay: transitions per trainer shard
     samples_per_insert: float | None = None  # the ratio the replay held
+    # Seconds collectors and learner waited on the replay's rate limiter (this attempt's).
+    limiter_wait_s: tuple[float, float] | None = None
     waiting: bool = False  # trainers wait for rollout ranks to join
 
 
@@ -162,8 +164,11 @@ class RunProgress:
         if now.eval_return is not None:
             rate = f"eval {now.eval_return:.1f} (v{now.eval_version}), {rate}"
         if now.replay_size is not None:
+            waits = (f", limiter waits {now.limiter_wait_s[0]:.1f} s collectors "
+                     f"{now.limiter_wait_s[1]:.1f} s learner"
+                     if now.limiter_wait_s is not None else "")
             rate = (f"replay {now.replay_size:,} at {now.samples_per_insert or 0:.1f} "
-                    f"samples/insert, {rate}")
+                    f"samples/insert{waits}, {rate}")
         if rule.target_return is not None and rule.on_eval:
             shown = f"{now.eval_return:.1f}" if now.eval_return is not None else "--"
             left = f"[rank0] {self.name}: eval return {shown} of {rule.target_return:g}"

@@ -62,6 +62,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{replay['samples_per_insert']:.2f} samples per insert, priority spread "
             f"{replay['priority_spread']:.2f}, learner waited {replay['learner_wait_updates']} "
             "updates")
+        lines.append(f"limiter: collectors waited {replay.get('collector_wait_s', 0):.1f} s, "
+                     f"learner waited {replay.get('learner_wait_s', 0):.1f} s")
     changes = summary.get("rollout_ranks")
     if changes:  # an elastic run whose rollout ranks came and went (result.json: leaves, joins)
         lines.append(f"rollout ranks: {changes['left']} left, {changes['joined']} joined "

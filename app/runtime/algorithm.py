@@ -51,8 +51,11 @@ class Segment(dict[str, Tensor]):
     ``rewards`` [T, N] (scaled when ``loop.env.normalize_reward``), ``dones`` [T, N]
     (``dones[t]``: ``obs[t]`` starts a new episode), one entry per :attr:`Algorithm.records`
     name [T, N, *shape], and ``next_obs`` [N, *obs] / ``next_done`` [N], the state after the
-    last step. ``version``: the weights version it was collected with; ``lag``: how many
-    versions that is behind the weights being trained.
+    last step. With :attr:`Algorithm.final_observations`, also ``truncated`` [T, N] (1 where
+    step t's episode was cut by a time limit) and ``final_obs`` [T, N, *obs] (that episode's
+    true last observation, as the policy saw it; zeros elsewhere). ``version``: the weights
+    version it was collected with; ``lag``: how many versions that is behind the weights being
+    trained.
     """
 
     version: int = 0
@@ -102,6 +105,10 @@ class Algorithm(Generic[S]):
     records: ClassVar[Mapping[str, Record]] = {}
     #: The figures :meth:`update` returns (the columns of ``metrics.csv`` after the runtime's).
     losses: ClassVar[tuple[str, ...]] = ()
+    #: True: segments carry ``truncated`` and ``final_obs`` (see :class:`Segment`) and the
+    #: worker adds no :meth:`value` bootstrap to the reward: the update bootstraps a time-limit
+    #: cut itself, with the weights it learns with (an off-policy algorithm's replay does).
+    final_observations: ClassVar[bool] = False
 
     def __init__(self, settings: S, spaces: Spaces) -> None:
         self.settings = settings
@@ -134,6 +141,11 @@ class Algorithm(Generic[S]):
                 f"{type(self).__name__}.greedy: {type(module).__name__} has no greedy(obs); "
                 "override Algorithm.greedy")
         return cast(Tensor, greedy(obs))
+
+    def set_collector(self, index: int, count: int) -> None:
+        """On a collecting rank, before it collects: it is collector ``index`` (0-based, in
+        rank order; a rank that rejoins keeps its index) of the run's ``count``, for exploration
+        that differs per collector (Ape-X's epsilons). Nothing by default."""
 
     def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
         """State values [N] to bootstrap episodes cut by a time limit (``gamma * V(final obs)``

@@ -9,10 +9,12 @@ allows, agrees on the fewest over the trainers (every DDP rank must run as many 
 passes), and samples, learns and feeds priorities back that many times. The runtime, PPO and
 V-trace are untouched: to them this is one more update.
 
-Collectors in this first cut wait for the update as they do for any algorithm (lockstep, or
-``loop.max_staleness``); the learner always catches up with the ratio inside the update, so
-the limiter holds back only the learner (``learner_wait``). A resumed run refills its shard:
-the checkpoint keeps the replay's counters, not its contents (docs/off-policy.md).
+The limiter holds both sides, and the update measures how long each waited on it: the
+collectors' next segment is admitted only once the learner has taken the steps the ratio asks
+for first (``collector_wait_s``: the seconds of those steps), and the learner, once it has
+taken every step the ratio allows, waits for the next inserts (``learner_wait_s``: the seconds
+from then to the next update). A resumed run refills its shard: the checkpoint keeps the
+replay's counters, not its contents (docs/off-policy.md).
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from __future__ import annotations
 import time
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app.api import ConfigError, setting
+from app.api import ConfigError, LoopMetrics, setting
 from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
 from app.runtime.loop import RLLoop, _plain
 from app.runtime.replay import Batch, RateLimiter, Replay, ReplaySettings
@@ -38,10 +40,12 @@ if TYPE_CHECKING:
 # The replay's figures every off-policy update returns (metrics.csv columns, averaged over the
 # trainers' shards): what the shard holds, what went in and out, the ratio held since sampling
 # began, how unequal the priorities are, the learner steps this update, whether the limiter
-# held the learner back for the whole update, and the seconds of the update spent in the replay
-# (inserting, sampling, writing priorities: the rest of the update is the learner's).
+# held the learner back for the whole update, the seconds of the update spent in the replay
+# (inserting, sampling, writing priorities: the rest of the update is the learner's), and the
+# seconds collectors and learner have waited on the limiter (this attempt's, so far).
 REPLAY_FIGURES = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
-                  "priority_spread", "learner_steps", "learner_wait", "replay_s")
+                  "priority_spread", "learner_steps", "learner_wait", "replay_s",
+                  "collector_wait_s", "learner_wait_s")
 
 
 class OffPolicyAlgorithm(Algorithm[S]):
@@ -52,6 +56,10 @@ class OffPolicyAlgorithm(Algorithm[S]):
         super().__init_subclass__(**kwargs)
         # The replay's figures follow the algorithm's own in metrics.csv.
         cls.losses = tuple(cls.losses) + tuple(n for n in REPLAY_FIGURES if n not in cls.losses)
+
+    #: The replay bootstraps a time-limit cut from the episode's true last observation with the
+    #: learner's current networks, not with the collector's value at collection time.
+    final_observations = True
 
     def __init__(self, settings: S, spaces: Spaces, replay: ReplaySettings | None = None) -> None:
         super().__init__(settings, spaces)
@@ -64,6 +72,12 @@ class OffPolicyAlgorithm(Algorithm[S]):
         # Counters as this attempt's shard started filling: the limiter counts from there.
         self._base_inserts = self._base_samples = 0
         self.learner_steps = 0  # over the run (checkpointed): e.g. for target-network periods
+        # When the learner last ran out of allowed steps (None: it had steps left, or no update
+        # yet): the time from then to the next update is its wait on the limiter.
+        self._idle_since: float | None = None
+        # Seconds each side waited on the limiter over this attempt (a resume starts at 0, as
+        # the run's other times do).
+        self.waited_s = {"collector_wait_s": 0.0, "learner_wait_s": 0.0}
 
     def replay_settings(self) -> ReplaySettings:
         """``loop.replay``, as the loop built this algorithm with it."""
@@ -91,17 +105,21 @@ class OffPolicyAlgorithm(Algorithm[S]):
 
     def update(self, model: nn.Module, module: nn.Module, segments: list[Segment],
                info: UpdateInfo) -> dict[str, float]:
+        started = time.perf_counter()
+        learner_wait_s = started - self._idle_since if self._idle_since is not None else 0.0
         replay = self.replay
         tick = time.perf_counter()
-        for segment in segments:
-            replay.insert(segment)
+        inserted = sum(replay.insert(segment) for segment in segments)
         in_replay = time.perf_counter() - tick
-        allowed = self.limiter.steps_allowed(replay.inserts - self._base_inserts,
-                                             replay.samples - self._base_samples, replay.size)
+        allowed = self.limiter.steps_allowed(*self._counts(), replay.size)
         steps = agreed_steps(model, allowed)
+        # The next round brings as many transitions as this one: the collectors wait until the
+        # learner has taken the steps that admit them.
+        blocking = self.limiter.steps_to_admit(*self._counts(), inserted, steps)
         learner = model if _trainers(model) > 1 else module
         figures: dict[str, float] = {}
-        for _ in range(steps):
+        collector_wait_s, learning = 0.0, time.perf_counter()
+        for step in range(steps):
             tick = time.perf_counter()
             batch = replay.sample(info.generator)
             in_replay += time.perf_counter() - tick
@@ -113,8 +131,18 @@ class OffPolicyAlgorithm(Algorithm[S]):
                 in_replay += time.perf_counter() - tick
             for name, value in learnt.items():
                 figures[name] = figures.get(name, 0.0) + value / steps
+            if step + 1 == blocking:
+                collector_wait_s = time.perf_counter() - learning
         own = {n: figures.get(n, float("nan")) for n in self.losses if n not in REPLAY_FIGURES}
+        # Every allowed step taken (not held back by another trainer): the learner now waits.
+        self._idle_since = time.perf_counter() if steps == allowed else None
+        self.waited_s["collector_wait_s"] += collector_wait_s
+        self.waited_s["learner_wait_s"] += learner_wait_s
         return {**own, **self.replay_figures(steps), "replay_s": in_replay}
+
+    def _counts(self) -> tuple[int, int]:
+        """Inserts and samples as the limiter counts them: since this attempt's shard began."""
+        return self.replay.inserts - self._base_inserts, self.replay.samples - self._base_samples
 
     def replay_figures(self, steps: int) -> dict[str, float]:
         """The replay's figures after an update of ``steps`` learner steps."""
@@ -129,6 +157,7 @@ class OffPolicyAlgorithm(Algorithm[S]):
             "priority_spread": replay.priority_spread(),
             "learner_steps": float(steps),
             "learner_wait": float(steps == 0),
+            **self.waited_s,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -162,6 +191,18 @@ def agreed_steps(model: nn.Module, steps: int) -> int:
     return int(count.item())
 
 
+def average_over_trainers(model: nn.Module, tensor: Tensor) -> None:
+    """Average ``tensor`` in place over ``model``'s DDP group (one trainer: nothing to do): the
+    gradient of what a learner steps outside DDP (SAC's log alpha), so that every trainer takes
+    the same step from every trainer's batch."""
+    trainers = _trainers(model)
+    if trainers == 1:
+        return
+    assert isinstance(model, DistributedDataParallel)
+    dist.all_reduce(tensor, group=model.process_group)
+    tensor.div_(trainers)
+
+
 def hard_update(target: nn.Module, source: nn.Module) -> None:
     """Copy ``source``'s parameters into ``target`` (a target network)."""
     with torch.no_grad():
@@ -183,6 +224,11 @@ class OffPolicyLoop(RLLoop):
 
     replay: ReplaySettings = setting(doc="the replay shard and its rate limiter (docs/off-policy.md)",
                                      factory=ReplaySettings)
+    # The runtime's figures plus, for a sweep to compare, the seconds each side waited on the
+    # limiter (this attempt's totals, as the last update left them).
+    metrics: ClassVar[LoopMetrics] = LoopMetrics(
+        {**RLLoop.metrics.directions, "collector_wait_s": "min", "learner_wait_s": "min"},
+        headline=RLLoop.metrics.headline)
     # layout.replay may hold this loop's replay (app/launch/planning.py checks it).
     replay_ranks_supported: typing.ClassVar[bool] = True
 

@@ -142,7 +142,7 @@ def replay_result(rows: list[dict[str, float]]) -> dict[str, Any]:
     if not math.isfinite(last.get("replay_size", math.nan)):
         return {}
     names = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
-             "priority_spread")
+             "priority_spread", "collector_wait_s", "learner_wait_s")
     waited = sum(int(row.get("learner_wait", 0)) for row in rows)
     return {"replay": {**{n: round(float(last[n]), 4) for n in names},
                        "learner_wait_updates": waited}}

@@ -7,8 +7,9 @@ segments are routed today), fills it from the segments it receives and samples b
   n-step return (``n_step``) summed inside the segment: step t of env i keeps
   ``sum_k gamma^k r[t+k]`` over the k < n steps that stay in its episode and in the segment, the
   observation those steps lead to, and the discount ``gamma^k`` to bootstrap from it (0 where
-  the episode ended inside the window). Near a segment's end the window is shorter: the last
-  step bootstraps one step from the segment's ``next_obs``.
+  the episode terminated inside the window). An episode cut by a time limit bootstraps from
+  its true last observation (the segment's ``final_obs``). Near a segment's end the window is
+  shorter: the last step bootstraps one step from the segment's ``next_obs``.
 - **Capacity** is fixed; the oldest transitions are overwritten first (FIFO).
 - **Sampling** is uniform, or proportional to ``priority ** priority_exponent`` (PER, Schaul et
   al. 2016; Ape-X, Horgan et al. 2018), with importance weights
@@ -34,7 +35,8 @@ from app.runtime.algorithm import Record, Segment
 # Added to |TD error| so that no transition's probability falls to zero (PER's epsilon).
 PRIORITY_FLOOR = 1e-6
 # The segment fields a transition is made of; everything else it records is an extra.
-_CORE = ("obs", "actions", "rewards", "dones", "next_obs", "next_done")
+_CORE = ("obs", "actions", "rewards", "dones", "next_obs", "next_done", "final_obs",
+         "truncated")
 
 
 @dataclass
@@ -95,7 +97,7 @@ class Batch:
     actions: Tensor  # [B, *action]
     rewards: Tensor  # [B] the n-step discounted reward sum
     next_obs: Tensor  # [B, *obs] the observation the summed steps lead to
-    discounts: Tensor  # [B] gamma ** k for the k steps summed; 0 where the episode ended
+    discounts: Tensor  # [B] gamma ** k for the k steps summed; 0 where the episode terminated
     weights: Tensor  # [B] importance weights, max-normalised (ones when uniform)
     indices: Tensor  # [B] int64 slots, for Replay.update_priorities
     extras: dict[str, Tensor] = field(default_factory=dict)  # the algorithm's records, [B, ...]
@@ -107,24 +109,36 @@ def n_step_transitions(segment: Mapping[str, Tensor], n: int,
 
     ``dones[t]`` flags that ``obs[t]`` starts an episode, so step t ended one iff
     ``dones[t + 1]`` (``next_done`` for the last step); rewards after an end belong to the next
-    episode and are not summed, and the discount becomes 0.
+    episode and are not summed. A terminated episode does not bootstrap (discount 0). An
+    episode cut by a time limit at step ``t + k`` (``truncated``, with its true last
+    observation in ``final_obs``: the segment's ``obs[t + k + 1]`` is already the reset one)
+    bootstraps from that observation with ``gamma ** (k + 1)``.
     """
     obs, rewards = segment["obs"], segment["rewards"].float()
     steps = rewards.shape[0]
     ended = torch.cat([segment["dones"][1:], segment["next_done"][None]]).float()
+    truncated = segment["truncated"].float() if "truncated" in segment else None
     later = torch.cat([obs[1:], segment["next_obs"][None]])  # the observation after each step
     total = torch.zeros_like(rewards)
     alive = torch.ones_like(rewards)  # 1 while the window has not left its episode
     span = torch.zeros(steps, dtype=torch.long)  # steps summed per t (same for every env)
+    cut = torch.full(rewards.shape, -1, dtype=torch.long)  # the step a time limit cut, if any
     for k in range(n):
         stop = steps - k  # steps t with t + k inside the segment
         if stop <= 0:
             break
         total[:stop] += (gamma ** k) * alive[:stop] * rewards[k:]
+        if truncated is not None:
+            newly = (alive[:stop] * truncated[k:]) > 0
+            cut[:stop] = torch.where(newly, k, cut[:stop])
         alive[:stop] = alive[:stop] * (1.0 - ended[k:])
         span[:stop] += 1
     discounts = (gamma ** span.float())[:, None] * alive
     next_obs = later[span - 1 + torch.arange(steps)]
+    if truncated is not None and bool((cut >= 0).any()):
+        t, i = torch.nonzero(cut >= 0, as_tuple=True)
+        discounts[t, i] = torch.pow(gamma, (cut[t, i] + 1).float())
+        next_obs[t, i] = segment["final_obs"][t + cut[t, i], i].to(next_obs.dtype)
     return total, discounts, next_obs
 
 
@@ -257,6 +271,15 @@ class RateLimiter:
         if inserts < self.min_size:
             return self.min_size - inserts + self._inserts_past(self.min_size, samples)
         return self._inserts_past(inserts, samples)
+
+    def steps_to_admit(self, inserts: int, samples: int, count: int, most: int) -> int:
+        """The fewest learner steps (at most ``most``) after which collectors may insert
+        ``count`` more transitions: until the learner has taken them, collectors are blocked."""
+        steps = 0
+        while steps < most and self.inserts_allowed(inserts,
+                                                    samples + steps * self.batch_size) < count:
+            steps += 1
+        return steps
 
     def _inserts_past(self, inserts: int, samples: int) -> int:
         room = samples + self.tolerance - self.target(inserts)

@@ -35,7 +35,7 @@ from app.runtime.checkpoints import (
 from app.runtime.evaluator import Evaluations, evaluation_row
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import MetricsFile, job_metrics, replay_result, time_split, update_row
-from app.runtime.replay_service import ReplayLink
+from app.runtime.replay_service import ReplayLink, collectors
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
 from app.runtime.sharding import (
@@ -86,8 +86,9 @@ class RuntimeRun:
         self.worker = (RolloutWorker(self.algorithm, self.spaces, loop.env, self.agent,
                                      seed=env_seed(job.seed, self.rank))
                        if self.collects else None)
-        if self.worker is not None:
+        if self.worker is not None:  # which collector it is, for per-collector exploration
             self.worker.use_segment_format(self.segment_format)
+            self.algorithm.set_collector(collectors(plan).index(self.rank), len(collectors(plan)))
         self.grid = TrainerGrid.of(plan)
         self.settings = run_settings(loop, self.spaces)  # what a checkpoint records
         self.generator = torch.Generator()
@@ -250,8 +251,7 @@ class RuntimeRun:
         """This rank's entry in result.json."""
         hand_off = self.hand_off
         common = {
-            "role": self.job.plan.role(self.rank),
-            "updates": self.update,
+            "role": self.job.plan.role(self.rank), "updates": self.update,
             "env_steps": self.env_steps,
             "wall_s": round(elapsed, 2),
             "env_steps_per_s": round(steps / elapsed, 1) if elapsed else 0.0,
@@ -270,12 +270,10 @@ class RuntimeRun:
         metrics = job_metrics(
             self.ctx, self.is_trainer, elapsed=elapsed, transfer_s=hand_off.transfer_s,
             wait_s=hand_off.wait_total_s, reached_at=reached_at, updates=updates, steps=steps,
-            recent=self._recent_return(),
-            over=self._deciders,
+            recent=self._recent_return(), over=self._deciders,
         )
         if self.elastic and elapsed:  # the rollout ranks' waits came with their segments
-            waited = sum(row["rollout_wait_s"] for row in self.metrics[-updates:]) \
-                if updates else 0.0
+            waited = sum(row["rollout_wait_s"] for row in self.metrics[-updates:] if updates)
             metrics["rollout_wait_fraction"] = round(waited / elapsed, 4)
         evaluated = self.evaluations.result() if self.evaluations is not None else {}
         metrics.update(evaluated.pop("metrics", dict.fromkeys(("eval_return_mean",
@@ -366,8 +364,7 @@ class RuntimeRun:
         self.split_s["comm"] += time.perf_counter() - tick
         # Minibatch order is a function of (seed, replica, update): a resumed run shuffles as
         # the uninterrupted one would, with no generator state to carry.
-        self.generator.manual_seed(
-            minibatch_seed(self.job.seed, self.replica_rank, self.update))
+        self.generator.manual_seed(minibatch_seed(self.job.seed, self.replica_rank, self.update))
         info = UpdateInfo(self.optimizer, self.generator, self.env_steps, self.update, self.lag)
         tick = time.perf_counter()
         losses = self.algorithm.update(self.trained.model, self.agent.net, segments, info)
@@ -432,6 +429,8 @@ class RuntimeRun:
             eval_version=last.version if last else None,
             replay_size=int(row["replay_size"]) if "replay_size" in row else None,
             samples_per_insert=row.get("samples_per_insert"),
+            limiter_wait_s=((row["collector_wait_s"], row["learner_wait_s"])
+                            if "collector_wait_s" in row else None),
         )
 
     def _should_checkpoint(self) -> bool:

@@ -79,6 +79,9 @@ def build_segment_format(algorithm: Algorithm[Any], spaces: Spaces, agent: Agent
         "next_obs": Field((N, *obs), obs_dtype),
         "next_done": Field((N,), torch.float32),
     }
+    if algorithm.final_observations:
+        fields["truncated"] = Field((T, N), torch.float32)
+        fields["final_obs"] = Field((T, N, *obs), obs_dtype)
     if agent.obs_norm is not None:
         fields["obs_moments"] = Field((RunningNorm.moments_size(obs),), torch.float64)
     if agent.reward_norm is not None:
@@ -162,7 +165,9 @@ class RolloutWorker:
                 self.returns.step(reward_t, torch.as_tensor(term, dtype=torch.float32),
                                   torch.as_tensor(trunc, dtype=torch.float32))
                 reward_t = agent.reward_norm.scale(reward_t, agent.clip_reward)
-            if "final_obs" in info:
+            if self.algorithm.final_observations:
+                self._keep_final(seg, t, agent, term, trunc, info)
+            elif "final_obs" in info:
                 reward_t += self._truncation_bootstrap(agent, term, trunc, info)
             seg["rewards"][t] = reward_t
             self.raw_obs = self._tensor(raw)
@@ -208,23 +213,41 @@ class RolloutWorker:
             taken = np.clip(taken, self.low, self.high)
         return taken
 
+    def _final_seen(self, agent: Agent, idx: np.ndarray, info: dict[str, Any]) -> Tensor:
+        """The last observation of the episodes of envs ``idx``, as the policy sees it. With
+        SAME_STEP autoreset the returned obs is already the reset one: the last one lives in
+        ``info["final_obs"]``."""
+        raw_final = self._tensor(np.stack(list(info["final_obs"][idx])))
+        if self.history is None:
+            return agent.observe(raw_final)
+        # The cut episode's window, ending with its last observation.
+        rows = raw_final.reshape(len(idx), -1).float()
+        return agent.observe_window(self.history.window_with(rows, idx))
+
     def _truncation_bootstrap(self, agent: Agent, term: np.ndarray, trunc: np.ndarray,
                               info: dict[str, Any]) -> Tensor:
-        """gamma * V(final obs) for envs cut by a time limit, else 0. With SAME_STEP autoreset
-        the returned obs is already the reset one: the last one lives in ``info["final_obs"]``."""
+        """gamma * V(final obs) for envs cut by a time limit, else 0."""
         extra = torch.zeros(self.num_envs)
         idx = np.flatnonzero(trunc & ~term)
         if idx.size:
-            raw_final = self._tensor(np.stack(list(info["final_obs"][idx])))
-            if self.history is None:
-                final = agent.observe(raw_final)
-            else:  # the cut episode's window, ending with its last observation
-                rows = raw_final.reshape(len(idx), -1).float()
-                final = agent.observe_window(self.history.window_with(rows, idx))
-            value = self.algorithm.value(agent.net, final)
+            value = self.algorithm.value(agent.net, self._final_seen(agent, idx, info))
             if value is not None:
                 extra[idx] = self.gamma * value
         return extra
+
+    def _keep_final(self, seg: dict[str, Tensor], t: int, agent: Agent, term: np.ndarray,
+                    trunc: np.ndarray, info: dict[str, Any]) -> None:
+        """Step t's ``truncated`` flags and the cut episodes' last observations, for an
+        algorithm that bootstraps them itself (:attr:`Algorithm.final_observations`)."""
+        # Without a final observation a cut cannot bootstrap: it stays an end, as a termination.
+        cut = (np.asarray(trunc & ~term) if "final_obs" in info
+               else np.zeros(self.num_envs, dtype=bool))
+        seg["truncated"][t] = torch.as_tensor(cut, dtype=torch.float32)
+        seg["final_obs"][t].zero_()
+        idx = np.flatnonzero(cut)
+        if idx.size:
+            seg["final_obs"][t][torch.as_tensor(idx)] = self._final_seen(agent, idx, info).to(
+                seg["final_obs"].dtype)
 
     def close(self) -> None:
         self.envs.close()

@@ -177,3 +177,29 @@ def test_the_limiter_holds_the_ratio_within_tolerance(per_tick_inserts: int,
         assert collector_waits > 0
     else:
         assert learner_waits > 0
+
+
+def test_a_truncated_episode_bootstraps_from_its_final_observation_a_terminated_one_not() -> None:
+    """Two envs, 4 steps, n_step=3: env 0's episode is cut by a time limit after step 1 (its
+    true last observation, 100, is in final_obs; obs[2] is the reset one), env 1's terminates
+    after step 1. Hand computation of every transition's sum, discount and next observation."""
+    gamma = 0.5
+    seg = _segment([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 4.0]],
+                   [[0, 0], [0, 0], [1, 1], [0, 0]], [0.0, 0.0])
+    seg["truncated"] = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    final = torch.zeros(4, 2, 1)
+    final[1, 0] = 100.0
+    seg["final_obs"] = final
+    replay = Replay(_settings(n_step=3), {}, gamma)
+    replay.insert(seg)
+    s = replay.storage
+    rewards, discounts = s["rewards"][:8].view(4, 2), s["discounts"][:8].view(4, 2)
+    next_obs = s["next_obs"][:8, 0].view(4, 2)
+    # env 0 (truncated at step 1): t=0 sums steps 0, 1 and bootstraps from 100 with gamma^2;
+    # t=1 one step, gamma^1 from 100; t=2 steps 2, 3 then the segment's next_obs (4) at gamma^2.
+    assert rewards[:, 0].tolist() == [1 + gamma * 2, 2.0, 3 + gamma * 4, 4.0]
+    assert discounts[:, 0].tolist() == [gamma**2, gamma, gamma**2, gamma]
+    assert next_obs[:3, 0].tolist() == [100.0, 100.0, 4.0]
+    # env 1 (terminated at step 1): the same sums, no bootstrap for t=0, 1.
+    assert rewards[:, 1].tolist() == rewards[:, 0].tolist()
+    assert discounts[:, 1].tolist() == [0.0, 0.0, gamma**2, gamma]

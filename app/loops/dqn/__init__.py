@@ -11,12 +11,20 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from app.api import setting
-from app.loops.dqn.core import DQN, DQNSettings, QNetwork, dqn_targets, epsilon_at
+from app.loops.dqn.core import (
+    DQN,
+    DQNSettings,
+    QNetwork,
+    apex_epsilon,
+    dqn_targets,
+    epsilon_at,
+)
 from app.runtime import Algorithm
 from app.runtime.offpolicy import OffPolicyLoop
 from app.runtime.replay import ReplaySettings
 
-__all__ = ["DQN", "DQNLoop", "DQNSettings", "QNetwork", "dqn_replay", "dqn_targets", "epsilon_at"]
+__all__ = ["DQN", "DQNLoop", "DQNSettings", "QNetwork", "apex_epsilon", "dqn_replay", "dqn_targets",
+           "epsilon_at"]
 
 
 def dqn_replay() -> ReplaySettings:

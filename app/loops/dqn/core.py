@@ -3,7 +3,8 @@
 
 The module holds the online Q-network, its target network (parameters without gradients, so a
 checkpoint keeps it and DDP leaves it alone) and the exploration epsilon (a buffer, so it
-travels to the collectors with the weights). The learner regresses ``Q(s, a)`` on
+travels to the collectors with the weights; with ``exploration=apex`` each collector holds
+its own fixed epsilon instead, Ape-X's). The learner regresses ``Q(s, a)`` on
 ``r + gamma^n max_a' Q_target(s', a')`` (double DQN: the target network's value of the online
 network's ``argmax``), with the n-step sum and discount the replay made.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +23,15 @@ from gymnasium import spaces as gym_spaces
 from torch import Tensor, nn
 
 from app.api import setting
-from app.runtime.algorithm import AlgorithmSettings, UpdateInfo
+from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
 from app.runtime.offpolicy import OffPolicyAlgorithm, hard_update
-from app.runtime.replay import Batch
+from app.runtime.replay import Batch, ReplaySettings
+
+log = logging.getLogger(__name__)
+
+
+# How collectors explore (DQNSettings.exploration).
+EXPLORATIONS = ("anneal", "apex")
 
 
 @dataclass
@@ -47,6 +55,11 @@ class DQNSettings(AlgorithmSettings):
     max_grad_norm: float = setting(10.0, "gradient clipping norm (> 0)")
     # Huber's linear tails keep large early TD errors from swamping the step.
     huber: bool = setting(True, "Huber (smooth L1) TD loss; false: squared error (CleanRL's)")
+    exploration: str = setting(
+        "anneal", "anneal: every collector's epsilon decays linearly (CleanRL's) | apex: "
+        "collector i of N holds apex_epsilon ** (1 + apex_alpha * i / (N - 1)) (Ape-X)")
+    apex_epsilon: float = setting(0.4, "Ape-X's base epsilon, in [0, 1] (exploration=apex)")
+    apex_alpha: float = setting(7.0, "Ape-X's exponent spread, >= 0 (exploration=apex)")
 
     def range_errors(self, batch_per_trainer: int) -> list[str]:
         """The base's checks, then DQN's own (``field: must be ..., got value``)."""
@@ -59,6 +72,9 @@ class DQNSettings(AlgorithmSettings):
             ("end_epsilon", 0 <= self.end_epsilon <= 1, "in [0, 1]"),
             ("exploration_env_steps", self.exploration_env_steps >= 1, "a positive integer"),
             ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
+            ("exploration", self.exploration in EXPLORATIONS, f"one of {', '.join(EXPLORATIONS)}"),
+            ("apex_epsilon", 0 <= self.apex_epsilon <= 1, "in [0, 1]"),
+            ("apex_alpha", self.apex_alpha >= 0, ">= 0"),
         ]
         return super().range_errors(batch_per_trainer) + [
             f"{name}: must be {want}, got {getattr(self, name)}" for name, ok, want in checks if not ok
@@ -69,6 +85,13 @@ def epsilon_at(settings: DQNSettings, env_steps: int) -> float:
     """Linear decay from ``start_epsilon`` to ``end_epsilon`` over ``exploration_env_steps``."""
     done = min(env_steps / settings.exploration_env_steps, 1.0)
     return settings.start_epsilon + done * (settings.end_epsilon - settings.start_epsilon)
+
+
+def apex_epsilon(epsilon: float, alpha: float, index: int, count: int) -> float:
+    """Collector ``index`` of ``count``'s fixed epsilon, Ape-X's (Horgan et al. 2018)
+    ``epsilon ** (1 + alpha * index / (count - 1))``; a lone collector holds ``epsilon``."""
+    spread = index / (count - 1) if count > 1 else 0.0
+    return float(epsilon ** (1 + alpha * spread))
 
 
 def _mlp(sizes: list[int]) -> nn.Sequential:
@@ -119,6 +142,28 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
 
     losses = ("td_loss", "q_mean", "epsilon")
 
+    def __init__(self, settings: DQNSettings, spaces: Spaces,
+                 replay: ReplaySettings | None = None) -> None:
+        super().__init__(settings, spaces, replay)
+        # exploration=apex: this collector's fixed epsilon (collector 0 of 1 until told).
+        self.collector_epsilon = apex_epsilon(settings.apex_epsilon, settings.apex_alpha, 0, 1)
+
+    def set_collector(self, index: int, count: int) -> None:
+        """Ape-X: collector ``index`` of ``count`` explores with its own epsilon."""
+        settings = self.settings
+        self.collector_epsilon = apex_epsilon(settings.apex_epsilon, settings.apex_alpha, index,
+                                              count)
+        if settings.exploration == "apex":
+            log.info("collector %d of %d explores with epsilon %.6g", index, count,
+                     self.collector_epsilon)
+
+    def epsilon(self, module: nn.Module) -> float | Tensor:
+        """The epsilon this collector acts with: the schedule's, which the weights carry
+        (anneal), or its own (apex)."""
+        if self.settings.exploration == "apex":
+            return self.collector_epsilon
+        return module.epsilon  # type: ignore[return-value]
+
     @classmethod
     def space_problem(cls, spaces: Any) -> str | None:
         obs, act = spaces.observation, spaces.action
@@ -143,13 +188,9 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
             generator: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:
         greedy = module.greedy(obs)  # type: ignore[operator]
         n = obs.shape[0]
-        explore = torch.rand(n, generator=generator) < module.epsilon  # type: ignore[operator]
+        explore = torch.rand(n, generator=generator) < self.epsilon(module)
         random = torch.randint(int(self.spaces.action.n), (n,), generator=generator)
         return torch.where(explore, random, greedy), {}
-
-    def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
-        """max_a Q(s, a): bootstraps a time-limit cut."""
-        return module(obs).max(-1).values
 
     def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
               info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
@@ -169,8 +210,11 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
         info.optimizer.step()
         if (self.learner_steps + 1) % self.settings.target_every == 0:
             hard_update(net.target, net.q)
-        # The collectors act with the epsilon the next weights carry.
-        net.epsilon.fill_(epsilon_at(self.settings, info.env_steps))
+        # The collectors act with the epsilon the next weights carry (anneal); Ape-X's are
+        # fixed per collector, and the column shows the largest (collector 0's).
+        annealed = self.settings.exploration == "anneal"
+        net.epsilon.fill_(epsilon_at(self.settings, info.env_steps) if annealed
+                          else self.settings.apex_epsilon)
         figures = {"td_loss": float(loss.detach()), "q_mean": float(q.mean().detach()),
                    "epsilon": float(net.epsilon)}
         return figures, errors.detach().abs()

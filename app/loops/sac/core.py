@@ -3,11 +3,11 @@
 
 The module holds a tanh-squashed Gaussian actor scaled to the action Box, twin Q-networks and
 their target copies (parameters without gradients, so a checkpoint keeps them), plus two
-buffers that travel to the collectors with the weights: ``log_alpha`` (a copy of the entropy
-coefficient's log, for the soft state value that bootstraps time-limit cuts) and ``uniform`` (1 until the learner's
-first step: collectors act uniformly at random until the replay holds ``min_size``
+buffers that travel with the weights: ``log_alpha`` (a copy of the entropy coefficient's
+log, so that a checkpointed or exported module carries it) and ``uniform`` (1 until the learner's first step: collectors act uniformly at random until the replay holds ``min_size``
 transitions, CleanRL's ``learning_starts``). ``log_alpha`` and its Adam are the algorithm's
-own state, checkpointed through :meth:`SAC.state_dict`.
+own state, checkpointed through :meth:`SAC.state_dict`; on several trainers its gradient is
+averaged over them, so every trainer's alpha and Adam stay equal.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from app.api import setting
 from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
-from app.runtime.offpolicy import OffPolicyAlgorithm, soft_update
+from app.runtime.offpolicy import OffPolicyAlgorithm, average_over_trainers, soft_update
 from app.runtime.replay import Batch, ReplaySettings
 
 # CleanRL's bounds on the actor's log standard deviation.
@@ -178,10 +178,6 @@ class SACModule(nn.Module):
     def greedy(self, obs: Tensor) -> Tensor:
         return self.actor.greedy(obs.flatten(1).float())
 
-    def soft_value(self, obs: Tensor) -> Tensor:
-        """``min(Q1, Q2)(s, a) - alpha log pi(a|s)``, ``a ~ pi(s)``: one-sample soft V(s)."""
-        action, log_pi = self.sample(obs)
-        return torch.minimum(*self.q(obs, action)) - self.log_alpha.exp() * log_pi
 
 
 def _drop_grads(*modules: nn.Module) -> None:
@@ -248,21 +244,15 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
     def greedy(self, module: nn.Module, obs: Tensor) -> Tensor:
         return module.greedy(obs)  # type: ignore[operator]
 
-    def value(self, module: nn.Module, obs: Tensor) -> Tensor | None:
-        """The soft state value: bootstraps a time-limit cut."""
-        return module.soft_value(obs)  # type: ignore[operator]
-
     def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
               info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
         net: Any = module
         q1, q2, tie = model(batch.obs, batch.actions)
-        # DDP's forward has broadcast rank 0's buffers: every trainer uses its alpha.
         with torch.no_grad():
-            self.log_alpha.copy_(net.log_alpha)
             next_actions, next_log_pi = net.sample(batch.next_obs, info.generator)
             next_q1, next_q2 = net.q(batch.next_obs, next_actions, target=True)
             targets = soft_q_targets(batch.rewards, batch.discounts, next_q1, next_q2,
-                                     next_log_pi, net.log_alpha.exp())
+                                     next_log_pi, self.log_alpha.exp())
         q_loss = (batch.weights * ((q1 - targets).pow(2) + (q2 - targets).pow(2))).mean()
         info.optimizer.zero_grad()
         (q_loss + tie).backward()
@@ -274,7 +264,7 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         soft_update(net.q1_target, net.q1, self.settings.tau)
         soft_update(net.q2_target, net.q2, self.settings.tau)
         net.uniform.fill_(0.0)  # learning started: the collectors sample the actor from now
-        figures = {"q_loss": float(q_loss.detach()), "alpha": float(net.log_alpha.exp()),
+        figures = {"q_loss": float(q_loss.detach()), "alpha": float(self.log_alpha.detach().exp()),
                    "q_mean": float(torch.minimum(q1, q2).mean().detach()), **self._figures}
         priorities = ((q1 - targets).abs() + (q2 - targets).abs()).detach() / 2
         return figures, priorities
@@ -295,6 +285,9 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
             a_loss = alpha_loss(self.log_alpha, log_pi, self.target_entropy)
             self.alpha_optimizer.zero_grad()
             a_loss.backward()
+            # Every trainer's batch counts, and every trainer's alpha and Adam stay equal.
+            assert self.log_alpha.grad is not None
+            average_over_trainers(model, self.log_alpha.grad)
             self.alpha_optimizer.step()
             net.log_alpha.copy_(self.log_alpha.detach())
             figures["alpha_loss"] = float(a_loss.detach())
