@@ -134,6 +134,20 @@ def time_split(worker: RolloutWorker | None, split_s: dict[str, float],
     return {name: round(value, 3) for name, value in {**parts, "loop": elapsed}.items()}
 
 
+def declared_figures(declared: Any, losses: tuple[str, ...],
+                     rows: list[dict[str, float]]) -> dict[str, float | None]:
+    """The last update's figures of the algorithm's (``losses``) that its loop declares as
+    metrics (``declared``: ``RLLoop.metrics.directions``), for a sweep to rank by (None where
+    a rank trained not)."""
+    last = rows[-1] if rows else {}
+    figures = {}
+    for name in losses:
+        if name in declared:
+            value = last.get(name, float("nan"))
+            figures[name] = round(float(value), 6) if np.isfinite(value) else None
+    return figures
+
+
 def replay_result(rows: list[dict[str, float]]) -> dict[str, Any]:
     """An off-policy run's replay as its last update left it (result.json's ``replay``), from
     its metrics rows; empty for any other run, and on a rank that trains not (its rows hold

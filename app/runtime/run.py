@@ -34,7 +34,14 @@ from app.runtime.checkpoints import (
 )
 from app.runtime.evaluator import Evaluations, evaluation_row
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
-from app.runtime.records import MetricsFile, job_metrics, replay_result, time_split, update_row
+from app.runtime.records import (
+    MetricsFile,
+    declared_figures,
+    job_metrics,
+    replay_result,
+    time_split,
+    update_row,
+)
 from app.runtime.replay_service import ReplayLink, collectors
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
@@ -292,7 +299,8 @@ class RuntimeRun:
             "max_staleness": self.loop.max_staleness,
             **({"staleness_histogram": {str(k): n for k, n in sorted(hand_off.staleness.items())}}
                if self.is_trainer else {}),
-            "metrics": {**metrics, **self._declared_losses()},
+            "metrics": {**metrics, **declared_figures(type(self.loop).metrics.directions,
+                                                      self.algorithm.losses, self.metrics)},
             **replay_result(self.metrics),
             **evaluated,
             **membership,
@@ -312,18 +320,6 @@ class RuntimeRun:
         if not self.is_trainer:
             return None
         return TrainedModule(self.ctx, self.job.plan, self.agent.net, self.loop.data_parallel)
-
-    def _declared_losses(self) -> dict[str, float | None]:
-        """The last update's figures of the algorithm's that its loop declares as metrics
-        (``RLLoop.metrics``), for a sweep to rank by (None on rollout ranks, which train not)."""
-        declared = type(self.loop).metrics.directions
-        last = self.metrics[-1] if self.metrics else {}
-        figures = {}
-        for name in self.algorithm.losses:
-            if name in declared:
-                value = last.get(name, float("nan"))
-                figures[name] = round(float(value), 6) if np.isfinite(value) else None
-        return figures
 
     def _sync_weights(self, first: bool) -> bool:
         tick = time.perf_counter()
