@@ -75,7 +75,6 @@ class RuntimeRun:
         self.elastic = self.has_rollout_ranks and plan.elastic_rollouts
         self.follows = self.elastic and not self.is_trainer
         self.epoch_base = 0  # a resumed run's epochs count on from its checkpoint's
-
         torch.set_num_threads(1)  # small models gain nothing from intra-op threads on shared cores
         torch.manual_seed(job.seed)  # same initial weights on every rank
         # As the launcher probed them (they travel with the loop); else one env, built and closed.
@@ -114,7 +113,6 @@ class RuntimeRun:
         # The ranks of one TENSOR x SEQUENCE block train one replica on the same batch, in the
         # same minibatch order: they seed it from the block's first rank.
         self.replica_rank = replica_rank(plan, self.rank) if self.is_trainer else self.rank
-
         self.update = 0
         self.env_steps = 0
         self.episodes: list[Episode] = []
