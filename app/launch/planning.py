@@ -92,7 +92,10 @@ def _check_replay_ranks(plan: LayoutPlan, loop: Any, elastic: bool) -> None:
     if not plan.replay:
         return
     ranks = list(plan.replay)
-    if not getattr(loop, "replay_ranks_supported", True):  # a loop of its own: ranks alike
+    supported = getattr(loop, "replay_ranks_supported", None)
+    if supported is None:  # a loop of its own (commcheck): replay ranks are ranks like others
+        return
+    if not supported:
         raise ConfigError(
             f"layout.replay: ranks {ranks} would hold a replay, but {type(loop).__name__} does "
             "not learn from one; remove layout.replay (e.g. layout.replay=[]) or use an "
