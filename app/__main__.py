@@ -72,7 +72,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, Any] | None:
 
 def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     # A rank of a joined run other than rank 0 builds no env to learn its spaces: rank 0 probes
-    # it once and hands its validated loop to every rank (app/launch/rank.py).
+    # it once and hands its spaces to every rank (app/launch/rank.py).
     plan, job = validate_job(cfg, probe=not env.joins or env.rank == 0)
     if cfg.plan_only:
         picture = _draw_layout(plan, run_dir, nice=0)  # what the user asked for: not niced

@@ -3,7 +3,7 @@
 torchrun (its elastic agent), a task of an srun job step, or a process with RANK and WORLD_SIZE
 set by hand: each rank is its own ``python -m app``, which validates the config itself and
 then runs its rank (app/launch/rank.py). Only rank 0 builds what validation builds (the env it
-probes for its spaces); after the rendezvous every other rank takes rank 0's validated loop
+probes for its spaces); after the rendezvous every other rank takes the spaces rank 0 probed
 from the store. Which of them started it, and the rank, world size and
 rendezvous address, are read from the environment by app/launch/environment.py.
 """
@@ -33,5 +33,5 @@ class JoinedLauncher:
         from app.launch.rank import run_rank  # imports torch: after the checks that need none
 
         # This process validated the config itself (rank 0 alone probed the env): run_rank
-        # replaces the loop with rank 0's, which holds the env's spaces.
+        # gives the loop the spaces rank 0 probed.
         return run_rank(job, plan, str(run_dir))

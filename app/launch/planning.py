@@ -56,7 +56,7 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppCo
     it learnt by building things (the env's spaces), so that a rank builds neither again.
 
     ``probe=False``: the loop's checks that build things (its ``validate_env``: an env to probe
-    its spaces, a policy) are left to another process, which hands this one its validated loop:
+    its spaces, a policy) are left to another process, which hands this one the env's spaces:
     rank 0 of a joined run, for the other ranks (app/launch/rank.py). A loop without
     ``validate_settings`` runs its whole ``validate`` anyway."""
     problem = timeout_problem(cfg.comm.timeout, cfg.comm.get("hang_timeout"), prefix="comm.")

@@ -7,7 +7,6 @@ import gc
 import json
 import logging
 import os
-import pickle
 import random
 import re
 import signal
@@ -38,7 +37,7 @@ from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
 
 log = logging.getLogger(__name__)
 
-_LOOP_KEY = "app/validated_loop"  # rank 0's validated loop, pickled (_validated_loop)
+_SPACES_KEY = "app/probed_spaces"  # the env's spaces rank 0 probed (_share_probed_spaces)
 
 
 @record
@@ -85,7 +84,7 @@ def _run(
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     ctx = _init(cfg, plan, env)
     if not launched_here:  # this process validated the config itself: without probing, but rank 0
-        cfg.loop = _validated_loop(ctx, cfg.loop, env.rank)
+        _share_probed_spaces(ctx, cfg.loop, env.rank)
     if ctx.joined_running_job:  # a replacement rollout rank (rlcomm.elastic)
         _join_running_job(cfg, plan, env, run_dir, ctx)
         return None
@@ -135,17 +134,21 @@ def _init(cfg: AppConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
     return ctx
 
 
-def _validated_loop(ctx: CommContext, loop: Loop, rank: int) -> Loop:
-    """Rank 0's validated loop, on every rank of a joined run: it holds what rank 0 learnt by
-    probing the env (its spaces), so that no other rank builds an env to learn them (a trainer
-    then builds none at all). Rank 0 leaves it in the rendezvous store for the others, and for
-    a rank that joins later."""
+def _share_probed_spaces(ctx: CommContext, loop: Loop, rank: int) -> None:
+    """The env's spaces rank 0 probed, on every rank of a joined run, so that no other rank
+    builds an env to learn them (a trainer then builds none at all). Rank 0 leaves them in the
+    rendezvous store, as data (app/runtime/spaces_wire.py), for the others and for a rank that
+    joins later; a loop without spaces, or spaces with no data form, leave each rank to probe."""
+    from app.runtime.spaces_wire import decode_spaces, encode_spaces
+
     if rank == 0:
-        # Store.set takes bytes too (its stub says str only).
-        ctx.store.set(_LOOP_KEY, pickle.dumps(loop))  # type: ignore[arg-type]
-        return loop
-    validated: Loop = pickle.loads(ctx.store.get(_LOOP_KEY))  # written by rank 0 of this run
-    return validated
+        probed = vars(loop).get("spaces")  # RLLoop.spaces, cached by validation
+        encoded = encode_spaces(probed) if probed is not None else None
+        ctx.store.set(_SPACES_KEY, encoded or b"")  # type: ignore[arg-type]  # bytes: fine
+        return
+    encoded = ctx.store.get(_SPACES_KEY)  # written by rank 0 of this run
+    if encoded:
+        vars(loop)["spaces"] = decode_spaces(encoded)  # what RLLoop.spaces would probe
 
 
 def _agree_and_create_groups(

@@ -175,7 +175,7 @@ class RLLoop:
     def validate_settings(self, plan: LayoutPlan) -> None:
         """The checks of :meth:`validate` that build nothing (no env, no policy): all that a
         rank of a joined run other than rank 0 runs, since rank 0 probes the env for every rank
-        and hands its validated loop to them (app/launch/rank.py)."""
+        and hands its spaces to them (app/launch/rank.py)."""
         per_update = self._per_update(plan)
         # The ranks of a TENSOR_PARALLEL group train one replica on their segments together.
         replicas, _, _ = plan.grid_sizes
