@@ -110,6 +110,20 @@ class Row:
         verdict = self.goal.met(self)
         return "-" if verdict is None else ("yes" if verdict else "no")
 
+    def set_per_seed(self, ours: Sequence[float | None],
+                     reference: Sequence[float | None]) -> None:
+        """``rlcomm``, ``reference`` and their per-seed ``ratio`` from one value per seed of
+        each side (None: that run failed); ``failed`` when no seed has both."""
+        if any(v is not None for v in ours):
+            self.rlcomm = Stat.of([v for v in ours if v is not None])
+        if any(v is not None for v in reference):
+            self.reference = Stat.of([v for v in reference if v is not None])
+        paired = [(a, b) for a, b in zip(ours, reference, strict=True) if a is not None and b]
+        if paired:
+            self.ratio = ratios([a for a, _ in paired], [b for _, b in paired])
+        else:
+            self.status = "failed"
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "section": self.section,

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from .core import PER_SECOND, Goal, Row, Settings, Stat, ratios
+from .core import PER_SECOND, Goal, Row, Settings
 from .procs import CommandTimeoutError, timed_command
 
 NAME = "evaluation"
@@ -61,15 +61,7 @@ def _row(layout: str, found: dict[tuple[int, int], float | None]) -> Row:
               reference_name="no evaluation", goal=Goal(">=", 0.95))
     on = [found[(EVERY, s)] for s in SEEDS]
     off = [found[(0, s)] for s in SEEDS]
-    if any(v is not None for v in on):
-        row.rlcomm = Stat.of([v for v in on if v is not None])
-    if any(v is not None for v in off):
-        row.reference = Stat.of([v for v in off if v is not None])
-    paired = [(a, b) for a, b in zip(on, off) if a is not None and b]
-    if paired:
-        row.ratio = ratios([a for a, _ in paired], [b for _, b in paired])
-    else:
-        row.status = "failed"
+    row.set_per_seed(on, off)
     row.note = f"median of seeds {list(SEEDS)}, {BUDGET:,} env steps each"
     row.extra.update(per_seed={"on": on, "off": off})
     return row

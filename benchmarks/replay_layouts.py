@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .core import PER_SECOND, Row, Settings, Stat, ratios
+from .core import PER_SECOND, Row, Settings
 from .procs import CommandTimeoutError, timed_command
 
 NAME = "replay_layouts"
@@ -74,15 +74,7 @@ def rows_of(found: dict[str, list[dict[str, float] | None]], seeds: tuple[int, .
                   reference_name="colocated replay (a shard per trainer)")
         apart = [r[figure] if r else None for r in found["replay rank"]]
         beside = [r[figure] if r else None for r in found["colocated"]]
-        if any(v is not None for v in apart):
-            row.rlcomm = Stat.of([v for v in apart if v is not None])
-        if any(v is not None for v in beside):
-            row.reference = Stat.of([v for v in beside if v is not None])
-        paired = [(a, b) for a, b in zip(apart, beside) if a is not None and b]
-        if paired:
-            row.ratio = ratios([a for a, _ in paired], [b for _, b in paired])
-        else:
-            row.status = "failed"
+        row.set_per_seed(apart, beside)
         row.note = f"median of seeds {list(seeds)}, {budget:,} env steps each, 2 collectors"
         row.extra.update(per_seed={"replay rank": apart, "colocated": beside})
         rows.append(row)
