@@ -30,7 +30,7 @@ from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses
 UPDATES = 20
 DISTINCT = 5  # segments per collector, trained on in turn: enough data, a quarter of the cost
 ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
-HP = PPOSettings(num_envs=4, num_steps=8, num_minibatches=2, update_epochs=2, lr=3e-3)
+HP = PPOSettings(num_envs=4, num_steps=8, num_minibatches=2, update_epochs=1, lr=3e-3)
 MODEL = {"width": 16, "layers": 2, "heads": 2, "context": 4}
 # name: (loop.data_parallel, sequence size, tensor size), over 4 trainers.
 CONFIGS = {"sp2-ddp2": ("ddp", 2, None), "sp2-fsdp2": ("fsdp", 2, None),

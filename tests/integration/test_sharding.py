@@ -24,7 +24,7 @@ UPDATES = 20
 # Every configuration trains each replica on the segments of its pair of ranks (2k, 2k + 1):
 # a tensor-parallel pair shares them (share_segments); elsewhere both ranks hold both.
 ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
-HP = PPOSettings(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, lr=3e-3)
+HP = PPOSettings(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=1, lr=3e-3)
 MODEL = {"width": 32, "layers": 2, "heads": 4, "context": 4}
 CONFIGS = {"ddp4": ("ddp", None), "fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2),
            "tp2-fsdp2": ("fsdp", 2)}
