@@ -103,9 +103,16 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
     trainers = list(range(HAND_OFF_TRAINERS))
     plan = plan_layout(LayoutSpec(world_size=world, trainers=trainers))
     with planned_context(plan, timeout=600) as ctx:
-        torch.manual_seed(0)
-        agent = nn.Module()
-        agent.net = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+        def model() -> nn.Module:
+            torch.manual_seed(0)
+            agent = nn.Module()
+            agent.net = nn.Sequential(*[nn.Linear(width, width, bias=False)
+                                        for _ in range(layers)])
+            return agent
+
+        # Each path has its agent: the flat receiver points its agent's tensors at its own
+        # receive buffer, and the sharded one receives into its agent's own tensors.
+        agent, flat_agent = model(), model()
         trained = TrainedModule(ctx, plan, agent.net, "fsdp") if rank in trainers else None
         settings = HandOffSettings(max_staleness=0, verify_every=0, min_rollouts=1,
                                    timeout_s=600, episode_cap=1, sharded=True)
@@ -116,10 +123,10 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
         flat_sender = flat_receiver = None
         if rank == 0:
             flat_sender = WeightSender(ctx, "FLAT_HAND_OFF")
-            flat_sender.bind(agent)
+            flat_sender.bind(flat_agent)
         elif rank in plan.rollouts:
-            flat_receiver = WeightReceiver(ctx, "FLAT_HAND_OFF", expected=agent.state_dict())
-            flat_receiver.bind(agent)
+            flat_receiver = WeightReceiver(ctx, "FLAT_HAND_OFF", expected=flat_agent.state_dict())
+            flat_receiver.bind(flat_agent)
 
         def sharded_once() -> None:
             sharded.sync_weights(first=False)
@@ -127,9 +134,9 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
 
         def flat_once() -> None:
             if flat_sender is not None:
-                flat_sender.send(agent, wait=True)
+                flat_sender.send(flat_agent, wait=True)
             elif flat_receiver is not None:
-                flat_receiver.receive_into(agent)
+                flat_receiver.receive_into(flat_agent)
 
         times: dict[str, list[float]] = {"sharded": [], "flat": []}
         sharded.sync_weights(first=True)  # the layouts and the indices travel once
@@ -140,7 +147,7 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
                 start = time.perf_counter()
                 once()
                 times[name].append(time.perf_counter() - start)
-        whole = sum(t.nbytes for t in agent.state_dict().values())
+        whole = sum(t.nbytes for t in flat_agent.state_dict().values())
         send_bytes = {"sharded": sharded.weight_bytes if rank in sharded.owners else 0,
                       "flat": whole if rank == 0 else 0}
         return {"times": times, "send_bytes": send_bytes, "whole": whole}

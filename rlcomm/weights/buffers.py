@@ -61,12 +61,15 @@ class FlatBuffers:
         }
         offsets = dict.fromkeys(self.buffers, 0)
         self.landed = False  # some direct view is a tensor of ``landing`` (the caller's memory)
+        self._allocated: set[str] = set()  # the direct views allocated here
         for meta in metadata:
             if meta.name in outside:
                 found = _fitting((landing or {}).get(meta.name), meta.shape, meta.dtype, device)
                 self.landed |= found is not None
-                self.views[meta.name] = (found if found is not None else torch.empty(
-                    meta.shape, dtype=meta.dtype, device=device))
+                if found is None:
+                    found = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                    self._allocated.add(meta.name)
+                self.views[meta.name] = found
                 continue
             start = offsets[meta.dtype]
             view = self.buffers[meta.dtype][start : start + meta.numel].view(meta.shape)
@@ -107,6 +110,12 @@ class FlatBuffers:
         """Point the direct view ``name`` at ``tensor`` (contiguous, of its shape and dtype)."""
         self.views[name] = tensor
         self._checksum_parts[self._index[name]] = checksum_parts(tensor)
+        self._allocated.discard(name)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes these buffers allocated: the wire and the direct views not the caller's."""
+        return self.wire.nbytes + sum(self.views[name].nbytes for name in self._allocated)
 
     def direct_views(self) -> list[Tensor]:
         """The direct tensors, in the order they travel (the metadata's)."""

@@ -190,6 +190,12 @@ class WeightReceiver(Endpoint):
         """How many posted receives have not been completed yet."""
         return len(self._posted)
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of the receive buffers this receiver holds (direct tensors landing in the
+        bound module's memory are the caller's: not in them)."""
+        return sum(buffer.flat.nbytes for buffer in self._buffers)
+
     def ready(self) -> bool:
         """Whether the oldest posted receive has arrived (completing it will not block)."""
         if not self._posted:

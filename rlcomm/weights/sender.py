@@ -185,6 +185,12 @@ class WeightSender(Endpoint):
         complete = len(targets) == len(state_dict)
         self._bound = (module, [(t, t.data) for t, _ in targets]) if complete else None
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of this sender's send buffers (direct tensors are the caller's: not in
+        them)."""
+        return self._buffers.nbytes if self._buffers is not None else 0
+
     def _still_bound(self, module: nn.Module) -> bool:
         """Whether ``module`` is the bound one, its every tensor still its view in the buffers
         the receivers hold: then sending it needs no state dict, metadata check or copy."""
