@@ -263,10 +263,10 @@ class WeightReceiver(Endpoint):
         buffer = self._posted.popleft()
         assert buffer.posted is not None
         (works, call), buffer.posted = buffer.posted, None
-        finish(works, call)
         try:
+            finish(works, call)
             version, flag, _, checksummed = self._check_header(buffer.flat.header)
-        except Exception:
+        except Exception:  # no data follows (or the group failed): keep the direct works
             self._orphans += self._orphan(buffer)
             raise
         if flag == SAME_METADATA:
