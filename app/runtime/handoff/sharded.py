@@ -9,7 +9,10 @@ first trainer's to send. Each owner leads a group of its own with every rollout 
 (``WEIGHT_SHARDS_<rank>``, made like WEIGHT_TRANSFER's) and sends its slices with rlcomm.weights'
 sender, so versions, checksums (``loop.verify_weights_every``) and ``loop.max_staleness`` work
 as on the flat path; where each slice goes in the whole tensor (flat element indices, computed
-by DTensor itself) travels once, when the groups form. Segments and episodes move as on the flat
+by DTensor itself) travels once, when the groups form. A large slice that is one block of the
+whole tensor (FSDP2's dim-0 shards) is not copied on either side: it goes as a direct tensor
+from the owner's local shard into its block of the rollout rank's whole weights, in place in
+lockstep (:func:`direct_of`); the small ones are packed into one message per owner. Segments and episodes move as on the flat
 path (:class:`~app.runtime.handoff.flat.FlatHandOff`). No trainer gathers the model to send it.
 With elastic rollout ranks the same slices, index maps and assembly serve
 app/runtime/handoff/elastic_sharded.py.
