@@ -11,12 +11,14 @@ batches under each way the runtime wraps it: DDP over 4, FSDP2 over 4, tensor pa
 - **Step time:** one forward, backward, gradient clip and Adam step on a batch of ``BATCH``
   windows, median over repetitions. No goal on CPU.
 - **Hand-off** (app/runtime/handoff/sharded.py): two trainers under FSDP2 hand a model of
-  ``HAND_OFF_PARAMS`` to 2 and 3 rollout ranks: each sends its own shard and every rollout rank
-  assembles the whole weights, against the flat hand-off's broadcast of the same bytes from one
-  trainer (bound buffers, in-place receives: today's static path). A sample starts at a barrier
-  and ends when the last rollout rank holds the whole weights. Goal: at most 1.1 x the flat
-  broadcast. The largest send buffer on a trainer is reported beside it (the sharded path's is
-  its shard: no trainer holds a full-model send buffer).
+  ``HAND_OFF_PARAMS`` to 2 and 3 rollout ranks: each sends its own shard (its large slices
+  straight from the shard) and every rollout rank receives them into its whole weights, in
+  place, against the flat hand-off's broadcast of the same bytes from one trainer (bound
+  buffers, in-place receives: today's static path). Each path has an agent of its own on every
+  rank. A sample starts at a barrier and ends when the last rollout rank holds the whole
+  weights. Goal: at most 1.1 x the flat broadcast. The largest send buffer on a trainer is
+  reported beside it (the sharded owners' hold only their small slices and headers: no trainer
+  holds a full-model send buffer).
 """
 
 from __future__ import annotations
@@ -103,10 +105,17 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
     trainers = list(range(HAND_OFF_TRAINERS))
     plan = plan_layout(LayoutSpec(world_size=world, trainers=trainers))
     with planned_context(plan, timeout=600) as ctx:
-        torch.manual_seed(0)
-        agent = nn.Module()
-        agent.net = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
-        trained = TrainedModule(ctx, plan, agent.net, "fsdp") if rank in trainers else None
+        def model() -> tuple[nn.Module, nn.Module]:
+            torch.manual_seed(0)
+            agent = nn.Module()
+            agent.net = net = nn.Sequential(*[nn.Linear(width, width, bias=False)
+                                              for _ in range(layers)])
+            return agent, net
+
+        # Each path has its agent: the flat receiver points its agent's tensors at its own
+        # receive buffer, and the sharded one receives into its agent's own tensors.
+        (agent, net), (flat_agent, _) = model(), model()
+        trained = TrainedModule(ctx, plan, net, "fsdp") if rank in trainers else None
         settings = HandOffSettings(max_staleness=0, verify_every=0, min_rollouts=1,
                                    timeout_s=600, episode_cap=1, sharded=True)
         segment_format = SegmentFormat({"version": Field((1,), torch.int64)})
@@ -116,10 +125,10 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
         flat_sender = flat_receiver = None
         if rank == 0:
             flat_sender = WeightSender(ctx, "FLAT_HAND_OFF")
-            flat_sender.bind(agent)
+            flat_sender.bind(flat_agent)
         elif rank in plan.rollouts:
-            flat_receiver = WeightReceiver(ctx, "FLAT_HAND_OFF", expected=agent.state_dict())
-            flat_receiver.bind(agent)
+            flat_receiver = WeightReceiver(ctx, "FLAT_HAND_OFF", expected=flat_agent.state_dict())
+            flat_receiver.bind(flat_agent)
 
         def sharded_once() -> None:
             sharded.sync_weights(first=False)
@@ -127,9 +136,9 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
 
         def flat_once() -> None:
             if flat_sender is not None:
-                flat_sender.send(agent, wait=True)
+                flat_sender.send(flat_agent, wait=True)
             elif flat_receiver is not None:
-                flat_receiver.receive_into(agent)
+                flat_receiver.receive_into(flat_agent)
 
         times: dict[str, list[float]] = {"sharded": [], "flat": []}
         sharded.sync_weights(first=True)  # the layouts and the indices travel once
@@ -140,9 +149,12 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
                 start = time.perf_counter()
                 once()
                 times[name].append(time.perf_counter() - start)
-        whole = sum(t.nbytes for t in agent.state_dict().values())
-        send_bytes = {"sharded": sharded.weight_bytes if rank in sharded.owners else 0,
-                      "flat": whole if rank == 0 else 0}
+        whole = sum(t.nbytes for t in flat_agent.state_dict().values())
+        # What a trainer's send buffers hold (the sharded owners send their large slices from
+        # their shards: not in them).
+        shard_sender = sharded.shard_sender
+        send_bytes = {"sharded": shard_sender.buffer_bytes if shard_sender is not None else 0,
+                      "flat": flat_sender.buffer_bytes if flat_sender is not None else 0}
         return {"times": times, "send_bytes": send_bytes, "whole": whole}
 
 

@@ -16,7 +16,12 @@ in the order the metadata lists the dtypes, each starting at a multiple of 64 by
 2. when the flag is ``1`` (the names, dtypes or shapes changed, always on the first transfer):
    the metadata as UTF-8 JSON in a uint8 tensor, then an all_reduce of one reject flag per group
    member, so a rejected transfer fails on every member instead of leaving anyone waiting, then
-   the data in a buffer of the new metadata.
+   the data in a buffer of the new metadata;
+3. after the data, each *direct* tensor in a broadcast of its own, in metadata order, straight
+   from the sender's tensor into the receiver's: the names both ends were given
+   (``WeightSender(direct=...)``, ``WeightReceiver(direct=...)``; none by default) that are not
+   empty. They have no place in the buffers (their checksums do); only a header that carries a
+   version is followed by them.
 
 When the header rides in a buffer whose flag is not ``0``, that buffer's data is not a version:
 receivers ignore it (their views of the last version are overwritten, as by any receive).

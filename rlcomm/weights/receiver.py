@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +47,8 @@ class ReceiveBuffer:
     pairs: list[tuple[Tensor, Tensor]] | None = None
     in_module: bool = False  # the bound module's tensors are these views
     posted: tuple[list[dist.Work], Call] | None = None  # a posted receive in flight into it
+    # The posted receives of its direct tensors (issued with ``posted``, completed after it).
+    direct_posted: list[tuple[list[dist.Work], Call]] = field(default_factory=list)
 
     @property
     def metadata(self) -> Metadata:
@@ -63,6 +65,11 @@ class WeightReceiver(Endpoint):
     the version being loaded, so nothing is copied. :meth:`post` receives the next version into a
     spare buffer in the background (double buffering): the module keeps acting with the version
     it holds until :meth:`load` swaps the new one in.
+
+    ``direct`` names the tensors that travel on their own after the buffers (the sender's
+    ``direct``): those of the module bound with :meth:`bind` are received straight into that
+    module's tensors as they were when bound (the *landing* buffer, used only by receives in
+    place: it is the memory the caller acts with), the others into buffers of their own.
     """
 
     _role = "receiver"
@@ -73,9 +80,15 @@ class WeightReceiver(Endpoint):
         mode: Mode = ParallelMode.WEIGHT_TRANSFER,
         expected: Mapping[str, Tensor] | None = None,
         device: torch.device | str | None = None,
+        direct: Collection[str] = (),
     ) -> None:
         super().__init__(ctx, mode, device)
         self._expected = expected
+        self._direct = frozenset(direct)
+        self._landing: dict[str, Tensor] = {}  # the bound module's direct tensors, when bound
+        # Posted direct receives whose data never came (the sender ended instead): kept alive
+        # until abandon() hands them to the caller.
+        self._orphans: list[dist.Work] = []
         self._bound: nn.Module | None = None
         # Every receive buffer of the current metadata, in the order they were allocated; a spare
         # is one that is neither the newest, nor the bound module's, nor a posted receive's.
@@ -98,11 +111,11 @@ class WeightReceiver(Endpoint):
         if self._posted:
             return self._complete_posted()
         carrier = self._newest  # the buffers this receiver holds carry the header
-        in_module = self._in_module()
-        if carrier is not None and in_module is not None:
+        if carrier is not None:
+            in_module = self._in_module()
             if in_place:
-                carrier = in_module
-            elif carrier is in_module:
+                carrier = self._landing_buffer() or in_module or carrier
+            elif carrier is in_module or carrier.flat.landed:
                 carrier = self._spare()  # the bound module acts with these: receive beside them
         if carrier is None:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
@@ -117,6 +130,7 @@ class WeightReceiver(Endpoint):
             assert newest is not None
             self._receive_wire(newest.flat.wire)
             checksummed = int(newest.flat.header[3])
+            self._receive_direct(newest.flat)
         elif carrier is None:  # flag 0 for a receiver without metadata: the data came with it
             raise WeightTransferError(
                 f"{self._name}: version {version} came without metadata; create the "
@@ -124,12 +138,15 @@ class WeightReceiver(Endpoint):
             )
         else:
             newest = self._newest = carrier
+            self._receive_direct(newest.flat)
         self._version = newest.version = version
         newest.checksummed = bool(checksummed)
         return version, dict(newest.flat.views)
 
-    def post(self) -> None:
-        """Start receiving the next version into a spare buffer, in the background.
+    def post(self, in_place: bool = False) -> None:
+        """Start receiving the next version into a spare buffer, in the background;
+        ``in_place``: into the buffer the bound module acts with (the landing buffer, where
+        there is one), which must then be idle until the receive is completed.
 
         The transfer completes while the caller goes on (acting with the weights it holds);
         :meth:`load` or :meth:`receive` completes it. Posted receives are issued on the group
@@ -141,33 +158,51 @@ class WeightReceiver(Endpoint):
             raise WeightTransferError(
                 f"{self._name}: post() needs the metadata of a completed receive first"
             )
-        spare = self._spare()
-        spare.posted = self._launch(spare.flat.wire)
-        self._posted.append(spare)
+        carrier = (self._landing_buffer() or self._in_module()) if in_place else None
+        if carrier is None or carrier.posted is not None:
+            carrier = self._spare()
+        carrier.posted = self._launch(carrier.flat.wire)
+        carrier.direct_posted = [self._launch(t) for t in carrier.flat.direct_views()]
+        self._posted.append(carrier)
 
     def abandon(self) -> list[dist.Work]:
         """Give up the posted receives (their sender moved on: rlcomm.elastic); returns their
         works, which the caller keeps alive, with the buffers they write into."""
-        works: list[dist.Work] = []
+        works, self._orphans = self._orphans, []
         while self._posted:
             buffer = self._posted.popleft()
             if buffer.posted is not None:
                 (posted, call), buffer.posted = buffer.posted, None
                 call.finish()
                 works += posted
+            works += self._orphan(buffer)
         return works
+
+    def _orphan(self, buffer: ReceiveBuffer) -> list[dist.Work]:
+        """``buffer``'s posted direct receives, given up (no data follows its header)."""
+        direct, buffer.direct_posted = buffer.direct_posted, []
+        for _, call in direct:
+            call.finish()
+        return [work for works, _ in direct for work in works]
 
     @property
     def posted(self) -> int:
         """How many posted receives have not been completed yet."""
         return len(self._posted)
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of the receive buffers this receiver holds (direct tensors landing in the
+        bound module's memory are the caller's: not in them)."""
+        return sum(buffer.flat.nbytes for buffer in self._buffers)
+
     def ready(self) -> bool:
         """Whether the oldest posted receive has arrived (completing it will not block)."""
         if not self._posted:
             return False
-        posted = self._posted[0].posted
-        return posted is not None and all(w.is_completed() for w in posted[0])
+        oldest = self._posted[0]
+        return oldest.posted is not None and all(
+            w.is_completed() for works, _ in [oldest.posted, *oldest.direct_posted] for w in works)
 
     def load(self, module: nn.Module, strict: bool = True) -> int:
         """Load the newest completed version into ``module`` and verify it if it carries
@@ -206,6 +241,8 @@ class WeightReceiver(Endpoint):
         if self._expected is None:
             self._expected = {k: v.detach() for k, v in module.state_dict().items()}
         self._bound = module
+        named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        self._landing = {name: named[name].detach() for name in self._direct if name in named}
         for buffer in self._buffers:
             buffer.pairs = None  # of the module bound before
 
@@ -213,13 +250,31 @@ class WeightReceiver(Endpoint):
         works, call = self._launch(wire)
         finish(works, call)
 
+    def _receive_direct(self, flat: FlatBuffers) -> None:
+        """The direct tensors of the version whose buffers ``flat`` just received, side by side."""
+        for works, call in [self._launch(tensor) for tensor in flat.direct_views()]:
+            finish(works, call)
+
+    def _landing_buffer(self) -> ReceiveBuffer | None:
+        """The buffer whose direct views are the bound module's own memory, if any."""
+        return next((buffer for buffer in self._buffers if buffer.flat.landed), None)
+
     def _complete_posted(self) -> tuple[int, dict[str, Tensor]]:
         buffer = self._posted.popleft()
         assert buffer.posted is not None
         (works, call), buffer.posted = buffer.posted, None
-        finish(works, call)
-        version, flag, _, checksummed = self._check_header(buffer.flat.header)
-        if flag != SAME_METADATA:
+        try:
+            finish(works, call)
+            version, flag, _, checksummed = self._check_header(buffer.flat.header)
+        except Exception:  # no data follows (or the group failed): keep the direct works
+            self._orphans += self._orphan(buffer)
+            raise
+        if flag == SAME_METADATA:
+            for direct_works, direct_call in buffer.direct_posted:
+                finish(direct_works, direct_call)
+            buffer.direct_posted = []
+        else:
+            self._orphans += self._orphan(buffer)
             raise WeightTransferError(
                 f"{self._name}: weights version {version} changes its metadata while receives "
                 f"are posted; post() needs a sender whose names, dtypes and shapes stay fixed"
@@ -257,9 +312,10 @@ class WeightReceiver(Endpoint):
         free): neither the newest version, nor the bound module's, nor a posted receive's."""
         assert self._newest is not None
         for buffer in self._buffers:
-            if buffer is not self._newest and not buffer.in_module and buffer.posted is None:
+            if (buffer is not self._newest and not buffer.in_module and buffer.posted is None
+                    and not buffer.flat.landed):  # landing: the caller's memory, in place only
                 return buffer
-        spare = ReceiveBuffer(FlatBuffers(self._newest.metadata, self._device))
+        spare = ReceiveBuffer(FlatBuffers(self._newest.metadata, self._device, self._direct))
         self._buffers.append(spare)
         return spare
 
@@ -349,5 +405,6 @@ class WeightReceiver(Endpoint):
             # The old metadata's buffers go (the bound module keeps the ones it points at until
             # its next load); the data that follows lands in the new metadata's first buffer.
             self._metadata = metadata
-            self._newest = ReceiveBuffer(FlatBuffers(metadata, self._device))
+            self._newest = ReceiveBuffer(
+                FlatBuffers(metadata, self._device, self._direct, self._landing))
             self._buffers = [self._newest]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +36,10 @@ class WeightSender(Endpoint):
     Zero-copy sends: :meth:`bind` points a module's parameters and buffers at their views in the
     send buffers, so ``send(module)`` skips their copy (any tensor not found in place is still
     copied, so binding only ever affects speed). The wire protocol is unchanged.
+
+    ``direct`` names tensors that are not copied into the send buffers at all: each goes out
+    from the caller's own tensor, in a transfer of its own after the buffers (see
+    :class:`~rlcomm.weights.buffers.FlatBuffers`); its receivers must be given the same names.
     """
 
     _role = "sender"
@@ -47,6 +51,7 @@ class WeightSender(Endpoint):
         device: torch.device | str | None = None,
         verify_every: int = 0,
         first_version: int = 0,
+        direct: Collection[str] = (),
     ) -> None:
         """``verify_every=N``: every N-th version carries each tensor's checksum, which receivers
         check after loading it into their module (0: never). ``first_version``: the version the
@@ -56,6 +61,7 @@ class WeightSender(Endpoint):
             raise ValueError(f"verify_every: must be >= 0, got {verify_every}")
         self._version = first_version
         self._verify_every = verify_every
+        self._direct = frozenset(direct)
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self._device)
         # The send buffers of the newest metadata (bind, a change): maybe not the receivers' yet.
         self._buffers: FlatBuffers | None = None
@@ -77,9 +83,9 @@ class WeightSender(Endpoint):
         are still bound (a pointer check per tensor), no state dict is built or compared at all.
 
         The tensors are copied into the send buffers before this returns, so the caller may
-        update them right away, except tensors of a module bound with :meth:`bind`: those are
-        already in the buffers, so they are not copied, and after ``wait=False`` they must not
-        be updated before :meth:`wait` returns. With ``wait=False`` the broadcasts are only
+        update them right away, except tensors of a module bound with :meth:`bind` and the
+        ``direct`` ones: those are sent from where they are, not copied, and after
+        ``wait=False`` they must not be updated before :meth:`wait` returns. With ``wait=False`` the broadcasts are only
         launched: call :meth:`wait` (or the next ``send``, which waits first) before relying on
         delivery. ``verify``: this version carries checksums whatever ``verify_every`` says.
         """
@@ -94,7 +100,7 @@ class WeightSender(Endpoint):
                     state_dict = state_dict.state_dict()
                 metadata = describe_state_dict(state_dict)
                 changed = metadata != self._metadata
-                buffers = self._buffers_for(metadata, changed)
+                buffers = self._buffers_for(metadata, changed, state_dict)
                 self._copied = buffers.pack(state_dict)
             checksummed = verify or (
                 bool(self._verify_every) and version % self._verify_every == 0)
@@ -118,9 +124,10 @@ class WeightSender(Endpoint):
             self._metadata = buffers.metadata  # the same object, so the next check is cheap
         self._sent = buffers  # unchanged: the receivers' metadata; changed: now it is
         self._write_header(buffers.header, version, int(changed), len(raw), int(checksummed))
-        works, call = self._launch(buffers.wire)
-        self._pending += works
-        self._pending_calls.append(call)
+        for tensor in [buffers.wire, *buffers.direct_views()]:
+            works, call = self._launch(tensor)
+            self._pending += works
+            self._pending_calls.append(call)
         self._version = version
         if wait:
             self.wait()
@@ -150,7 +157,7 @@ class WeightSender(Endpoint):
         self.wait()  # in-flight broadcasts still read the buffers about to be rewritten
         state_dict = module.state_dict()
         metadata = describe_state_dict(state_dict)
-        buffers = self._buffers_for(metadata, metadata != self._metadata)
+        buffers = self._buffers_for(metadata, metadata != self._metadata, state_dict)
         targets: list[tuple[Tensor, Tensor]] = []
         seen: set[int] = set()
         named = [
@@ -172,10 +179,17 @@ class WeightSender(Endpoint):
             seen.add(id(tensor))
             targets.append((tensor, view))
         for tensor, view in targets:
-            view.copy_(tensor)
-            tensor.data = view
+            if tensor.data_ptr() != view.data_ptr():  # a direct one is its own view already
+                view.copy_(tensor)
+                tensor.data = view
         complete = len(targets) == len(state_dict)
         self._bound = (module, [(t, t.data) for t, _ in targets]) if complete else None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """The bytes of this sender's send buffers (direct tensors are the caller's: not in
+        them)."""
+        return self._buffers.nbytes if self._buffers is not None else 0
 
     def _still_bound(self, module: nn.Module) -> bool:
         """Whether ``module`` is the bound one, its every tensor still its view in the buffers
@@ -188,7 +202,8 @@ class WeightSender(Endpoint):
             t.data_ptr() == v.data_ptr() and t.shape == v.shape for t, v in self._bound[1]
         )
 
-    def _buffers_for(self, metadata: Metadata, changed: bool) -> FlatBuffers:
+    def _buffers_for(self, metadata: Metadata, changed: bool,
+                     state_dict: Mapping[str, Tensor]) -> FlatBuffers:
         """The send buffers for ``metadata``: the current ones when it matches, else new ones.
 
         New buffers replace the current ones even if the receivers then reject the metadata;
@@ -200,7 +215,8 @@ class WeightSender(Endpoint):
             (not changed and current.metadata is self._metadata) or current.metadata == metadata
         ):
             return current
-        self._buffers = FlatBuffers(metadata, self._device)
+        # The direct views start as ``state_dict``'s own tensors: nothing allocated for them.
+        self._buffers = FlatBuffers(metadata, self._device, self._direct, state_dict)
         return self._buffers
 
     def end(self, moved: bool) -> list[dist.Work]:

@@ -3,7 +3,9 @@ real gloo ranks: FSDP2 over two trainers, each leading one elastic rollout rank.
 rank acts with the whole model's exact weights, assembled from the owners' slices, and no
 trainer gathers the model to send it; a rollout rank SIGKILLed mid-run is dropped, and the job
 goes on with the survivor, which still gets every owner's verified slices. (A killed rollout rank
-that rejoins: tests/e2e/test_sharded_runs.py, through ``python -m app``.)"""
+that rejoins: tests/e2e/test_sharded_runs.py, through ``python -m app``.) The ``direct`` cases
+send every contiguous slice on its own, from the owner's shard straight into the rollout rank's
+whole weights (``DIRECT_MIN_BYTES = 0``: the path a large policy's slices take)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ TRAINERS, ROLLOUTS = 2, 2  # trainer 0 leads rollout rank 2, trainer 1 rollout r
 UPDATES = 6
 VICTIM, KILL_AT = 3, 2  # SIGKILLed once it acts with weights version 2
 SEGMENT_FORMAT = with_episodes(SegmentFormat({"version": Field((1,), torch.int64)}), 1)
+
+
+def _direct_everywhere() -> None:
+    import app.runtime.handoff.sharded as sharded
+
+    sharded.DIRECT_MIN_BYTES = 0
 
 
 def _setup(rank: int, world: int, ctx: Any, max_staleness: int = 0
@@ -110,7 +118,9 @@ def _rollout(agent: Acting, hand_off: HandOff, report: Any = None) -> dict[str, 
     return {"held": held, "kind": hand_off.kind, "result": hand_off.result()}
 
 
-def _rank(rank: int, world: int, max_staleness: int) -> dict[str, Any]:
+def _rank(rank: int, world: int, max_staleness: int, direct: bool) -> dict[str, Any]:
+    if direct:
+        _direct_everywhere()
     with planned_context(_plan(world), timeout=60) as ctx:
         agent, trained, hand_off = _setup(rank, world, ctx, max_staleness)
         if trained is not None:
@@ -130,9 +140,11 @@ def _surviving_rank(rank: int, world: int) -> dict[str, Any]:
     return _rollout(agent, hand_off)
 
 
-def _rank_with_victim(rank: int, world: int) -> dict[str, Any]:
+def _rank_with_victim(rank: int, world: int, direct: bool) -> dict[str, Any]:
     """As :func:`_rank`; rank VICTIM runs in a child process that is SIGKILLed mid-run (its
     connections close, as a crashed host's process's do), and reports the versions it held."""
+    if direct:
+        _direct_everywhere()
     if rank != VICTIM:
         return _surviving_rank(rank, world)
     read, write = os.pipe()
@@ -171,11 +183,11 @@ def _assert_exact(found: dict[int, dict[str, Any]], rollout: int) -> None:
             assert np.array_equal(tensor, whole[version][name]), (rollout, version, name)
 
 
-@pytest.mark.parametrize("max_staleness", [0, 2])
+@pytest.mark.parametrize(("max_staleness", "direct"), [(0, False), (2, False), (0, True)])
 def test_elastic_rollout_ranks_of_fsdp2_trainers_act_with_the_exact_whole_weights(
-    max_staleness: int,
+    max_staleness: int, direct: bool
 ) -> None:
-    found = run_ranks(_rank, TRAINERS + ROLLOUTS, max_staleness, timeout=300)
+    found = run_ranks(_rank, TRAINERS + ROLLOUTS, max_staleness, direct, timeout=300)
     assert {found[r]["kind"] for r in found} == {"elastic-sharded"}
     for rank in range(1, TRAINERS):  # every trainer published the same whole weights
         assert all(np.array_equal(found[0]["sent"][v][k], found[rank]["sent"][v][k])
@@ -197,8 +209,11 @@ def test_elastic_rollout_ranks_of_fsdp2_trainers_act_with_the_exact_whole_weight
         UPDATES * ROLLOUTS * s for s in shards]
 
 
-def test_a_rollout_rank_killed_under_fsdp2_trainers_is_dropped_and_the_survivor_goes_on() -> None:
-    found = run_ranks(_rank_with_victim, TRAINERS + ROLLOUTS, timeout=300)
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_rollout_rank_killed_under_fsdp2_trainers_is_dropped_and_the_survivor_goes_on(
+    direct: bool,
+) -> None:
+    found = run_ranks(_rank_with_victim, TRAINERS + ROLLOUTS, direct, timeout=300)
     survivor = 2  # trainer 0's
     assert KILL_AT in found[VICTIM]["killed_after"]
     # Its trainer dropped it; both trainers formed a new epoch (the job's shard groups are

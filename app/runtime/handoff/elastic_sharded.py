@@ -49,6 +49,7 @@ from app.runtime.handoff.sharded import (
     Placement,
     Slices,
     assemble,
+    direct_of,
     placements_of,
     shards_mode,
     slices_for,
@@ -146,7 +147,8 @@ class ElasticShardedLeader(ElasticLeader):
         ranks = shard_group(self.ctx, self.rank, self.generation, members, self.patience)
         self.shard_sender = WeightSender(self.ctx, shards_mode(self.rank),
                                          verify_every=self.verify_every,
-                                         first_version=self.sent_version)
+                                         first_version=self.sent_version,
+                                         direct=direct_of(self.agent, self.owned.indices()))
         log.info("rank %d: shard generation %d: rollout ranks %s", self.rank, self.generation,
                  ranks[1:])
 
@@ -216,8 +218,11 @@ class ElasticShardedMember(ElasticMember):
             indices = self.indices[owner]
             slices = slices_for(self.agent, indices)
             receiver = WeightReceiver(self.ctx, shards_mode(owner),
-                                      expected=slices.state_dict())
-            receiver.bind(slices)  # loads point the slices at the received bytes: no copy
+                                      expected=slices.state_dict(),
+                                      direct=direct_of(self.agent, indices))
+            # Loads point the slices at the received bytes, and the direct ones are received
+            # straight into the agent's weights: no copy.
+            receiver.bind(slices)
             self.parts.append((receiver, slices, placements_of(indices)))
         self.generation = generation
 

@@ -209,13 +209,20 @@ def receive_weights(receivers: list[tuple[WeightReceiver, torch.nn.Module]], fir
     """A rollout rank takes its next weights from one receiver or several (a sharded hand-off's,
     one per shard owner, each into its own module), all of one version; returns it.
 
-    From one sender, the first transfer and every one in lockstep (``max_staleness=0``) lands in
-    the bytes the policy acts with: it is idle until they arrive (no second buffer, nothing to
-    swap). Else the next version is posted (from several senders at once) and the newest arrived
-    version swapped in, waiting only for what ``max_staleness`` requires.
+    The first transfer and every one in lockstep (``max_staleness=0``) lands in the bytes the
+    policy acts with: it is idle until they arrive (no second buffer, nothing to swap); from
+    several senders, their transfers run side by side. Else the next version is posted (from
+    several senders at once) and the newest arrived version swapped in, waiting only for what
+    ``max_staleness`` requires.
     """
     if first or (max_staleness == 0 and len(receivers) == 1):
         versions = [receiver.receive_into(module) for receiver, module in receivers]
+    elif max_staleness == 0:  # several senders in lockstep: in place, side by side
+        for receiver, _ in receivers:
+            receiver.post(in_place=True)
+        for receiver, _ in receivers:
+            receiver.receive()  # completes the posted receive
+        versions = [receiver.load(module) for receiver, module in receivers]
     else:  # several senders: their transfers run side by side
         for receiver, _ in receivers:
             receiver.post()

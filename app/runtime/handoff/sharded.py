@@ -9,7 +9,10 @@ first trainer's to send. Each owner leads a group of its own with every rollout 
 (``WEIGHT_SHARDS_<rank>``, made like WEIGHT_TRANSFER's) and sends its slices with rlcomm.weights'
 sender, so versions, checksums (``loop.verify_weights_every``) and ``loop.max_staleness`` work
 as on the flat path; where each slice goes in the whole tensor (flat element indices, computed
-by DTensor itself) travels once, when the groups form. Segments and episodes move as on the flat
+by DTensor itself) travels once, when the groups form. A large slice that is one block of the
+whole tensor (FSDP2's dim-0 shards) is not copied on either side: it goes as a direct tensor
+from the owner's local shard into its block of the rollout rank's whole weights, in place in
+lockstep (:func:`direct_of`); the small ones are packed into one message per owner. Segments and episodes move as on the flat
 path (:class:`~app.runtime.handoff.flat.FlatHandOff`). No trainer gathers the model to send it.
 With elastic rollout ranks the same slices, index maps and assembly serve
 app/runtime/handoff/elastic_sharded.py.
@@ -39,13 +42,21 @@ def shards_mode(owner: int) -> str:
     return f"WEIGHT_SHARDS_{owner}"
 
 
-class Slices(nn.Module):
-    """The slices one owner sends, as buffers: what its receiver loads (and verifies)."""
+# A slice at least this large travels on its own, from the owner's local shard straight into
+# the rollout rank's whole weights (rlcomm.weights' ``direct`` tensors); a smaller one is packed
+# with the others into one message, since a message of its own costs more than its copies.
+DIRECT_MIN_BYTES = 1 << 20
 
-    def __init__(self, like: dict[str, Tensor]) -> None:
+
+class Slices(nn.Module):
+    """The slices one owner sends, as buffers: what its receiver loads (and verifies). A direct
+    one (see :func:`direct_of`) is the block of the whole weights it lands in, itself."""
+
+    def __init__(self, like: dict[str, Tensor], direct: frozenset[str] = frozenset()) -> None:
         super().__init__()
         for name, tensor in like.items():
-            self.register_buffer(_key(name), torch.zeros_like(tensor))
+            key = _key(name)
+            self.register_buffer(key, tensor if key in direct else torch.zeros_like(tensor))
 
     def slices(self) -> dict[str, Tensor]:
         """The slices by the name of the agent's entry they belong to."""
@@ -109,12 +120,29 @@ def placements_of(indices: dict[str, Tensor | None]) -> dict[str, Placement]:
     return placements
 
 
+def direct_of(agent: nn.Module, indices: dict[str, Tensor | None]) -> frozenset[str]:
+    """The slices (by their keys in :class:`Slices`) that travel on their own, straight from
+    the owner's local shard into the whole weights: contiguous blocks (FSDP2 shards on dim 0)
+    of at least ``DIRECT_MIN_BYTES``. Owner and rollout ranks compute the same set."""
+    state = agent.state_dict()
+    direct = set()
+    for name, where in placements_of(indices).items():
+        if isinstance(where, slice):
+            numel = len(range(state[name].numel())[where])
+            if numel * state[name].element_size() >= DIRECT_MIN_BYTES:
+                direct.add(_key(name))
+    return frozenset(direct)
+
+
 def slices_for(agent: nn.Module, indices: dict[str, Tensor | None]) -> Slices:
     """Where one owner's slices land on a rollout rank (``indices``: as
-    :meth:`OwnedSlices.indices` gives them)."""
+    :meth:`OwnedSlices.indices` gives them): the direct ones are views of the agent's own
+    tensors (received straight into them), the others buffers of their own."""
     state = agent.state_dict()
-    return Slices({name: state[name].reshape(-1)[index] if index is not None else state[name]
-                   for name, index in indices.items()})
+    placements = placements_of(indices)
+    return Slices({name: state[name].reshape(-1)[placements[name]] if index is not None
+                   else state[name] for name, index in indices.items()},
+                  direct_of(agent, indices))
 
 
 @torch.no_grad()
@@ -126,7 +154,8 @@ def assemble(agent: nn.Module, parts: list[tuple[Slices, dict[str, Placement]]])
             flat = state[name].view(-1)
             where = placements[name]
             if isinstance(where, slice):  # a contiguous block (FSDP's dim-0 shards)
-                flat[where].copy_(values)
+                if values.data_ptr() != flat[where].data_ptr():  # else received in place
+                    flat[where].copy_(values.reshape(-1))
             else:
                 flat.index_copy_(0, where, values)
 
@@ -164,14 +193,18 @@ class ShardedHandOff(FlatHandOff):
         if owned is not None and self.rank in self.owners:
             self.owned = owned
             self.shard_sender = WeightSender(ctx, shards_mode(self.rank),
-                                             verify_every=settings.verify_every)
+                                             verify_every=settings.verify_every,
+                                             direct=direct_of(agent, owned.indices()))
         for owner in self.owners:
             indices = self._share_indices(owner)
             if self.is_trainer:
                 continue
             slices = slices_for(agent, indices)
-            receiver = WeightReceiver(ctx, shards_mode(owner), expected=slices.state_dict())
-            receiver.bind(slices)  # loads point the slices at the received bytes: no copy
+            receiver = WeightReceiver(ctx, shards_mode(owner), expected=slices.state_dict(),
+                                      direct=direct_of(agent, indices))
+            # Loads point the slices at the received bytes, and the direct ones are received
+            # straight into the agent's weights: no copy.
+            receiver.bind(slices)
             self.receivers.append((receiver, slices, placements_of(indices)))
         if self.owned is not None:
             self.weight_bytes = sum(t.nbytes for t in self.owned.values().values())
@@ -190,8 +223,9 @@ class ShardedHandOff(FlatHandOff):
         return self.acting_version
 
     def sync_weights(self, first: bool) -> bool:
-        """Owners send their slices (copies of their local shards: the optimizer may step at
-        once); rollout ranks receive every owner's and assemble the whole weights."""
+        """Owners send their slices (the large ones from their local shards themselves: the
+        optimizer steps only after :meth:`before_optimizer_step`); rollout ranks receive every
+        owner's and assemble the whole weights (the large slices arrive in place)."""
         tick = time.perf_counter()
         if self.is_trainer:
             self.sent_version += 1
