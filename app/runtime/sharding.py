@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle
 from torch.nn.parallel import DistributedDataParallel
 
 from app.runtime.algorithm import Segment
@@ -61,32 +60,6 @@ class TrainerGrid:
     def replica_size(self) -> int:
         """Trainer ranks that hold one data-parallel replica (and train on the same batch)."""
         return self.tensor * self.sequence
-
-
-class ReplicateParallel(ParallelStyle):
-    """A module's parameters replicated over the tensor-parallel mesh, with plain tensors in and
-    out: the style of a plan's small parts (embeddings, norms, heads) beside the split
-    projections. Every parameter of a tensor-parallel model is then a DTensor on one mesh, which
-    ``fully_shard``, ``replicate`` and ``clip_grad_norm_`` need."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from torch.distributed.tensor import distribute_module
-
-        return distribute_module(module, device_mesh, input_fn=_replicated_inputs,
-                                 output_fn=_local_outputs)
-
-
-def _replicated_inputs(module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate
-
-    return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-                 if isinstance(x, Tensor) and not isinstance(x, DTensor) else x for x in inputs)
-
-
-def _local_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
 def has_tensor_parallel_plan(module: nn.Module) -> bool:

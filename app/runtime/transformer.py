@@ -11,16 +11,14 @@ public methods are :class:`app.runtime.models.ActorCritic`'s.
 queries attend to the whole window's keys and values (:func:`gather_window`), and the newest
 position, on the last chunk, reaches every rank's heads.
 
-:func:`tensor_parallel_plan` shards the blocks' projections over a tensor-parallel mesh
-(Megatron-style), optionally with sequence parallelism in the blocks' norms; the embedding, the
-position table, the norms, the heads and the log-std stay replicated (as DTensors too in the
-runtime's plan, :meth:`TransformerActorCritic.tensor_parallel_plan`).
+Its tensor-parallel plan lives in :mod:`app.runtime.transformer_tp`, imported only where a grid
+splits the model.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,34 +26,25 @@ import torch.nn.functional as F
 from gymnasium import spaces as gym_spaces
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
 from torch.distributions import Categorical, Distribution, Normal
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 from app.runtime.algorithm import Spaces
 from app.runtime.models import action_shape, mode, sample, space_problem
-from app.runtime.sharding import ReplicateParallel
 
 __all__ = [
     "TransformerActorCritic",
     "check_tensor_parallel",
     "ffn_hidden",
     "gather_window",
-    "tensor_parallel_plan",
     "transformer_space_problem",
 ]
 
 _INIT_STD = 0.02  # GPT-2's std for the blocks' projections and the position table
 _HIDDEN_MULTIPLE = 8  # the feed-forward width is a multiple of this: any tp size dividing it fits
-_SEQ_DIM = 1  # the blocks run on [B, context, width]
+SEQ_DIM = 1  # the blocks run on [B, context, width]
 
 
 def transformer_space_problem(spaces: Spaces) -> str | None:
@@ -102,11 +91,11 @@ class _GatherWindow(torch.autograd.Function):
         ctx.group = group
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, part.contiguous(), group=group)
-        return torch.cat(parts, dim=_SEQ_DIM)
+        return torch.cat(parts, dim=SEQ_DIM)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        chunks = [c.contiguous() for c in grad.chunk(dist.get_world_size(ctx.group), _SEQ_DIM)]
+        chunks = [c.contiguous() for c in grad.chunk(dist.get_world_size(ctx.group), SEQ_DIM)]
         mine = torch.empty_like(chunks[0])
         dist.reduce_scatter(mine, chunks, group=ctx.group)
         return mine, None
@@ -204,7 +193,7 @@ class Positions(nn.Module):
         """``h`` [B, context, width]; with ``start``, a chunk of the window from that position."""
         if start is None:
             return h + self.table
-        return h + self.table[start : start + h.shape[_SEQ_DIM]]
+        return h + self.table[start : start + h.shape[SEQ_DIM]]
 
 
 class LogStd(nn.Module):
@@ -346,66 +335,8 @@ class TransformerActorCritic(nn.Module):
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
         """The runtime's plan for this policy (app/runtime/sharding.py): the blocks split as
-        :func:`tensor_parallel_plan` does, every other part replicated."""
+        :func:`app.runtime.transformer_tp.tensor_parallel_plan` does, every other part
+        replicated."""
+        from app.runtime.transformer_tp import tensor_parallel_plan
+
         return tensor_parallel_plan(self, replicate_rest=True)
-
-
-def tensor_parallel_plan(model: TransformerActorCritic, sequence_parallel: bool = False,
-                         replicate_rest: bool = False) -> dict[str, ParallelStyle]:
-    """torchtitan's Llama plan for ``model``, for ``parallelize_module(model, tp_mesh, plan)``.
-
-    Per block, ``wq``/``wk``/``wv`` and ``w1``/``w3`` are column-sharded (each rank keeps whole
-    heads) and ``wo``/``w2`` row-sharded, so a block costs one all-reduce per sublayer. With
-    ``sequence_parallel`` the blocks' norms run on window shards (``SequenceParallel``), each
-    sublayer gathers the window first and reduce-scatters it after, and the residual stream
-    between blocks stays sharded: it is split on entering the first block and gathered on
-    leaving the last, since the embedding before and the heads after are replicated.
-    ``replicate_rest``: the parts outside the split projections get a :class:`ReplicateParallel`
-    entry too, so every parameter is a DTensor on the mesh (what ``fully_shard`` over a second
-    mesh dimension and torch's ``clip_grad_norm_`` need).
-    """
-    seq = Shard(_SEQ_DIM)
-    plan: dict[str, ParallelStyle] = {}
-    for i in range(len(model.layers)):
-        block = f"layers.{i}"
-        # The sublayers' outputs: whole (all-reduce), or window shards (reduce-scatter).
-        out = seq if sequence_parallel else Replicate()
-        plan.update({
-            f"{block}.attention.wq": ColwiseParallel(),
-            f"{block}.attention.wk": ColwiseParallel(),
-            f"{block}.attention.wv": ColwiseParallel(),
-            f"{block}.attention.wo": RowwiseParallel(output_layouts=out),
-            f"{block}.feed_forward.w1": ColwiseParallel(),
-            f"{block}.feed_forward.w3": ColwiseParallel(),
-            f"{block}.feed_forward.w2": RowwiseParallel(output_layouts=out),
-        })
-        if sequence_parallel:
-            plan.update({
-                f"{block}.attention_norm": SequenceParallel(sequence_dim=_SEQ_DIM),
-                # (x, keep): the mask is whole on every rank already.
-                f"{block}.attention": PrepareModuleInput(
-                    input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
-                f"{block}.ffn_norm": SequenceParallel(sequence_dim=_SEQ_DIM),
-                f"{block}.feed_forward": PrepareModuleInput(
-                    input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            })
-    if sequence_parallel:
-        first, last = "layers.0", f"layers.{len(model.layers) - 1}"
-        whole, split = (Replicate(), None), (seq, None)  # (x, keep) in; x out
-        if first == last:
-            plan[first] = PrepareModuleInputOutput(
-                input_layouts=whole, desired_input_layouts=split, use_local_input=True,
-                output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=True)
-        else:
-            plan[first] = PrepareModuleInput(
-                input_layouts=whole, desired_input_layouts=split, use_local_output=True)
-            plan[last] = PrepareModuleOutput(
-                output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=True)
-    if replicate_rest:
-        rest = ["embed", "pos", "norm", "critic", "actor"]
-        rest += [] if model.discrete else ["actor_std"]
-        if not sequence_parallel:
-            rest += [f"layers.{i}.{norm}" for i in range(len(model.layers))
-                     for norm in ("attention_norm", "ffn_norm")]
-        plan.update({name: ReplicateParallel() for name in rest})
-    return plan

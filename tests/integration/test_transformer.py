@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from app.runtime.transformer import tensor_parallel_plan
+from app.runtime.transformer_tp import tensor_parallel_plan
 from rlcomm.testing import run_ranks
 from tests.helpers.transformer_inputs import (
     BOX,

@@ -32,9 +32,9 @@ from app.runtime.transformer import (
     TransformerActorCritic,
     check_tensor_parallel,
     ffn_hidden,
-    tensor_parallel_plan,
     transformer_space_problem,
 )
+from app.runtime.transformer_tp import tensor_parallel_plan
 from tests.helpers.transformer_inputs import (
     BOX,
     CONTEXT,
