@@ -101,7 +101,8 @@ def test_a_restarted_rollout_rank_rejoins_with_the_current_weights(
     kill_rank_after(app, 3, KILL_AFTER_UPDATES)
     assert app.wait() == 0, app.describe()
     result = read_result(app.run_dir)
-    assert result["summary"]["solved"], app.describe()
+    # Whether PPO then solves within the budget is chance (the segments' order depends on
+    # timing): the weights the rejoined rank acts with are checked below, by version and lag.
     members = members_by_update(app.run_dir)
     assert collapse(members) in ([3, 2, 3], [3]), members  # 2 only if it took an update
     epochs = [int(float(row["epoch"])) for row in rows(app.run_dir)]
