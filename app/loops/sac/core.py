@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,10 @@ from app.runtime.replay import Batch, ReplaySettings
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 # Keeps log(1 - tanh^2) finite where tanh saturates (CleanRL's, and the SAC paper's code).
 TANH_EPS = 1e-6
+# Adam's update as one kernel per step on CPU: the same update as the per-parameter loop (to
+# rounding), at a fraction of a learner step's dispatches (docs/off-policy.md, "Learner speed";
+# tests/unit/test_sac_learner_math.py).
+FUSED_ADAM = True
 
 
 @dataclass
@@ -127,9 +133,12 @@ class Actor(nn.Module):
                ) -> tuple[Tensor, Tensor]:
         """A reparameterised action [B, A] and its log pi [B]."""
         mean, log_std = self.gaussian(obs)
-        normal = torch.distributions.Normal(mean, log_std.exp())
+        std = log_std.exp()
+        # No argument checks: std = exp(.) > 0 and pre_tanh is real by construction, and the
+        # checks cost a learner step several reductions each time.
+        normal = torch.distributions.Normal(mean, std, validate_args=False)
         noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
-        pre_tanh = mean + log_std.exp() * noise
+        pre_tanh = mean + std * noise
         action = torch.tanh(pre_tanh) * self.scale + self.bias
         return action, squashed_log_prob(normal, pre_tanh, self.scale)
 
@@ -180,6 +189,20 @@ class SACModule(nn.Module):
 
 
 
+@contextmanager
+def _frozen(*modules: nn.Module) -> Iterator[None]:
+    """``modules``' parameters as constants for the graphs built inside: a backward computes no
+    gradient for them (the gradients with respect to their inputs still flow)."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
 def _drop_grads(*modules: nn.Module) -> None:
     """Clear gradients after backward (and DDP's averaging): Adam skips a parameter without one,
     moments included, as CleanRL's separate optimizers leave the other networks alone."""
@@ -198,7 +221,8 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         super().__init__(settings, spaces, replay)
         self.target_entropy = -float(math.prod(spaces.action.shape))
         self.log_alpha = torch.tensor(math.log(self.start_alpha(settings)), requires_grad=True)
-        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=settings.q_lr)
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=settings.q_lr,
+                                                fused=FUSED_ADAM)
         self._figures = {"actor_loss": math.nan, "alpha_loss": math.nan, "entropy": math.nan}
 
     @staticmethod
@@ -231,7 +255,8 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         q_params = [*net.q1.parameters(), *net.q2.parameters()]
         return torch.optim.Adam([{"params": list(net.actor.parameters()),
                                   "lr": self.settings.policy_lr},
-                                 {"params": q_params, "lr": self.settings.q_lr}])
+                                 {"params": q_params, "lr": self.settings.q_lr}],
+                                fused=FUSED_ADAM)
 
     def act(self, module: nn.Module, obs: Tensor,
             generator: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:
@@ -246,17 +271,28 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
 
     def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
               info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
+        """One learner step: the Q-networks', then every ``policy_frequency``-th step that many
+        actor (and alpha) steps, then the targets' Polyak step. Through DDP (``model`` is not
+        ``module``: several trainers) every pass involves every parameter and the gradients
+        the step does not use are dropped after the averaging; one trainer computes only the
+        gradients its step uses."""
         net: Any = module
-        q1, q2, tie = model(batch.obs, batch.actions)
+        alone = model is module
+        if alone:
+            q1, q2 = net.q(batch.obs, batch.actions)
+            tie: Tensor | float = 0.0
+        else:
+            q1, q2, tie = model(batch.obs, batch.actions)
         with torch.no_grad():
             next_actions, next_log_pi = net.sample(batch.next_obs, info.generator)
             next_q1, next_q2 = net.q(batch.next_obs, next_actions, target=True)
             targets = soft_q_targets(batch.rewards, batch.discounts, next_q1, next_q2,
-                                     next_log_pi, self.log_alpha.exp())
+                                     next_log_pi, self.log_alpha.detach().exp())
         q_loss = (batch.weights * ((q1 - targets).pow(2) + (q2 - targets).pow(2))).mean()
         info.optimizer.zero_grad()
         (q_loss + tie).backward()
-        _drop_grads(net.actor)  # the Q step moves only the Q-networks
+        if not alone:
+            _drop_grads(net.actor)  # the Q step moves only the Q-networks
         info.optimizer.step()
         if self.learner_steps % self.settings.policy_frequency == 0:
             for _ in range(self.settings.policy_frequency):
@@ -264,18 +300,27 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         soft_update(net.q1_target, net.q1, self.settings.tau)
         soft_update(net.q2_target, net.q2, self.settings.tau)
         net.uniform.fill_(0.0)  # learning started: the collectors sample the actor from now
-        figures = {"q_loss": float(q_loss.detach()), "alpha": float(self.log_alpha.detach().exp()),
-                   "q_mean": float(torch.minimum(q1, q2).mean().detach()), **self._figures}
-        priorities = ((q1 - targets).abs() + (q2 - targets).abs()).detach() / 2
-        return figures, priorities
+        with torch.no_grad():
+            errors = (q1 - targets).abs() + (q2 - targets).abs()
+            figures = {"q_loss": float(q_loss), "alpha": float(self.log_alpha.exp()),
+                       "q_mean": float(torch.minimum(q1, q2).mean()), **self._figures}
+        return figures, errors / 2
 
     def _policy_step(self, model: nn.Module, net: Any, batch: Batch, info: UpdateInfo) -> None:
         """One actor step (only the actor's parameters move) and, with autotune, one alpha step."""
-        log_pi, q1, q2 = model(batch.obs, generator=info.generator)
-        loss = actor_loss(log_pi, q1, q2, self.log_alpha.detach().exp())
+        alpha = self.log_alpha.detach().exp()
         info.optimizer.zero_grad()
-        loss.backward()
-        _drop_grads(net.q1, net.q2)  # the actor step moves only the actor
+        alone = model is net
+        if alone:  # one trainer: no gradient for the Q-networks' parameters at all
+            with _frozen(net.q1, net.q2):
+                log_pi, q1, q2 = net(batch.obs, generator=info.generator)
+                loss = actor_loss(log_pi, q1, q2, alpha)
+                loss.backward()
+        else:
+            log_pi, q1, q2 = model(batch.obs, generator=info.generator)
+            loss = actor_loss(log_pi, q1, q2, alpha)
+            loss.backward()
+            _drop_grads(net.q1, net.q2)  # the actor step moves only the actor
         info.optimizer.step()
         figures = {"actor_loss": float(loss.detach()), "entropy": float(-log_pi.mean().detach()),
                    "alpha_loss": math.nan}
