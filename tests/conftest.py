@@ -107,7 +107,7 @@ def _test_module_imports(items: list[pytest.Item], root: Path) -> list[str]:
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without the plugin
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Two test files run at a time (``-n 2`` in pyproject.toml), a file's tests in one worker
+    """Three test files run at a time (``-n 3`` in pyproject.toml), a file's tests in one worker
     so that its module fixtures are built once; the cluster tier is one unit, because its
     modules share one SLURM cluster and the same network-namespace hosts."""
     from xdist.scheduler import LoadScopeScheduling
