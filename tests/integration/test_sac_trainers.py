@@ -48,8 +48,13 @@ def _trainer(rank: int, world_size: int) -> dict[str, Any]:
             sac.learn(model, net, _batch(seed=100 * rank + step), info)
             sac.learner_steps += 1
             moments.append(float(sac.alpha_optimizer.state[sac.log_alpha]["exp_avg"]))
-        return {"local": local, "moments": moments, "log_alpha": float(sac.log_alpha),
-                "module_log_alpha": float(net.log_alpha)}
+        result = {"local": local, "moments": moments, "log_alpha": float(sac.log_alpha),
+                  "module_log_alpha": float(net.log_alpha)}
+        # DDP holds the group: it goes while both trainers are still in it. Freed on the way out
+        # of this function instead, after the other trainer had left, it once hung a rank.
+        del model
+        dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 
