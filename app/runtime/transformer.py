@@ -18,7 +18,7 @@ splits the model.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -218,6 +218,8 @@ class TransformerActorCritic(nn.Module):
     ``forward(obs, action)`` is :meth:`evaluate`. Every parameter is drawn from the global RNG
     in construction order, so ranks that seed alike build the same weights.
     """
+
+    seq_dim: ClassVar[int] = SEQ_DIM  # the window's dimension, for the tensor-parallel plan
 
     def __init__(self, spaces: Spaces, width: int, layers: int, heads: int, context: int) -> None:
         super().__init__()

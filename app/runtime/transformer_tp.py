@@ -20,8 +20,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from app.runtime.transformer import SEQ_DIM
-
 if TYPE_CHECKING:
     from app.runtime.transformer import TransformerActorCritic
 
@@ -66,7 +64,8 @@ def tensor_parallel_plan(model: TransformerActorCritic, sequence_parallel: bool 
     entry too, so every parameter is a DTensor on the mesh (what ``fully_shard`` over a second
     mesh dimension and torch's ``clip_grad_norm_`` need).
     """
-    seq = Shard(SEQ_DIM)
+    seq_dim = model.seq_dim
+    seq = Shard(seq_dim)
     plan: dict[str, ParallelStyle] = {}
     for i in range(len(model.layers)):
         block = f"layers.{i}"
@@ -83,11 +82,11 @@ def tensor_parallel_plan(model: TransformerActorCritic, sequence_parallel: bool 
         })
         if sequence_parallel:
             plan.update({
-                f"{block}.attention_norm": SequenceParallel(sequence_dim=SEQ_DIM),
+                f"{block}.attention_norm": SequenceParallel(sequence_dim=seq_dim),
                 # (x, keep): the mask is whole on every rank already.
                 f"{block}.attention": PrepareModuleInput(
                     input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
-                f"{block}.ffn_norm": SequenceParallel(sequence_dim=SEQ_DIM),
+                f"{block}.ffn_norm": SequenceParallel(sequence_dim=seq_dim),
                 f"{block}.feed_forward": PrepareModuleInput(
                     input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
             })
