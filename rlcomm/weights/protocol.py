@@ -33,7 +33,8 @@ in the order the metadata lists the dtypes, each starting at a multiple of 64 by
    ``verify=True`` on a version that would be routine, a change of names, dtypes or shapes
    after its first transfer, and ending its transfers (flags ``-2``/``-3``). A state dict it
    cannot pack on a version that would be routine is not announced either (flag ``-1`` needs a
-   header): its receivers fail at the group's timeout.
+   header): its receivers wait for that version, which the next send that succeeds delivers
+   (else they fail at the group's timeout).
 
 When the header rides in a buffer whose flag is not ``0``, that buffer's data is not a version:
 receivers ignore it (their views of the last version are overwritten, as by any receive).

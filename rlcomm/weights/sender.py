@@ -73,7 +73,8 @@ class WeightSender(Endpoint):
         the schedule does not checksum, a change of names, dtypes or shapes after the first
         transfer (on any version), and :meth:`end` (always). A state dict that cannot be packed
         on a version that would be routine raises here without telling the receivers: they
-        fail at the group's timeout.
+        wait for that version, which the next send that succeeds delivers (else they fail at
+        the group's timeout).
         """
         super().__init__(ctx, mode, device)
         if verify_every < 0:

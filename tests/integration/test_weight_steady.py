@@ -4,7 +4,7 @@ their direct tensors alone, one broadcast each and no header, and arrive exact o
 predict them, received in place or posted two ahead; its checksummed versions carry the header
 and are verified (a corrupted byte in a direct tensor is caught naming it); a plain sender still
 sends the header every version; and what a steady sender cannot signal without a header is
-refused before anything is sent."""
+refused before anything is sent (a failed routine version too), so the next send delivers."""
 
 from __future__ import annotations
 
@@ -148,8 +148,9 @@ def test_a_byte_corrupted_in_a_direct_tensor_of_a_checksummed_version_is_caught(
 
 
 def _refusing(rank: int, world_size: int) -> Any:
-    """Version 1, then the three refusals (nothing sent: the receivers wait for version 2),
-    then versions 2 and 3 (3 with ``verify=True``, which its schedule checksums anyway)."""
+    """Version 1, then the three refusals and a state dict that cannot be packed (nothing sent:
+    the receivers wait for version 2), then versions 2 and 3 (3 with ``verify=True``, which its
+    schedule checksums anyway)."""
     with weight_groups([[0, 1, 2]]) as ctx:
         if rank != 0:
             module = Held()
@@ -162,7 +163,8 @@ def _refusing(rank: int, world_size: int) -> Any:
         refusals = []
         for attempt in (lambda: sender.send(_state(2), verify=True),
                         lambda: sender.send(_state(2, rows=299)),
-                        lambda: sender.end(moved=False)):
+                        lambda: sender.end(moved=False),
+                        lambda: sender.send({**_state(2), "bf": "not a tensor"})):
             try:
                 attempt()
                 refusals.append("")
@@ -175,12 +177,14 @@ def _refusing(rank: int, world_size: int) -> Any:
 
 def test_what_a_steady_sender_cannot_signal_is_refused_before_anything_is_sent() -> None:
     found = run_ranks(_refusing, 3, timeout=TIMEOUT_S)
-    verify, change, end = found[0]["refusals"]
+    verify, change, end, unpacked = found[0]["refusals"]
     group = "WEIGHT_TRANSFER"
     assert group in verify and "verify=True" in verify and "version 2" in verify, verify
     assert group in change and "names, dtypes or shapes changed" in change, change
     assert group in end and "cannot end" in end, end
     assert all("steady sender" in text for text in (verify, change, end))
+    # A state dict that cannot be packed on a routine version fails on the sender alone.
+    assert "'bf' is of type str" in unpacked, unpacked
     # The sender stayed at version 1 and the receivers saw nothing of the refusals.
     assert found[0]["versions"] == [2, 3] and found[0]["after"] == 2 + 3, found[0]
     assert found[1] == found[2] == [True, True, True], found
