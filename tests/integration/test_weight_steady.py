@@ -65,8 +65,8 @@ class CorruptingReceiver(WeightReceiver):
         return version, state
 
 
-def _send(ctx: CommContext, steady: bool) -> dict[str, Any]:
-    sender = WeightSender(ctx, verify_every=EVERY, direct=DIRECT, steady=steady)
+def _send(ctx: CommContext, steady: bool, direct: set[str]) -> dict[str, Any]:
+    sender = WeightSender(ctx, verify_every=EVERY, direct=direct, steady=steady)
     counts = []
     for version in range(1, VERSIONS + 1):
         before = _broadcasts(ctx)
@@ -101,13 +101,14 @@ def _posted_ahead(receiver: WeightReceiver, module: Held) -> dict[str, Any]:
     return {"received": received, "loaded": loaded, "last": receiver.version}
 
 
-def _ranks(rank: int, world_size: int, steady: bool, corrupt: bool) -> Any:
+def _ranks(rank: int, world_size: int, steady: bool, corrupt: bool,
+           direct: set[str] = DIRECT) -> Any:
     with weight_groups([[0, 1, 2]]) as ctx:
         if rank == 0:
-            return _send(ctx, steady)
+            return _send(ctx, steady, direct)
         module = Held()
         kind = CorruptingReceiver if corrupt and rank == 1 else WeightReceiver
-        receiver = kind(ctx, expected=module.state_dict(), direct=DIRECT)
+        receiver = kind(ctx, expected=module.state_dict(), direct=direct)
         receiver.bind(module)
         found = _in_place(receiver, module) if rank == 1 else _posted_ahead(receiver, module)
         return {**found, "total": _broadcasts(ctx)}
@@ -135,6 +136,15 @@ def test_routine_versions_go_without_a_header_and_arrive_exact() -> None:
 def test_a_plain_sender_still_sends_the_header_every_version() -> None:
     found = run_ranks(_ranks, 3, False, False, timeout=TIMEOUT_S)
     assert found[0]["counts"] == [6] + [3] * (VERSIONS - 1), found[0]
+    assert found[1]["total"] == found[2]["total"] == found[0]["total"], found
+    _check_arrivals(found)
+
+
+def test_a_steady_sender_with_a_packed_tensor_sends_the_header_every_version() -> None:
+    found = run_ranks(_ranks, 3, True, False, {"big"}, timeout=TIMEOUT_S)  # "bf" is packed
+    # Version 1: its header, the metadata, the agreement, the buffers, then "big"; after it,
+    # the buffers (header and "bf" together) and "big", checksummed or not.
+    assert found[0]["counts"] == [5] + [2] * (VERSIONS - 1), found[0]
     assert found[1]["total"] == found[2]["total"] == found[0]["total"], found
     _check_arrivals(found)
 
