@@ -133,10 +133,7 @@ class WeightReceiver(Endpoint):
                 carrier = self._spare()  # the bound module acts with these: receive beside them
             if self._routine(self._version + 1):  # no header comes: only the direct tensors
                 self._receive_direct(carrier.flat)
-                self._newest = carrier
-                self._version = carrier.version = self._version + 1
-                carrier.checksummed = False
-                return self._version, dict(carrier.flat.views)
+                return self._completed(carrier, self._version + 1, checksummed=0)
         if carrier is None:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
             self._broadcast(header)
