@@ -90,6 +90,10 @@ class RLLoop:
         "ddp", "how trainers share the work: ddp (every trainer holds the whole model) or fsdp "
         "(parameters, gradients and optimizer state sharded over DATA_PARALLEL); docs/sharding.md"
     )
+    threads: int = setting(
+        1, "intra-op threads per rank (torch.set_num_threads); 0: the node's cores over its "
+        "ranks. Small models gain nothing from more; SAC's 256-wide networks do"
+    )
     min_rollouts: int = setting(
         1, "elastic layouts: live rollout ranks the job needs to go on (they serve every "
         "trainer); below it the trainers wait for joiners (0.8 x the hang timeout) if one can "
@@ -194,6 +198,8 @@ class RLLoop:
             errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.verify_weights_every < 0:
             errors.append(f"verify_weights_every: must be >= 0, got {self.verify_weights_every}")
+        if self.threads < 0:
+            errors.append(f"threads: must be >= 0, got {self.threads}")
         if self.min_rollouts < 1:
             errors.append(f"min_rollouts: must be >= 1, got {self.min_rollouts}")
         errors += self._eval_errors()

@@ -108,14 +108,19 @@ class OffPolicyAlgorithm(Algorithm[S]):
         started = time.perf_counter()
         learner_wait_s = started - self._idle_since if self._idle_since is not None else 0.0
         replay = self.replay
+        before = replay.inserts
         tick = time.perf_counter()
-        inserted = sum(replay.insert(segment) for segment in segments)
+        for segment in segments:
+            replay.insert(segment)
         in_replay = time.perf_counter() - tick
         allowed = self.limiter.steps_allowed(*self._counts(), replay.size)
         steps = agreed_steps(model, allowed)
-        # The next round brings as many transitions as this one: the collectors wait until the
-        # learner has taken the steps that admit them.
-        blocking = self.limiter.steps_to_admit(*self._counts(), inserted, steps)
+        # This round's transitions: inserted here, or written by the collectors to the replay
+        # ranks (layout.replay), whose counts the allowance just refreshed. The next round
+        # brings as many: the collectors wait until the learner has taken the steps that admit
+        # them.
+        arrived = replay.inserts - before
+        blocking = self.limiter.steps_to_admit(*self._counts(), arrived, steps)
         learner = model if _trainers(model) > 1 else module
         figures: dict[str, float] = {}
         collector_wait_s, learning = 0.0, time.perf_counter()

@@ -270,12 +270,15 @@ class RemoteReplay(Replay):
 
 
 class RemoteLimiter(RateLimiter):
-    """The rate limiter as the replay ranks apply it (:meth:`RemoteReplay.allowance`); its
-    ``min_size`` is all replay ranks' together, for the ratio a trainer records."""
+    """The rate limiter as the replay ranks apply it (:meth:`RemoteReplay.allowance`). Its
+    ``min_size`` and ``tolerance`` are all replay ranks' together and a learner step is every
+    trainer's batch, as the replay ranks' totals count them: for the ratio a trainer records
+    and the learner steps the collectors' next inserts wait for (``collector_wait_s``)."""
 
-    def __init__(self, remote: RemoteReplay, settings: ReplaySettings) -> None:
-        super().__init__(settings.samples_per_insert, settings.tolerance,
-                         settings.min_size * len(remote.servers), settings.batch_size)
+    def __init__(self, remote: RemoteReplay, settings: ReplaySettings, trainers: int) -> None:
+        replays = len(remote.servers)
+        super().__init__(settings.samples_per_insert, settings.tolerance * replays,
+                         settings.min_size * replays, settings.batch_size * trainers)
         self.remote = remote
 
     def steps_allowed(self, inserts: int, samples: int, size: int) -> int:
@@ -307,7 +310,8 @@ class ReplayLink:
         self.target = replay_rank_of(plan, rank) if rank in collectors(plan) else None
         if rank in plan.trainers:
             self.remote = RemoteReplay(ctx, plan, settings, algorithm.records, segment_format)
-            algorithm.use_replay(self.remote, RemoteLimiter(self.remote, settings))
+            algorithm.use_replay(self.remote, RemoteLimiter(self.remote, settings,
+                                                              len(plan.trainers)))
         if rank in plan.replay:
             self.server = ReplayServer(ctx, plan, settings, algorithm.records,
                                        algorithm.settings.gamma, segment_format,

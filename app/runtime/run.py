@@ -75,7 +75,8 @@ class RuntimeRun:
         self.elastic = self.has_rollout_ranks and plan.elastic_rollouts
         self.follows = self.elastic and not self.is_trainer
         self.epoch_base = 0  # a resumed run's epochs count on from its checkpoint's
-        torch.set_num_threads(1)  # small models gain nothing from intra-op threads on shared cores
+        if loop.threads:  # else the launcher's: the node's cores over its ranks (app/launch/rank.py)
+            torch.set_num_threads(loop.threads)
         torch.manual_seed(job.seed)  # same initial weights on every rank
         # As the launcher probed them (they travel with the loop); else one env, built and closed.
         self.spaces = loop.spaces
@@ -266,6 +267,7 @@ class RuntimeRun:
             "wait_fraction": round(hand_off.wait_total_s / elapsed, 4) if elapsed else 0.0,
             "time_split_s": time_split(self.worker, self.split_s, elapsed),
             "cpu_s": round(cpu_s, 3),  # this process's CPU time over the run (all threads)
+            "threads": torch.get_num_threads(),
             "param_checksum": float(sum(p.detach().double().sum()
                                         for p in self.agent.net.parameters())),
             **self.replay_link.result(),

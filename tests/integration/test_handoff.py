@@ -19,7 +19,7 @@ from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule, is_sharded
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
-from tests.helpers.handoff_agent import Acting, state_values
+from tests.helpers.handoff_agent import Acting, sync_versions
 
 pytestmark = pytest.mark.integration
 
@@ -40,25 +40,11 @@ def _hand_off(rank: int, world: int, data_parallel: str, tensor: int | None,
     with planned_context(plan, timeout=120) as ctx:
         torch.manual_seed(0)
         agent = Acting()
-        trainer = rank in plan.trainers
-        trained = TrainedModule(ctx, plan, agent.net, data_parallel) if trainer else None
+        trained = (TrainedModule(ctx, plan, agent.net, data_parallel)
+                   if rank in plan.trainers else None)
         hand_off = ShardedHandOff(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
                                   trained, _settings(max_staleness, sharded=True))
-        sent: dict[int, dict[str, np.ndarray]] = {}
-        held: dict[int, dict[str, np.ndarray]] = {}
-        for version in range(1, VERSIONS + 1):
-            if trained is not None:  # a new version of every shard, as an update makes
-                hand_off.before_optimizer_step()
-                with torch.no_grad():
-                    for param in trained.trained.parameters():
-                        param.add_(0.01 * version)
-                    agent.stats.add_(version)
-                trained.publish()
-                sent[version] = state_values(agent)
-            hand_off.sync_weights(first=version == 1)
-            if not trainer:
-                held[hand_off.version(0)] = state_values(agent)
-        hand_off.before_optimizer_step()
+        sent, held = sync_versions(hand_off, agent, trained, VERSIONS)
         return {"sent": sent, "held": held, "owners": hand_off.owners,
                 "bytes": hand_off.weight_bytes_sent, "kind": hand_off.kind}
 

@@ -25,7 +25,7 @@ from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
-from tests.helpers.handoff_agent import Acting, state_values
+from tests.helpers.handoff_agent import Acting, sync_versions
 
 pytestmark = pytest.mark.integration
 
@@ -66,31 +66,20 @@ def _static(rank: int, world: int, trainers: int, data_parallel: str, tensor: in
     with planned_context(plan, timeout=120) as ctx:
         torch.manual_seed(0)
         agent = Acting()
-        trainer = rank in plan.trainers
-        trained = TrainedModule(ctx, plan, agent.net, data_parallel) if trainer else None
+        trained = (TrainedModule(ctx, plan, agent.net, data_parallel)
+                   if rank in plan.trainers else None)
         settings = HandOffSettings(max_staleness=max_staleness, verify_every=1, min_rollouts=1,
                                    timeout_s=120, episode_cap=1, sharded=True)
         hand_off = ShardedHandOff(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
                                   trained, settings)
         storage = {name: t.data_ptr() for name, t in agent.state_dict().items()}
-        sent: dict[int, dict[str, np.ndarray]] = {}
-        held: dict[int, dict[str, np.ndarray]] = {}
         facts: list[dict[str, int]] = []
-        for version in range(1, VERSIONS + 1):
-            if trained is not None:  # a new version of every shard, as an update makes
-                hand_off.before_optimizer_step()
-                with torch.no_grad():
-                    for param in trained.trained.parameters():
-                        param.add_(0.01 * version)
-                    agent.stats.add_(version)
-                trained.publish()
-                sent[version] = state_values(agent)
-            hand_off.sync_weights(first=version == 1)
-            if not trainer:
-                held[hand_off.version(0)] = state_values(agent)
-                facts.append({**_rollout_facts(hand_off, agent), "same_storage": int(
-                    storage == {n: t.data_ptr() for n, t in agent.state_dict().items()})})
-        hand_off.before_optimizer_step()
+
+        def received() -> None:  # after each sync: what the rollout rank's weights hold
+            facts.append({**_rollout_facts(hand_off, agent), "same_storage": int(
+                storage == {n: t.data_ptr() for n, t in agent.state_dict().items()})})
+
+        sent, held = sync_versions(hand_off, agent, trained, VERSIONS, received)
         sender = hand_off.shard_sender
         owned = hand_off.owned.values() if hand_off.owned is not None else {}
         return {"sent": sent, "held": held, "facts": facts,

@@ -1,0 +1,40 @@
+"""A trainer's view of the replay ranks' rate limiter (app/runtime/replay_service.py's
+``RemoteLimiter``): counted over the replay ranks' totals, the learner steps that admit the
+collectors' next inserts (what ``collector_wait_s`` times) are the steps each replay rank's own
+limiter asks for, with several replay ranks and several trainers."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from app.runtime.replay import RateLimiter, ReplaySettings
+from app.runtime.replay_service import RemoteLimiter, batch_shares
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(("replays", "trainers"), [(1, 1), (2, 1), (2, 2), (3, 2)])
+def test_the_steps_that_admit_inserts_are_each_replay_ranks(replays: int, trainers: int) -> None:
+    settings = ReplaySettings(batch_size=48, min_size=96, samples_per_insert=8.0, tolerance=64.0)
+    share = batch_shares(settings.batch_size, replays)[0]
+    # Each replay rank's limiter, as ReplayServer builds it: a step is every trainer's share.
+    server = RateLimiter(settings.samples_per_insert, settings.tolerance, settings.min_size,
+                         trainers * share)
+    # The limiter needs only which replay ranks there are of its remote replay.
+    remote: Any = SimpleNamespace(servers=list(range(replays)))
+    limiter = RemoteLimiter(remote, settings, trainers)
+    assert settings.batch_size % replays == 0  # even shares: every rank counts alike
+    compared = 0
+    for inserts, samples, count in itertools.product(range(96, 800, 37), range(0, 6000, 251),
+                                                     (16, 64)):
+        # The collectors' inserts spread evenly over the replay ranks, the batches too.
+        want = server.steps_to_admit(inserts, samples, count, 1_000)
+        got = limiter.steps_to_admit(replays * inserts, replays * samples, replays * count,
+                                     1_000)
+        assert got == want, (inserts, samples, count)
+        compared += want > 0
+    assert compared > 10  # the grid holds blocked collectors, not only free ones
