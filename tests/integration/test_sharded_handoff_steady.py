@@ -21,12 +21,13 @@ from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule
 from rlcomm import CommContext, LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
-from tests.helpers.handoff_agent import Acting, state_values
+from tests.helpers.handoff_agent import Acting, sync_versions
 
 pytestmark = pytest.mark.integration
 
 VERSIONS = 5
 EVERY = 2  # versions 2 and 4 are checksummed; 3 and 5 are routine
+CHECKSUMMED = [2, 4]
 TRAINERS = 2
 
 
@@ -52,24 +53,12 @@ def _ranks(rank: int, world: int, max_staleness: int) -> dict[str, Any]:
         modes = [shards_mode(owner) for owner in hand_off.owners]
         if trainer:
             modes = [shards_mode(rank)] if rank in hand_off.owners else []
-        counts: list[int] = []
-        sent: dict[int, dict[str, np.ndarray]] = {}
-        held: dict[int, dict[str, np.ndarray]] = {}
-        for version in range(1, VERSIONS + 1):
-            if trained is not None:  # a new version of every shard, as an update makes
-                hand_off.before_optimizer_step()
-                with torch.no_grad():
-                    for param in trained.trained.parameters():
-                        param.add_(0.01 * version)
-                    agent.stats.add_(version)
-                trained.publish()
-                sent[version] = state_values(agent)
-            before = _entered(ctx, modes)
-            hand_off.sync_weights(first=version == 1)
-            counts.append(_entered(ctx, modes) - before)
-            if not trainer:
-                held[hand_off.version(0)] = state_values(agent)
-        hand_off.before_optimizer_step()
+        counts: list[int] = []  # a rollout rank's broadcasts per sync, on every owner's group
+
+        def received() -> None:
+            counts.append(_entered(ctx, modes) - sum(counts))
+
+        sent, held = sync_versions(hand_off, agent, trained, VERSIONS, received)
         owned = hand_off.owned.values() if hand_off.owned is not None else {}
         return {"counts": counts, "sent": sent, "held": held,
                 "slices": sum(1 for t in owned.values() if t.numel()),
@@ -83,12 +72,18 @@ def test_routine_versions_cost_one_broadcast_per_direct_slice(max_staleness: int
     owners = [rank for rank in range(TRAINERS) if found[rank]["slices"]]
     assert owners == list(range(TRAINERS)), found  # FSDP2: every trainer owns slices
     for rank in owners:
-        slices, counts = found[rank]["slices"], found[rank]["counts"]
-        # Checksummed (2, 4): the header message and each slice; routine (3, 5): each slice.
-        assert counts[1:] == [slices + 1, slices, slices + 1, slices], (rank, slices, counts)
+        # Version 1: its header, the metadata, the agreement and the buffers (4), then each of
+        # its slices every version, and a header message more on a checksummed one.
+        mine = found[rank]["slices"]
+        assert found[rank]["total"] == 4 + VERSIONS * mine + len(CHECKSUMMED), (rank, mine)
+    slices = sum(found[rank]["slices"] for rank in owners)
     for rank in range(TRAINERS, world):
         # The rollout rank took part in exactly the owners' broadcasts, on every group.
         assert found[rank]["total"] == sum(found[r]["total"] for r in owners), found[rank]
+        if max_staleness == 0:  # one version per sync: checksummed (2, 4) carry each owner's
+            # header message beside its slices; routine ones (3, 5) only the slices.
+            want = [slices + len(owners), slices, slices + len(owners), slices]
+            assert found[rank]["counts"][1:] == want, (found[rank]["counts"], slices)
         held = found[rank]["held"]
         if max_staleness == 0:
             assert sorted(held) == list(range(1, VERSIONS + 1)), held.keys()
