@@ -37,6 +37,9 @@ class FlatBuffers:
         # Empty tensors have no bytes to send on their own.
         self.direct = [m.name for m in metadata if m.name in direct and m.numel]
         outside = set(self.direct)
+        # Every tensor with bytes is direct: the buffers carry no data, only a header and
+        # checksums (a steady sender's routine versions skip them: protocol.py, step 4).
+        self.all_direct = all(m.name in outside or not m.numel for m in metadata)
         # Every dtype's buffer is an aligned segment of one uint8 allocation, which goes out as
         # a single broadcast (one collective round however many dtypes the model mixes).
         segments: list[tuple[torch.dtype, int, int]] = []

@@ -21,7 +21,20 @@ in the order the metadata lists the dtypes, each starting at a multiple of 64 by
    from the sender's tensor into the receiver's: the names both ends were given
    (``WeightSender(direct=...)``, ``WeightReceiver(direct=...)``; none by default) that are not
    empty. They have no place in the buffers (their checksums do); only a header that carries a
-   version is followed by them.
+   version is followed by them;
+4. a *steady* sender (``WeightSender(steady=True)``) says so in its metadata, and after that
+   metadata was accepted its *routine* versions go out as step 3 alone: no header, no buffer.
+   A version is routine when it carries no checksum by the sender's ``verify_every`` schedule
+   (``version % verify_every``, never with 0) and every tensor with bytes is direct (the buffers
+   hold no data). The receivers predict which versions are routine from the version they expect
+   next (one after the last), the schedule and the metadata, and give them that version number
+   themselves; every other version goes out as steps 1-3. What it cannot signal without a
+   header, a steady sender refuses before sending anything (the receivers see nothing of it):
+   ``verify=True`` on a version that would be routine, a change of names, dtypes or shapes
+   after its first transfer, and ending its transfers (flags ``-2``/``-3``). A state dict it
+   cannot pack on a version that would be routine is not announced either (flag ``-1`` needs a
+   header): its receivers wait for that version, which the next send that succeeds delivers
+   (else they fail at the group's timeout).
 
 When the header rides in a buffer whose flag is not ``0``, that buffer's data is not a version:
 receivers ignore it (their views of the last version are overwritten, as by any receive).
@@ -35,7 +48,8 @@ checksums from the module's tensors and raises, naming the first tensor that dif
 
 The metadata is ``{"format": "rlcomm.weights/1", "tensors": [[name, dtype, shape], ...],
 "buffers": {dtype: elements, ...}}``, tensors in state-dict order, ``buffers`` in order of each
-dtype's first appearance (the order of the segments).
+dtype's first appearance (the order of the segments); a steady sender's adds
+``"steady": {"verify_every": N}`` (its schedule, ``N >= 0``).
 """
 
 from __future__ import annotations
@@ -151,18 +165,26 @@ def buffer_sizes(metadata: Metadata) -> dict[str, int]:
     return sizes
 
 
-def encode_metadata(metadata: Metadata) -> bytes:
-    """Metadata as compact JSON; ``buffers`` lets the receiver check that the sizes add up."""
-    document = {
+def encode_metadata(metadata: Metadata, steady: int | None = None) -> bytes:
+    """Metadata as compact JSON; ``buffers`` lets the receiver check that the sizes add up.
+    ``steady``: the ``verify_every`` of a steady sender (None: not one; no key is written)."""
+    document: dict[str, Any] = {
         "format": METADATA_FORMAT,
         "tensors": [[m.name, DTYPE_NAMES[m.dtype], list(m.shape)] for m in metadata],
         "buffers": buffer_sizes(metadata),
     }
+    if steady is not None:
+        document["steady"] = {"verify_every": steady}
     return json.dumps(document, separators=(",", ":")).encode()
 
 
 def decode_metadata(raw: bytes) -> Metadata:
     """Parse and validate metadata from the wire; anything malformed is a WeightTransferError."""
+    return decode_document(raw)[0]
+
+
+def decode_document(raw: bytes) -> tuple[Metadata, int | None]:
+    """:func:`decode_metadata`, with the steady sender's ``verify_every`` (None: not steady)."""
     try:
         document = json.loads(raw.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -182,7 +204,19 @@ def decode_metadata(raw: bytes) -> Metadata:
             f"weights metadata buffer sizes {sizes} do not add up to its tensors' "
             f"{buffer_sizes(metadata)}"
         )
-    return metadata
+    return metadata, _decode_steady(document)
+
+
+def _decode_steady(document: dict[str, Any]) -> int | None:
+    if "steady" not in document:
+        return None
+    steady = document["steady"]
+    every = steady.get("verify_every") if isinstance(steady, dict) else None
+    if (not isinstance(steady, dict) or set(steady) != {"verify_every"}
+            or not isinstance(every, int) or isinstance(every, bool) or every < 0):
+        raise WeightTransferError(
+            f"weights metadata 'steady' {steady!r} is not {{\"verify_every\": N}} with N >= 0")
+    return every
 
 
 def _decode_entry(entry: Any, seen: set[str]) -> TensorMeta:

@@ -27,7 +27,7 @@ from .protocol import (
     Metadata,
     TransfersEnded,
     WeightTransferError,
-    decode_metadata,
+    decode_document,
     metadata_mismatches,
 )
 
@@ -49,6 +49,14 @@ class ReceiveBuffer:
     posted: tuple[list[dist.Work], Call] | None = None  # a posted receive in flight into it
     # The posted receives of its direct tensors (issued with ``posted``, completed after it).
     direct_posted: list[tuple[list[dist.Work], Call]] = field(default_factory=list)
+    # The version a posted receive of a steady sender's routine version brings (its direct
+    # tensors only: ``posted`` stays None); 0: none.
+    routine: int = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether a posted receive is in flight into it."""
+        return self.posted is not None or bool(self.routine)
 
     @property
     def metadata(self) -> Metadata:
@@ -70,6 +78,10 @@ class WeightReceiver(Endpoint):
     ``direct``): those of the module bound with :meth:`bind` are received straight into that
     module's tensors as they were when bound (the *landing* buffer, used only by receives in
     place: it is the memory the caller acts with), the others into buffers of their own.
+
+    A steady sender (``WeightSender(steady=True)``; its metadata says so) sends its routine
+    versions without a header: this receiver predicts them and numbers them itself
+    (:mod:`rlcomm.weights.protocol`, step 4).
     """
 
     _role = "receiver"
@@ -95,6 +107,8 @@ class WeightReceiver(Endpoint):
         self._buffers: list[ReceiveBuffer] = []
         self._newest: ReceiveBuffer | None = None  # its header slot carries the next header
         self._posted: deque[ReceiveBuffer] = deque()  # in the order they were posted
+        # The accepted metadata's steady sender's ``verify_every`` (None: not a steady one).
+        self._steady: int | None = None
 
     def receive(self) -> tuple[int, dict[str, Tensor]]:
         """Wait for the next transfer; returns its version and the state dict.
@@ -117,6 +131,9 @@ class WeightReceiver(Endpoint):
                 carrier = self._landing_buffer() or in_module or carrier
             elif carrier is in_module or carrier.flat.landed:
                 carrier = self._spare()  # the bound module acts with these: receive beside them
+            if self._routine(self._version + 1):  # no header comes: only the direct tensors
+                self._receive_direct(carrier.flat)
+                return self._completed(carrier, self._version + 1, checksummed=0)
         if carrier is None:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self._device)
             self._broadcast(header)
@@ -159,9 +176,13 @@ class WeightReceiver(Endpoint):
                 f"{self._name}: post() needs the metadata of a completed receive first"
             )
         carrier = (self._landing_buffer() or self._in_module()) if in_place else None
-        if carrier is None or carrier.posted is not None:
+        if carrier is None or carrier.busy:
             carrier = self._spare()
-        carrier.posted = self._launch(carrier.flat.wire)
+        version = self._version + len(self._posted) + 1
+        if self._routine(version):  # no header comes: only the direct tensors
+            carrier.routine = version
+        else:
+            carrier.posted = self._launch(carrier.flat.wire)
         carrier.direct_posted = [self._launch(t) for t in carrier.flat.direct_views()]
         self._posted.append(carrier)
 
@@ -175,6 +196,7 @@ class WeightReceiver(Endpoint):
                 (posted, call), buffer.posted = buffer.posted, None
                 call.finish()
                 works += posted
+            buffer.routine = 0
             works += self._orphan(buffer)
         return works
 
@@ -201,8 +223,9 @@ class WeightReceiver(Endpoint):
         if not self._posted:
             return False
         oldest = self._posted[0]
-        return oldest.posted is not None and all(
-            w.is_completed() for works, _ in [oldest.posted, *oldest.direct_posted] for w in works)
+        header = [oldest.posted] if oldest.posted is not None else []
+        return oldest.busy and all(
+            w.is_completed() for works, _ in [*header, *oldest.direct_posted] for w in works)
 
     def load(self, module: nn.Module, strict: bool = True) -> int:
         """Load the newest completed version into ``module`` and verify it if it carries
@@ -261,6 +284,10 @@ class WeightReceiver(Endpoint):
 
     def _complete_posted(self) -> tuple[int, dict[str, Tensor]]:
         buffer = self._posted.popleft()
+        if buffer.routine:  # a steady sender's routine version: its direct tensors only
+            version, buffer.routine, checksummed = buffer.routine, 0, 0
+            self._finish_direct(buffer)
+            return self._completed(buffer, version, checksummed)
         assert buffer.posted is not None
         (works, call), buffer.posted = buffer.posted, None
         try:
@@ -270,19 +297,34 @@ class WeightReceiver(Endpoint):
             self._orphans += self._orphan(buffer)
             raise
         if flag == SAME_METADATA:
-            for direct_works, direct_call in buffer.direct_posted:
-                finish(direct_works, direct_call)
-            buffer.direct_posted = []
+            self._finish_direct(buffer)
         else:
             self._orphans += self._orphan(buffer)
             raise WeightTransferError(
                 f"{self._name}: weights version {version} changes its metadata while receives "
                 f"are posted; post() needs a sender whose names, dtypes and shapes stay fixed"
             )
+        return self._completed(buffer, version, checksummed)
+
+    def _finish_direct(self, buffer: ReceiveBuffer) -> None:
+        for works, call in buffer.direct_posted:
+            finish(works, call)
+        buffer.direct_posted = []
+
+    def _completed(self, buffer: ReceiveBuffer, version: int,
+                   checksummed: int) -> tuple[int, dict[str, Tensor]]:
+        """``buffer`` holds ``version`` now: the newest."""
         self._newest = buffer
         self._version = buffer.version = version
         buffer.checksummed = bool(checksummed)
         return version, dict(buffer.flat.views)
+
+    def _routine(self, version: int) -> bool:
+        """Whether ``version`` comes from a steady sender without a header (protocol.py, step 4):
+        its tensors with bytes are all direct and its schedule does not checksum it."""
+        every = self._steady
+        return (every is not None and self._newest is not None and self._newest.flat.all_direct
+                and not (every and version % every == 0))
 
     def _check_header(self, header: Tensor) -> tuple[int, int, int, int]:
         version, flag, length, checksummed = header.tolist()
@@ -297,7 +339,8 @@ class WeightReceiver(Endpoint):
                 f"{self._name}: sender rank {self._src} aborted weights version {version} "
                 f"(its state dict could not be packed; see its error)"
             )
-        if flag not in (SAME_METADATA, NEW_METADATA) or length < 0 or version <= self._version:
+        if (flag not in (SAME_METADATA, NEW_METADATA) or length < 0 or version <= self._version
+                or (self._steady is not None and version != self._version + 1)):
             raise WeightTransferError(
                 f"{self._name}: malformed header {header.tolist()} after version {self._version}"
             )
@@ -312,7 +355,7 @@ class WeightReceiver(Endpoint):
         free): neither the newest version, nor the bound module's, nor a posted receive's."""
         assert self._newest is not None
         for buffer in self._buffers:
-            if (buffer is not self._newest and not buffer.in_module and buffer.posted is None
+            if (buffer is not self._newest and not buffer.in_module and not buffer.busy
                     and not buffer.flat.landed):  # landing: the caller's memory, in place only
                 return buffer
         spare = ReceiveBuffer(FlatBuffers(self._newest.metadata, self._device, self._direct))
@@ -383,9 +426,10 @@ class WeightReceiver(Endpoint):
         raw = torch.empty(length, dtype=torch.uint8, device=self._device)
         self._broadcast(raw)
         metadata: Metadata | None = None
+        steady: int | None = None
         problem = ""
         try:
-            metadata = decode_metadata(raw.cpu().numpy().tobytes())
+            metadata, steady = decode_document(raw.cpu().numpy().tobytes())
             if self._expected is not None:
                 problem = "; ".join(metadata_mismatches(metadata, self._expected))
         except WeightTransferError as err:
@@ -401,6 +445,7 @@ class WeightReceiver(Endpoint):
                 f"{self._name}: weights version {version} was not sent because receiver "
                 f"rank(s) {', '.join(map(str, rejected))} rejected it"
             )
+        self._steady = steady
         if metadata != self._metadata:
             # The old metadata's buffers go (the bound module keeps the ones it points at until
             # its next load); the data that follows lands in the new metadata's first buffer.

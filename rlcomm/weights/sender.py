@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from rlcomm.diagnostics.recorder import Call
 
 
+class _Refused(WeightTransferError):
+    """A steady sender's refusal: raised before anything is sent, so no abort header follows."""
+
+
 class WeightSender(Endpoint):
     """Broadcasts a state dict to the rest of this rank's ``mode`` group (its first rank only).
 
@@ -52,15 +56,32 @@ class WeightSender(Endpoint):
         verify_every: int = 0,
         first_version: int = 0,
         direct: Collection[str] = (),
+        steady: bool = False,
     ) -> None:
         """``verify_every=N``: every N-th version carries each tensor's checksum, which receivers
         check after loading it into their module (0: never). ``first_version``: the version the
-        receivers hold already (a sender on a new membership epoch's group goes on counting)."""
+        receivers hold already (a sender on a new membership epoch's group goes on counting).
+
+        ``steady``: for a static layout whose tensors are all ``direct``. Its metadata tells the
+        receivers so (they need no argument), and then every version that the ``verify_every``
+        schedule does not checksum and whose tensors with bytes are all direct goes out as its
+        direct tensors alone: no header, one broadcast fewer (the receivers predict these
+        *routine* versions; see :mod:`rlcomm.weights.protocol`, step 4). Other versions go out
+        as without it. What needs a header on a version that would be routine cannot be said,
+        so it raises a :class:`WeightTransferError` naming the group, before anything is sent
+        (the sender and its receivers stay where they were): ``send(verify=True)`` on a version
+        the schedule does not checksum, a change of names, dtypes or shapes after the first
+        transfer (on any version), and :meth:`end` (always). A state dict that cannot be packed
+        on a version that would be routine raises here without telling the receivers: they
+        wait for that version, which the next send that succeeds delivers (else they fail at
+        the group's timeout).
+        """
         super().__init__(ctx, mode, device)
         if verify_every < 0:
             raise ValueError(f"verify_every: must be >= 0, got {verify_every}")
         self._version = first_version
         self._verify_every = verify_every
+        self._steady = steady
         self._direct = frozenset(direct)
         self._header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self._device)
         # The send buffers of the newest metadata (bind, a change): maybe not the receivers' yet.
@@ -70,6 +91,7 @@ class WeightSender(Endpoint):
         self._sent: FlatBuffers | None = None
         self._pending: list[dist.Work] = []
         self._pending_calls: list[Call] = []
+        self._metadata_len = 0  # the bytes of the metadata document the last change sent
         self._copied = 0  # tensors the last send copied (those not bound in place)
         # The module bind() bound, with each of its tensors and the view it must still be, when
         # every entry of its state dict was bound (then send(module) needs no state dict).
@@ -91,6 +113,10 @@ class WeightSender(Endpoint):
         """
         self.wait()  # the buffers and header are about to be rewritten
         version = self._version + 1
+        routine = self._routine(version)  # what a steady sender's receivers expect
+        if verify and routine:
+            self._refuse(version, f"verify=True, but verify_every={self._verify_every} does "
+                                  f"not checksum it, so it goes without a header")
         try:
             if isinstance(state_dict, nn.Module) and self._still_bound(state_dict):
                 assert self._buffers is not None
@@ -100,38 +126,64 @@ class WeightSender(Endpoint):
                     state_dict = state_dict.state_dict()
                 metadata = describe_state_dict(state_dict)
                 changed = metadata != self._metadata
+                if changed and self._steady and self._sent is not None:
+                    self._refuse(version, "its names, dtypes or shapes changed after the "
+                                          "first transfer")
                 buffers = self._buffers_for(metadata, changed, state_dict)
                 self._copied = buffers.pack(state_dict)
-            checksummed = verify or (
-                bool(self._verify_every) and version % self._verify_every == 0)
+            checksummed = verify or self._scheduled(version)
             if checksummed:
                 buffers.write_checksums(self._checksum_helper)  # of the bytes about to go out
+        except _Refused:
+            raise  # nothing was sent, and nothing needs to be
         except Exception:
-            # Receivers are waiting for a header; tell them instead of leaving them hanging.
-            self._send_header(version, SENDER_ABORTED, 0)
+            if not routine:  # receivers are waiting for a header: tell them, not leave them
+                self._send_header(version, SENDER_ABORTED, 0)
             raise
-        raw = encode_metadata(buffers.metadata) if changed else b""
         self._pending, self._pending_calls = [], []
         if changed:
-            self._send_header(version, NEW_METADATA, len(raw), async_op=True)
-            self._broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device))
-            rejected = self._agree(ok=True)
-            if rejected:
-                raise WeightTransferError(
-                    f"{self._name}: receiver rank(s) {', '.join(map(str, rejected))} rejected "
-                    f"weights version {version} (see their errors); nothing was sent"
-                )
-            self._metadata = buffers.metadata  # the same object, so the next check is cheap
+            self._send_metadata(version, buffers)
         self._sent = buffers  # unchanged: the receivers' metadata; changed: now it is
-        self._write_header(buffers.header, version, int(changed), len(raw), int(checksummed))
-        for tensor in [buffers.wire, *buffers.direct_views()]:
-            works, call = self._launch(tensor)
-            self._pending += works
-            self._pending_calls.append(call)
+        wires = buffers.direct_views()
+        if not routine:
+            raw_len = self._metadata_len if changed else 0
+            self._write_header(buffers.header, version, int(changed), raw_len, int(checksummed))
+            wires.insert(0, buffers.wire)
+        for tensor in wires:
+            self._launch_pending(tensor)
         self._version = version
         if wait:
             self.wait()
         return version
+
+    def _scheduled(self, version: int) -> bool:
+        """Whether the ``verify_every`` schedule checksums ``version``."""
+        return bool(self._verify_every) and version % self._verify_every == 0
+
+    def _routine(self, version: int) -> bool:
+        """Whether a steady sender's receivers expect ``version`` without a header: they hold
+        metadata whose tensors with bytes are all direct, and the schedule does not checksum it."""
+        return (self._steady and self._sent is not None and self._sent.all_direct
+                and not self._scheduled(version))
+
+    def _refuse(self, version: int, why: str) -> None:
+        """A steady sender's refusal of what it cannot signal (see the constructor)."""
+        raise _Refused(f"{self._name}: a steady sender cannot send weights version {version}: "
+                       f"{why}; nothing was sent")
+
+    def _send_metadata(self, version: int, buffers: FlatBuffers) -> None:
+        """The header of new metadata and the metadata, then the receivers' agreement."""
+        raw = encode_metadata(buffers.metadata, self._verify_every if self._steady else None)
+        self._metadata_len = len(raw)
+        self._send_header(version, NEW_METADATA, len(raw), async_op=True)
+        self._broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self._device))
+        rejected = self._agree(ok=True)
+        if rejected:
+            raise WeightTransferError(
+                f"{self._name}: receiver rank(s) {', '.join(map(str, rejected))} rejected "
+                f"weights version {version} (see their errors); nothing was sent"
+            )
+        self._metadata = buffers.metadata  # the same object, so the next check is cheap
 
     @torch.no_grad()
     def bind(self, module: nn.Module) -> None:
@@ -222,7 +274,12 @@ class WeightSender(Endpoint):
     def end(self, moved: bool) -> list[dist.Work]:
         """Tell the receivers no more versions come on this group: the run stopped, or
         (``moved``) a new membership epoch's group replaces it. Returns the works in flight,
-        not waited for: a member that is gone may never complete its part (rlcomm.elastic)."""
+        not waited for: a member that is gone may never complete its part (rlcomm.elastic).
+        A steady sender refuses (its receivers may be expecting a version without a header)."""
+        if self._steady:
+            raise WeightTransferError(
+                f"{self._name}: a steady sender cannot end its transfers: its receivers may be "
+                f"expecting a version without a header; nothing was sent")
         works = self.abandon()
         self._send_header(self._version, SENDER_MOVED if moved else SENDER_STOPPED, 0,
                           async_op=True)
@@ -277,6 +334,10 @@ class WeightSender(Endpoint):
         if not async_op:
             self._broadcast(wire)
             return
+        self._launch_pending(wire)
+
+    def _launch_pending(self, wire: Tensor) -> None:
+        """Launch the broadcast of ``wire``, left in flight until :meth:`wait`."""
         works, call = self._launch(wire)
         self._pending += works
         self._pending_calls.append(call)

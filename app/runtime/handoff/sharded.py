@@ -12,8 +12,10 @@ as on the flat path; where each slice goes in the whole tensor (flat element ind
 by DTensor itself) travels once, when the groups form. A large slice that is one block of the
 whole tensor (FSDP2's dim-0 shards) is not copied on either side: it goes as a direct tensor
 from the owner's local shard into its block of the rollout rank's whole weights, in place in
-lockstep (:func:`direct_of`); the small ones are packed into one message per owner. Segments and episodes move as on the flat
-path (:class:`~app.runtime.handoff.flat.FlatHandOff`). No trainer gathers the model to send it.
+lockstep (:func:`direct_of`); the small ones are packed into one message per owner. The
+senders are steady (rlcomm.weights): an owner whose slices are all direct sends a version that
+is not checksummed as those slices alone, without a header. Segments and episodes move as on
+the flat path (:class:`~app.runtime.handoff.flat.FlatHandOff`). No trainer gathers the model to send it.
 With elastic rollout ranks the same slices, index maps and assembly serve
 app/runtime/handoff/elastic_sharded.py.
 """
@@ -192,9 +194,12 @@ class ShardedHandOff(FlatHandOff):
         self.sent_version = 0
         if owned is not None and self.rank in self.owners:
             self.owned = owned
+            # Steady: the layout is static, so a version that is not checksummed and whose
+            # slices are all direct (FSDP2's) goes without a header, one broadcast fewer.
             self.shard_sender = WeightSender(ctx, shards_mode(self.rank),
                                              verify_every=settings.verify_every,
-                                             direct=direct_of(agent, owned.indices()))
+                                             direct=direct_of(agent, owned.indices()),
+                                             steady=True)
         for owner in self.owners:
             indices = self._share_indices(owner)
             if self.is_trainer:
