@@ -20,8 +20,13 @@ from tests.helpers.videos import read_frames
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 300
+# A budget far past where training solves CartPole (about 100k env steps), so that the stop rule,
+# not the budget, ends the run: the evaluator is niced, and on two cores shared with other
+# tests an evaluation can take 100 updates (a run at the default 400k ended on its budget after
+# three evaluations, the last of them finishing after the last update).
 EVALUATED = ("layout=single", "seed=1", "loop.eval_every=5", "loop.stop_on=eval",
-             "loop.target_return=500", "loop.tensorboard=true", "loop.eval_video=true")
+             "loop.target_return=500", "loop.total_env_steps=1200000", "loop.tensorboard=true",
+             "loop.eval_video=true")
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,9 @@
 """``python -m app +experiment=halfcheetah_sac`` as a user runs it, cut to a few hundred env
 steps with a tiny replay: MuJoCo HalfCheetah-v5 collects, fills the replay, and SAC's learner
-steps at the experiment's ratio, on as many threads as the node has cores, before the run ends
-(docs/off-policy.md)."""
+steps at the experiment's ratio before the run ends (docs/off-policy.md)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -29,8 +27,6 @@ def test_halfcheetah_sac_runs_a_few_hundred_steps_and_learns_from_its_replay(
     assert proc.returncode == 0, describe(proc)
     rank = read_result(tmp_path)["ranks"][0]["result"]
     assert rank["env_steps"] == 384
-    # The experiment's loop.threads=0: one rank on the node takes every core.
-    assert rank["threads"] == max(1, os.cpu_count() or 1), rank["threads"]
     rows = metrics(tmp_path)
     last = rows[-1]
     assert last["replay_inserts"] == last["replay_size"] == 384
