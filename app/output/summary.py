@@ -106,6 +106,15 @@ def _training_lines(summary: dict[str, Any]) -> list[str]:
             f"solved: {of} reached {target:g} after {summary['time_to_target_s']:.1f} s of "
             f"training and {summary['env_steps_to_target']:,} env steps (final {mean})"
         ]
+    last = summary.get("eval") if summary.get("stop_on") == "eval" else None
+    if last is not None and last["return_mean"] >= target:
+        # The evaluator runs beside training: its last result can come after the last update,
+        # too late for the stop rule.
+        return [
+            f"not solved within the budget: the evaluation of weights v{last['version']} "
+            f"reached {mean} (target {target:g}) after the last update; the budget of "
+            f"{summary['env_steps']:,} env steps ended the run"
+        ]
     return [
         f"not solved: {of} is {mean}, target {target:g}; the budget of "
         f"{summary['env_steps']:,} env steps ended the run"

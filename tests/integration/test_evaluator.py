@@ -150,3 +150,23 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"  # a zombie has ended (its parent is gone, init reaps it)
+
+
+def test_an_evaluation_still_running_when_the_run_ends_is_waited_for_and_kept(
+        one_rank: CommContext, tmp_path: Path) -> None:
+    loop = PPOLoop(eval_every=1, eval_episodes=3, eval_seed=7)
+    low, high = _controller(loop, 0.0), _controller(loop, 1.0)
+    evaluations = Evaluations(loop, one_rank, 0, ParallelMode.GLOBAL, tmp_path)
+    try:
+        first = _evaluate(evaluations, low, 1)
+        # The run's last update hands over weights; the budget ends before their result is
+        # shared: the rank's finish waits for it.
+        evaluations.submit(2, 2, 2, high.state_dict(), _record(high, 2))
+        evaluations.finish(60.0)
+    finally:
+        evaluations.close()
+    result = evaluations.result()
+    assert result["evaluations"] == 2 and result["eval"]["update"] == 2, result
+    assert result["eval"]["return_mean"] > first.return_mean
+    best = load_checkpoint(tmp_path / "checkpoints" / BEST)  # checksum verified
+    assert best["update"] == 2 and result["best_checkpoint"]["update"] == 2
