@@ -157,17 +157,24 @@ def run_cleanrl(args: argparse.Namespace, seed: int, out: Path) -> Side:
     return side
 
 
-def run_ours(args: argparse.Namespace, seed: int, out: Path) -> Side:
-    """``python -m app +experiment=EXPERIMENT`` for ``args.steps`` env steps."""
-    side = Side("ours", seed)
+def our_overrides(args: argparse.Namespace, seed: int) -> list[str]:
+    """Our side's command line: the experiment, the budget and what the options add."""
     overrides = [f"+experiment={args.experiment}", f"loop.total_env_steps={args.steps}",
                  f"seed={seed}", f"loop.window={args.last}", *QUIET]
     if args.layout:
         overrides.append(f"layout={args.layout}")
+    if args.threads is not None:
+        overrides.append(f"loop.threads={args.threads}")
     if args.learning_starts is not None:
         overrides.append(f"loop.replay.min_size={args.learning_starts}")
+    return overrides
+
+
+def run_ours(args: argparse.Namespace, seed: int, out: Path) -> Side:
+    """``python -m app +experiment=EXPERIMENT`` for ``args.steps`` env steps."""
+    side = Side("ours", seed)
     before = os.getloadavg()[0]
-    run = run_app(overrides, out / f"ours_s{seed}", args.timeout)
+    run = run_app(our_overrides(args, seed), out / f"ours_s{seed}", args.timeout)
     side.wall_s = round(run.wall_s, 2)
     side.load = (before, os.getloadavg()[0])
     if run.result is None:
@@ -261,6 +268,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--env-id", help="CleanRL's --env-id (default: the experiment's "
                         "gymnasium 0.29 id, e.g. Hopper-v4)")
     parser.add_argument("--layout", help="our layout (default: the app's default, 2t2r)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="our loop.threads (default: the loop's, 1; CleanRL uses torch's "
+                        "default, the machine's cores)")
     parser.add_argument("--learning-starts", type=int, metavar="L",
                         help="CleanRL's --learning-starts and our loop.replay.min_size")
     parser.add_argument("--last", type=int, default=20, help="episodes in the final mean")
@@ -292,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs.append((cleanrl, run_ours(args, seed, out)))
     lines = [*table(pairs, args.last), "",
              f"CleanRL: {args.cleanrl_script} --env-id {args.env_id}; ours: +experiment="
-             f"{args.experiment}{' layout=' + args.layout if args.layout else ''}; "
+             f"{args.experiment}{' layout=' + args.layout if args.layout else ''}"
+             f"{f' loop.threads={args.threads}' if args.threads is not None else ''}; "
              f"{args.steps:,} env steps each"]
     print("\n".join(lines))
     (out / "results.md").write_text("\n".join(lines) + "\n")

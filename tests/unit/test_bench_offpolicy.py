@@ -116,6 +116,11 @@ def test_cleanrl_sacs_command_line_checks_the_script_and_maps_the_env(
     args = cleanrl_sac.parse_args(["--cleanrl-script", str(script), "--experiment",
                                    "halfcheetah_sac", "--seeds", "1,2"])
     assert (args.env_id, args.seeds, args.steps) == ("HalfCheetah-v4", [1, 2], 300_000)
+    assert not any(o.startswith("loop.threads=") for o in cleanrl_sac.our_overrides(args, 1))
+    args = cleanrl_sac.parse_args(["--cleanrl-script", str(script), "--layout", "single",
+                                   "--threads", "2", "--steps", "5000"])
+    assert {"layout=single", "loop.threads=2", "loop.total_env_steps=5000", "seed=3"} <= set(
+        cleanrl_sac.our_overrides(args, 3))
 
 
 def test_our_curve_is_the_window_mean_counted_from_launch(tmp_path: Path) -> None:
