@@ -20,6 +20,7 @@ computes (docs/benchmarks.md, "Off-policy throughput"). Run it alone on the mach
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sac_step")
     parser.add_argument("--steps", type=int, default=300, help="timed learner steps per row")
     args = parser.parse_args(argv)
-    load = " / ".join(f"{x:.2f}" for x in __import__("os").getloadavg())
+    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"SAC learner step, Hopper-v5 shapes, batch {BATCH}; load average {load}")
     print("| threads | GFLOP per step | step | GFLOP/s in the step | 256x256 product alone "
           "| step at that rate |")

@@ -92,7 +92,7 @@ class RLLoop:
     )
     threads: int = setting(
         1, "intra-op threads per rank (torch.set_num_threads); 0: the node's cores over its "
-        "ranks. Small models gain nothing from more; SAC's 256-wide networks do"
+        "ranks. Small models gain nothing from more; SAC's 256-wide networks do, on idle cores"
     )
     min_rollouts: int = setting(
         1, "elastic layouts: live rollout ranks the job needs to go on (they serve every "
