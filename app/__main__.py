@@ -3,10 +3,13 @@
 # ruff: noqa: E402  (the forkserver starts before this process's own imports)
 from __future__ import annotations
 
+import torch  # noqa: F401  (the launcher needs it: the loops' schemas; see below)
+
 from app.launch.forkserver import start_early
 
-# First: the ranks' forkserver imports torch, gymnasium, Hydra and the app on another core while
-# this process imports, composes and validates (app/launch/forkserver.py).
+# First: the ranks' forkserver, a fork of this process that keeps its torch and imports
+# gymnasium, Hydra and the app on another core while this process composes and validates
+# (app/launch/forkserver.py).
 start_early()
 
 import atexit

@@ -2,11 +2,15 @@
 from which every local rank is forked (torch elastic's ``start_method="forkserver"``).
 
 Spawned ranks each imported all of that again: 4 ranks on 2 cores paid for it 4 times after the
-launcher had paid once. ``python -m app`` starts the forkserver first thing (:func:`start_early`,
-before its own imports), so that the forkserver's imports run beside the launcher's (Hydra
-composing, validating) on another core; once the plan is validated a rank costs a fork. The
-forkserver does that work while it imports its preload, app/launch/forkserver_preload.py
-(:func:`serve_if_forkserver`): the one hook multiprocessing gives a forkserver.
+launcher had paid once. ``python -m app`` imports torch (the launcher needs it for the loops'
+schemas) and then starts the forkserver (:func:`start_early`) as a fork of itself
+(app/launch/private.py: ``fork_forkserver``), so that torch is imported once, not in the
+launcher and again in a new interpreter; the forkserver's other imports run beside the
+launcher's (Hydra composing, validating) on another core, and once the plan is validated a
+rank costs a fork. The forkserver does that work while it imports its preload,
+app/launch/forkserver_preload.py (:func:`serve_if_forkserver`): the one hook multiprocessing
+gives a forkserver. A forkserver started again (it died) is a new interpreter, as
+multiprocessing starts it: by then the launcher holds threads.
 
 What a spawned rank had, a forked one keeps:
 
@@ -39,9 +43,11 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from app.launch.private import fork_forkserver
 from app.output.pictures import MODULES as PICTURE_MODULES
 
 START_METHOD = "forkserver"
@@ -126,7 +132,10 @@ def start(profile: str = "ranks") -> bool:
     # Kept in the environment: a forkserver that died is started again from it, tied as well.
     os.environ[MARKER] = f"{os.getpid()}:{profile}"
     forkserver.set_forkserver_preload([PRELOAD])
-    forkserver.ensure_running()
+    if _started or threading.active_count() > 1:  # a restart, or too late to fork: spawned
+        forkserver.ensure_running()
+    else:  # it keeps what this process imported (torch: :func:`start_early`)
+        fork_forkserver([PRELOAD])
     _started = True
     return True
 

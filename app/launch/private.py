@@ -15,9 +15,11 @@ import contextlib
 import logging
 import multiprocessing.process
 import os
+import sys
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 # The elastic agent's log texts that its records are told apart by (torch 2.13:
 # agent/server/api.py and multiprocessing/api.py): no logger name or record field says which.
@@ -61,6 +63,43 @@ def in_forkserver_preload() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def fork_forkserver(preload: list[str]) -> int:
+    """Starts multiprocessing's forkserver as a fork of this process that runs
+    ``multiprocessing.forkserver.main``, where ``forkserver.ensure_running`` starts a new
+    interpreter: what this process imported, the forkserver holds without importing it again.
+    Only for a process that holds one thread. Returns the forkserver's pid; afterwards
+    ``ensure_running`` finds it running (and starts a new interpreter if it died)."""
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server: Any = forkserver._forkserver
+    resource_tracker.ensure_running()  # the launcher's, as with ensure_running
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        # Every client holds the write end; the forkserver ends when it reads EOF.
+        alive_r, alive_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # a fork would write their buffers twice
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:  # the forkserver: it never returns into the launcher's code
+            code = 1
+            try:
+                os.close(alive_w)
+                forkserver.main(listener.fileno(), alive_r, preload)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return pid
 
 
 def parse_node_list(nodelist: str) -> list[str]:

@@ -117,8 +117,10 @@ def test_a_short_hopper_run_is_evaluated_beside_training_and_watched(tmp_path: P
     """docs/evaluate.md on MuJoCo: evaluations with videos during the run, then
     ``python -m app.evaluate --video`` on its checkpoint; the videos render headless (EGL)."""
     run_dir = tmp_path / "run"
-    proc = run_app(*SHORT, "layout=single", "loop.eval_every=8", "loop.eval_episodes=2",
-                   "loop.eval_video=true", f"hydra.run.dir={run_dir}", timeout=TIMEOUT_S)
+    # 8 updates of 512 env steps, evaluated twice: a best and a last video, no learning needed.
+    proc = run_app(*SHORT, "layout=single", "loop.total_env_steps=4096", "loop.eval_every=4",
+                   "loop.eval_episodes=2", "loop.eval_video=true", f"hydra.run.dir={run_dir}",
+                   timeout=TIMEOUT_S)
     assert proc.returncode == 0, describe(proc)
     summary = read_result(run_dir)["summary"]
     assert summary["eval"] is not None and math.isfinite(summary["eval"]["return_mean"])

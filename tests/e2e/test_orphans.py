@@ -86,7 +86,7 @@ def test_a_sigkilled_launcher_takes_every_rank_and_the_resource_tracker_with_it(
         # The elastic agent runs inside the launcher and has the launcher's forkserver fork
         # every rank (app/launch/forkserver.py): the ranks are the forkserver's children, the
         # forkserver and the resource tracker the launcher's.
-        servers = [p for p in app.processes()[1:] if "forkserver" in " ".join(p.cmdline())
+        servers = [p for p in app.processes()[1:] if p.name() == "rlcomm-forksrv"
                    and p.ppid() == app.pid]
         assert len(servers) == 1, _describe(app.processes())
         # An elastic rollout rank (2, 3) is the child of its slot, which the forkserver forked

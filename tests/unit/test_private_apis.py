@@ -169,6 +169,21 @@ def _forkserver_main() -> None:
     assert not private.in_forkserver_preload()
 
 
+def _forkserver_state() -> None:
+    from multiprocessing import connection, forkserver, util
+
+    # fork_forkserver does what ForkServer.ensure_running does up to the spawn, then fills in
+    # the state ensure_running reads (the process test: tests/e2e/test_startup.py).
+    source = inspect.getsource(forkserver.ForkServer.ensure_running)
+    for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid",
+                 "resource_tracker.ensure_running()", "os.waitpid(self._forkserver_pid"):
+        assert name in source, name
+    assert list(inspect.signature(forkserver.main).parameters)[:3] == [
+        "listener_fd", "alive_r", "preload"]
+    assert isinstance(forkserver._forkserver, forkserver.ForkServer)
+    assert callable(connection.arbitrary_address) and callable(util.is_abstract_socket_namespace)
+
+
 def _hydra_config_loader() -> None:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.core.singleton import Singleton
@@ -210,6 +225,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("torch elastic's log texts (restart notice, worker failed)", "app/launch/private.py: AgentRestartNotice, NoWorkerTraceback", _elastic_log_texts),
     ("/proc/<pid>/fd links", "app/launch/private.py: open_files (DeathWatch)", _open_files),
     ("multiprocessing.forkserver.main imports the preload", "app/launch/private.py: in_forkserver_preload", _forkserver_main),
+    ("multiprocessing.forkserver's state and main", "app/launch/private.py: fork_forkserver", _forkserver_state),
     ("torch.distributed._composable.replicate_with_fsdp.replicate", "app/runtime/sharding.py: DDP over a tensor-parallel policy", _composable_replicate),
 ]
 
@@ -235,6 +251,7 @@ _PRIVATE_USES = {
     "frame walking": r"sys\._getframe|currentframe|f_back",
     "torch elastic's log texts": r"will restart worker group|failed \(exitcode",
     "submitit's _parse_node_list": r"_parse_node_list",
+    "multiprocessing.forkserver's state": r"_forkserver_(pid|address|alive_fd)\b|forkserver\.main\(",
 }
 
 
