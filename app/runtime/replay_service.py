@@ -106,6 +106,13 @@ def batch_shares(batch_size: int, replays: int) -> list[int]:
     return [share + (1 if i < extra else 0) for i in range(replays)]
 
 
+def packed_again(form: SegmentFormat, segment: Segment) -> Tensor:
+    """``segment`` as a collector packed it, in :func:`insert_format` ``form``: what a replay
+    rank unpacks from an INSERT (a trainer writing on a segment it was handed)."""
+    version = torch.tensor([segment.version], dtype=torch.int64)
+    return form.pack({**segment, "version": version, **segment.moments})
+
+
 def batch_format(segment_format: SegmentFormat, records: Sequence[str],
                  count: int) -> SegmentFormat:
     """``count`` sampled transitions and the replay rank's figures, as one byte buffer: each
@@ -259,10 +266,8 @@ class RemoteReplay(Replay):
         if self.writes is None:
             return 0
         server = forwarded_to(self.plan, self.rank, self.written)
-        version = torch.tensor([segment.version], dtype=torch.int64)
-        packed = self.writes.pack({**segment, "version": version, **segment.moments})
         _send(_header(INSERT), server, self.group, HEADER_TAG)
-        _send(packed, server, self.group, PAYLOAD_TAG)
+        _send(packed_again(self.writes, segment), server, self.group, PAYLOAD_TAG)
         self.written += 1
         return int(segment["rewards"].numel())
 
@@ -360,13 +365,16 @@ class ReplayLink:
         self.target: int | None = None
         self.remote: RemoteReplay | None = None
         self.server: ReplayServer | None = None
-        if not plan.replay:  # a replay per trainer (app/runtime/offpolicy.py): nothing to do
+        # A collector writes to its replay rank, unless its trainer writes its segments on.
+        if plan.replay and rank in collectors(plan) and not forwards(plan):
+            self.target = replay_rank_of(plan, rank)
+        uses = self.target is not None or rank in plan.trainers or rank in plan.replay
+        if not (plan.replay and uses):
+            # No replay ranks (a replay per trainer, app/runtime/offpolicy.py), or an elastic
+            # rollout rank, which may have joined the running job without any static group.
             return
         self.group = ctx.get_group(ParallelMode.REPLAY)
         settings: ReplaySettings = algorithm.replay_settings()
-        # A collector writes to its replay rank, unless its trainer writes its segments on.
-        self.target = (replay_rank_of(plan, rank)
-                       if rank in collectors(plan) and not forwards(plan) else None)
         if rank in plan.trainers:
             self.remote = RemoteReplay(ctx, plan, settings, algorithm.records, segment_format)
             algorithm.use_replay(self.remote, RemoteLimiter(self.remote, settings,
