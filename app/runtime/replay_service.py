@@ -26,7 +26,11 @@ replay ranks: they hand their whole segments to their trainer over the elastic r
 and each trainer writes the segments it received on to the replay ranks (:func:`forwards`,
 ``RemoteReplay.insert``). The REPLAY group then carries trainers' and replay ranks' traffic
 only, none of which comes and goes: a lost collector loses only what its trainer had not yet
-received (counted there as ``segments_discarded``), and no replay rank waits for it.
+received (counted there as ``segments_discarded``), and no replay rank waits for it. The REPLAY
+group still holds every rank (it is planned before the run knows whether rollout ranks are
+elastic); a replay server's receive from any of its ranks goes on serving the others when a
+rollout rank in it dies, as gloo closes only that rank's connection
+(tests/e2e/test_replay_ranks_elastic.py kills one).
 
 Messages: a header (int64 ``[kind, count, 0, 0]``, tag 1) from any rank, then its payload from
 that rank (tag 2); answers go back with tag 3. A replay rank serves until every trainer and
