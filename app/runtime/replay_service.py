@@ -30,7 +30,7 @@ received (counted there as ``segments_discarded``), and no replay rank waits for
 group still holds every rank (it is planned before the run knows whether rollout ranks are
 elastic); a replay server's receive from any of its ranks goes on serving the others when a
 rollout rank in it dies, as gloo closes only that rank's connection
-(tests/e2e/test_replay_ranks_elastic.py kills one).
+(tests/integration/test_replay_any_source.py; tests/e2e/test_replay_ranks_elastic.py kills one).
 
 Messages: a header (int64 ``[kind, count, 0, 0]``, tag 1) from any rank, then its payload from
 that rank (tag 2); answers go back with tag 3. A replay rank serves until every trainer and
