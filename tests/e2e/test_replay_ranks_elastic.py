@@ -48,6 +48,9 @@ def test_a_killed_collector_keeps_its_sent_transitions_in_the_replay_rank_and_re
     assert sorted(ranks) == [0, 1, 2, 3], sorted(ranks)  # the rejoined rank 3 reported too
     trainer, server = ranks[0], ranks[1]["replay_server"]
     assert trainer["env_steps"] >= BUDGET  # the budget, not a failure, ended the run
+    # The replay rank followed the trainer to the end and reports the job's counts.
+    assert (ranks[1]["updates"], ranks[1]["env_steps"]) == (trainer["updates"],
+                                                            trainer["env_steps"])
     (leave,) = result["leaves"]
     (join,) = result["joins"]
     seen = f"left {leave['time'] - killed:.2f} s, joined {join['time'] - killed:.2f} s after the kill"
