@@ -82,13 +82,13 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppCo
     # Epoch groups are gloo: with NCCL the rollout ranks stay static.
     elastic = (plan.elastic_rollouts and bool(getattr(loop, "elastic_rollouts", False))
                and _backend(cfg) != "nccl")
-    _check_replay_ranks(plan, loop, elastic)
+    _check_replay_ranks(plan, loop)
     return dataclasses.replace(plan, elastic_rollouts=elastic), typed_job(cfg, loop)
 
 
-def _check_replay_ranks(plan: LayoutPlan, loop: Any, elastic: bool) -> None:
-    """``layout.replay`` serves a loop that learns from a replay (app/runtime/offpolicy.py),
-    over static rollout ranks (app/runtime/replay_service.py)."""
+def _check_replay_ranks(plan: LayoutPlan, loop: Any) -> None:
+    """``layout.replay`` serves a loop that learns from a replay (app/runtime/offpolicy.py);
+    its rollout ranks may be static or elastic (app/runtime/replay_service.py)."""
     if not plan.replay:
         return
     ranks = list(plan.replay)
@@ -105,10 +105,6 @@ def _check_replay_ranks(plan: LayoutPlan, loop: Any, elastic: bool) -> None:
         raise ConfigError(
             f"loop.replay.batch_size: {batch} is fewer than the {len(ranks)} replay ranks "
             f"{ranks}, which each give a share of every batch; use at least {len(ranks)}")
-    if elastic and plan.rollouts:  # colocated trainers collect: nobody comes and goes
-        raise ConfigError(
-            f"layout.replay: ranks {ranks} hold the replay, which serves static rollout ranks "
-            "only; set layout.elastic_rollouts=false")
 
 
 def typed_job(cfg: DictConfig, loop: Any) -> AppConfig:

@@ -286,14 +286,15 @@ def _join_running_job(
 def _reports_through_store(
     ctx: CommContext, plan: LayoutPlan, report: dict[str, Any], timeout_s: float
 ) -> list[dict[str, Any]] | None:
-    """Every rank's report, on rank 0, through the store: the trainers', and those of the
-    rollout ranks each trainer had at the end (rlcomm.elastic: its ``final`` record)."""
+    """Every rank's report, on rank 0, through the store: the trainers' and replay ranks', and
+    those of the rollout ranks each trainer had at the end (rlcomm.elastic: its ``final``
+    record)."""
     store = ctx.store
     store.set(f"report/{report['rank']}", json.dumps(report))
     if report["rank"] != 0:
         return None
     deadline = time.monotonic() + timeout_s
-    wanted = list(plan.trainers)
+    wanted = [*plan.trainers, *plan.replay]
     for trainer in plan.trainers:
         store.wait([f"elastic/{trainer}/final"], datetime.timedelta(seconds=timeout_s))
         wanted += json.loads(store.get(f"elastic/{trainer}/final"))["members"]

@@ -20,9 +20,21 @@ change. With replay ranks:
   ``loop.replay.samples_per_insert`` and ``tolerance`` on their side, a learner step meaning
   every trainer's share of a batch.
 
+With elastic rollout ranks (``layout.elastic_rollouts``) the collectors do not write to the
+replay ranks: they hand their whole segments to their trainer over the elastic route
+(app/runtime/handoff/elastic.py), which re-forms around a lost rank and admits a restarted one,
+and each trainer writes the segments it received on to the replay ranks (:func:`forwards`,
+``RemoteReplay.insert``). The REPLAY group then carries trainers' and replay ranks' traffic
+only, none of which comes and goes: a lost collector loses only what its trainer had not yet
+received (counted there as ``segments_discarded``), and no replay rank waits for it. The REPLAY
+group still holds every rank (it is planned before the run knows whether rollout ranks are
+elastic); a replay server's receive from any of its ranks goes on serving the others when a
+rollout rank in it dies, as gloo closes only that rank's connection
+(tests/integration/test_replay_any_source.py; tests/e2e/test_replay_ranks_elastic.py kills one).
+
 Messages: a header (int64 ``[kind, count, 0, 0]``, tag 1) from any rank, then its payload from
 that rank (tag 2); answers go back with tag 3. A replay rank serves until every trainer and
-every collector routed to it said STOP.
+every writer routed to it said STOP.
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ from torch import Tensor
 
 from app.runtime.algorithm import Record, Segment
 from app.runtime.replay import Batch, RateLimiter, Replay, ReplaySettings
-from app.runtime.segments import Field, SegmentFormat
+from app.runtime.segments import EPISODE_FIELDS, Field, SegmentFormat
 from app.runtime.worker import MOMENTS, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 
@@ -56,15 +68,39 @@ def collectors(plan: LayoutPlan) -> tuple[int, ...]:
     return plan.rollouts if plan.rollouts else plan.trainers
 
 
+def forwards(plan: LayoutPlan) -> bool:
+    """Whether the trainers write the collectors' segments to the replay ranks (elastic rollout
+    ranks: see the module's doc) rather than the collectors themselves."""
+    return bool(plan.replay) and plan.elastic_rollouts and not plan.colocated
+
+
 def replay_rank_of(plan: LayoutPlan, collector: int) -> int:
     """The replay rank ``collector`` writes to: collector i of :func:`collectors` writes to
     ``plan.replay[i mod R]``."""
     return plan.replay[collectors(plan).index(collector) % len(plan.replay)]
 
 
+def forwarded_to(plan: LayoutPlan, trainer: int, count: int) -> int:
+    """The replay rank the ``count``-th segment a trainer writes on goes to (:func:`forwards`):
+    trainer t of T writes its k-th to ``plan.replay[(t + k T) mod R]``, so that every replay
+    rank gets its share even with fewer trainers than replay ranks."""
+    trainers = plan.trainers
+    return plan.replay[(trainers.index(trainer) + count * len(trainers)) % len(plan.replay)]
+
+
 def writers_of(plan: LayoutPlan, replay_rank: int) -> list[int]:
-    """The collectors that write to ``replay_rank``."""
+    """The ranks that write to ``replay_rank``: the collectors routed to it, or, when the
+    trainers write on the collectors' segments (:func:`forwards`), the trainers."""
+    if forwards(plan):
+        return list(plan.trainers)
     return [c for c in collectors(plan) if replay_rank_of(plan, c) == replay_rank]
+
+
+def insert_format(segment_format: SegmentFormat) -> SegmentFormat:
+    """What an INSERT carries: a segment without what an elastic member's segment carries for
+    its trainer alone (its episodes and wait, app/runtime/segments.py)."""
+    return SegmentFormat({k: v for k, v in segment_format.fields.items()
+                          if k not in EPISODE_FIELDS})
 
 
 def batch_shares(batch_size: int, replays: int) -> list[int]:
@@ -72,6 +108,13 @@ def batch_shares(batch_size: int, replays: int) -> list[int]:
     the first ranks one more; every share at least one (``batch_size >= replays``)."""
     share, extra = divmod(batch_size, replays)
     return [share + (1 if i < extra else 0) for i in range(replays)]
+
+
+def packed_again(form: SegmentFormat, segment: Segment) -> Tensor:
+    """``segment`` as a collector packed it, in :func:`insert_format` ``form``: what a replay
+    rank unpacks from an INSERT (a trainer writing on a segment it was handed)."""
+    version = torch.tensor([segment.version], dtype=torch.int64)
+    return form.pack({**segment, "version": version, **segment.moments})
 
 
 def batch_format(segment_format: SegmentFormat, records: Sequence[str],
@@ -113,7 +156,7 @@ class ReplayServer:
         # A learner step is every trainer's share of a batch.
         self.limiter = RateLimiter(settings.samples_per_insert, settings.tolerance,
                                    settings.min_size, len(plan.trainers) * self.share)
-        self.segment_format = segment_format
+        self.segment_format = insert_format(segment_format)
         self.batch_format = batch_format(segment_format, list(records), self.share)
         self.waiting = set(plan.trainers).union(writers_of(plan, rank))
         self.generator = torch.Generator().manual_seed(seed)
@@ -131,6 +174,16 @@ class ReplayServer:
             raise self.error
         if self.thread.is_alive():
             raise TimeoutError(f"the replay server still waits for ranks {sorted(self.waiting)}")
+
+    def wait(self) -> None:
+        """Until every trainer and writer said STOP, however long the run takes (a replay rank
+        whose run follows its trainers: app/runtime/handoff/replay_rank.py); re-raises what
+        stopped the thread. A lost trainer ends the wait too: the server's receive fails
+        within the REPLAY group's timeout."""
+        while self.thread.is_alive():
+            self.thread.join(1.0)
+        if self.error is not None:
+            raise self.error
 
     def result(self) -> dict[str, Any]:
         """This replay rank's entry in result.json."""
@@ -198,6 +251,10 @@ class RemoteReplay(Replay):
         # No Replay.__init__: the storage and priorities live on the replay ranks.
         self.settings, self.fields = settings, dict(records)
         self.group = ctx.get_group(ParallelMode.REPLAY)
+        self.plan, self.rank = plan, ctx.get_global_rank()
+        # With elastic rollout ranks this trainer writes the segments it was handed on.
+        self.writes = insert_format(segment_format) if forwards(plan) else None
+        self.written = 0  # segments written on so far
         self.servers = list(plan.replay)
         self.shares = batch_shares(settings.batch_size, len(self.servers))
         self.formats = [batch_format(segment_format, list(records), n) for n in self.shares]
@@ -207,8 +264,16 @@ class RemoteReplay(Replay):
         self.inserts = self.samples = self.size = 0
 
     def insert(self, segment: Segment) -> int:
-        """Nothing: the collectors wrote the segment to the replay ranks."""
-        return 0
+        """Nothing where the collectors wrote the segment to the replay ranks; with elastic
+        rollout ranks, the segment written on to a replay rank (:func:`forwarded_to`).
+        Returns how many transitions this rank wrote."""
+        if self.writes is None:
+            return 0
+        server = forwarded_to(self.plan, self.rank, self.written)
+        _send(_header(INSERT), server, self.group, HEADER_TAG)
+        _send(packed_again(self.writes, segment), server, self.group, PAYLOAD_TAG)
+        self.written += 1
+        return int(segment["rewards"].numel())
 
     def allowance(self) -> int:
         """The learner steps every replay rank allows now (the fewest)."""
@@ -295,19 +360,25 @@ class ReplayLink:
         rank = ctx.get_global_rank()
         self.timeout_s = ctx.timeout.total_seconds()
         self.segment_format = segment_format
-        # What the hand-off carries: all of a segment, or with replay ranks what the trainer
-        # uses besides the transitions (the weights version, the normalisers' moments).
+        # What the hand-off carries: all of a segment, or where the collectors write to the
+        # replay ranks themselves what the trainer uses besides the transitions (the weights
+        # version, the normalisers' moments).
         self.hand_off_format = (SegmentFormat({k: v for k, v in segment_format.fields.items()
                                                if k in ("version", *MOMENTS)})
-                                if plan.replay else segment_format)
+                                if plan.replay and not forwards(plan) else segment_format)
         self.target: int | None = None
         self.remote: RemoteReplay | None = None
         self.server: ReplayServer | None = None
-        if not plan.replay:  # a replay per trainer (app/runtime/offpolicy.py): nothing to do
+        # A collector writes to its replay rank, unless its trainer writes its segments on.
+        if plan.replay and rank in collectors(plan) and not forwards(plan):
+            self.target = replay_rank_of(plan, rank)
+        uses = self.target is not None or rank in plan.trainers or rank in plan.replay
+        if not (plan.replay and uses):
+            # No replay ranks (a replay per trainer, app/runtime/offpolicy.py), or an elastic
+            # rollout rank, which may have joined the running job without any static group.
             return
         self.group = ctx.get_group(ParallelMode.REPLAY)
         settings: ReplaySettings = algorithm.replay_settings()
-        self.target = replay_rank_of(plan, rank) if rank in collectors(plan) else None
         if rank in plan.trainers:
             self.remote = RemoteReplay(ctx, plan, settings, algorithm.records, segment_format)
             algorithm.use_replay(self.remote, RemoteLimiter(self.remote, settings,
@@ -337,6 +408,11 @@ class ReplayLink:
             _send(_header(STOP), server, self.group, HEADER_TAG)
         if self.server is not None:
             self.server.join(self.timeout_s)
+
+    def served(self) -> None:
+        """A replay rank: until its server has served the whole run (:meth:`ReplayServer.wait`)."""
+        assert self.server is not None, "only a replay rank serves"
+        self.server.wait()
 
     def result(self) -> dict[str, Any]:
         return self.server.result() if self.server is not None else {}

@@ -104,9 +104,9 @@ class RuntimeRun:
         # buffer (the parameters then live there).
         sharded = is_sharded(plan, loop.data_parallel)
         self.trained = self._trained_module() if sharded else None
-        self.replay_link = ReplayLink(ctx, plan, self.algorithm, self.segment_format, job.seed)
-        self.hand_off = build_hand_off(ctx, job, self.agent, self.replay_link.hand_off_format,
-                                       self.trained, self._hand_off_settings(episode_cap, sharded))
+        link = self.replay_link = ReplayLink(ctx, plan, self.algorithm, self.segment_format, job.seed)
+        self.hand_off = build_hand_off(ctx, job, self.agent, link.hand_off_format, self.trained,
+                                       self._hand_off_settings(episode_cap, sharded), link.served)
         if not sharded:
             self.trained = self._trained_module()
         self.optimizer = (self.algorithm.optimizer(self.trained.trained)

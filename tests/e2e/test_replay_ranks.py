@@ -93,11 +93,9 @@ def test_two_replay_ranks_share_the_segments_and_serve_two_trainers(tmp_path: Pa
 @pytest.mark.parametrize(("overrides", "line"), [
     (("loop=ppo", "layout=replay_server"),
      "error: layout.replay: ranks [1] would hold a replay, but PPOLoop does not learn from one"),
-    (("loop=dqn", "layout=replay_server", "layout.elastic_rollouts=true"),
-     "error: layout.replay: ranks [1] hold the replay, which serves static rollout ranks only"),
     (("loop=dqn", "layout=replay_server", "layout.replay=[2]"),
      "error: layout.replay: ranks [2] are also rollouts; roles must not overlap"),
-], ids=["on-policy loop", "elastic rollouts", "overlaps rollouts"])
+], ids=["on-policy loop", "overlaps rollouts"])
 def test_bad_replay_layouts_are_one_line_and_exit_2_before_launch(
         overrides: tuple[str, ...], line: str, tmp_path: Path) -> None:
     # The planner's other errors (overlapping trainers, out of range) are the same path:

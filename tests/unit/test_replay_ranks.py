@@ -71,7 +71,9 @@ def test_bad_replay_ranks_are_one_line(kwargs: dict[str, object], line: str) -> 
 
 
 def test_collector_i_writes_to_replay_rank_i_mod_r() -> None:
-    plan = plan_layout(LayoutSpec(world_size=7, trainers=[0], replay=[1, 2], rollouts=[3, 4, 5, 6]))
+    # Static rollout ranks; elastic ones: tests/unit/test_replay_forwarding.py.
+    plan = plan_layout(LayoutSpec(world_size=7, trainers=[0], replay=[1, 2], rollouts=[3, 4, 5, 6],
+                                  elastic_rollouts=False))
     assert collectors(plan) == (3, 4, 5, 6)
     assert [replay_rank_of(plan, c) for c in (3, 4, 5, 6)] == [1, 2, 1, 2]
     assert writers_of(plan, 1) == [3, 5] and writers_of(plan, 2) == [4, 6]
@@ -126,6 +128,8 @@ def _validate(*overrides: str) -> None:
 
 def test_the_shipped_replay_layout_validates_for_an_off_policy_loop() -> None:
     _validate("loop=dqn", "layout=replay_server")
+    # Elastic rollout ranks too: their trainers write the segments on (replay_service.forwards).
+    _validate("loop=dqn", "layout=replay_server", "layout.elastic_rollouts=true")
     # Colocated trainers that write to a replay rank: no rollout ranks, so nothing elastic.
     _validate("loop=dqn", "layout=single", "layout.world_size=2", "layout.replay=[1]")
 
@@ -135,15 +139,12 @@ def test_the_shipped_replay_layout_validates_for_an_off_policy_loop() -> None:
      "layout.replay: ranks [1] would hold a replay, but PPOLoop does not learn from one; "
      "remove layout.replay (e.g. layout.replay=[]) or use an off-policy loop (loop=dqn, "
      "loop=sac)"),
-    (("loop=dqn", "layout=replay_server", "layout.elastic_rollouts=true"),
-     "layout.replay: ranks [1] hold the replay, which serves static rollout ranks only; set "
-     "layout.elastic_rollouts=false"),
     (("loop=dqn", "layout=replay_server", "layout.world_size=5", "layout.replay=[1,2]",
       "layout.rollouts=[3,4]", "loop.replay.batch_size=1", "loop.replay.capacity=100",
       "loop.replay.min_size=10", "loop.replay.tolerance=10"),
      "loop.replay.batch_size: 1 is fewer than the 2 replay ranks [1, 2], which each give a "
      "share of every batch; use at least 2"),
-], ids=["on-policy loop", "elastic rollouts", "batch smaller than the replay ranks"])
+], ids=["on-policy loop", "batch smaller than the replay ranks"])
 def test_replay_ranks_a_loop_cannot_use_are_refused(overrides: tuple[str, ...],
                                                     line: str) -> None:
     with pytest.raises(ConfigError) as error:

@@ -18,7 +18,9 @@ sees only :class:`HandOff`; the plan picks the implementation (:func:`build_hand
   by sharded trainers: segments as on the elastic path, weights as on the sharded one (each
   owner's slices to every live rollout rank of the job), over job-wide membership changes;
 - :class:`~app.runtime.handoff.replay_rank.ReplayRankHandOff`: a replay rank
-  (``layout.replay``), which follows the episodes only.
+  (``layout.replay``), which follows the episodes only; with elastic rollout ranks,
+  :class:`~app.runtime.handoff.replay_rank.ElasticReplayRankHandOff`, which follows the
+  trainers to the run's end.
 
 Checksums (``loop.verify_weights_every``), versions and ``loop.max_staleness`` behave alike on
 every path: each is built on rlcomm.weights' sender and receiver.
@@ -26,6 +28,7 @@ every path: each is built on rlcomm.weights' sender and receiver.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -36,7 +39,7 @@ from app.runtime.handoff.elastic import ElasticLeader
 from app.runtime.handoff.elastic_member import ElasticMember
 from app.runtime.handoff.elastic_sharded import ElasticShardedLeader, ElasticShardedMember
 from app.runtime.handoff.flat import FlatHandOff
-from app.runtime.handoff.replay_rank import ReplayRankHandOff
+from app.runtime.handoff.replay_rank import ElasticReplayRankHandOff, ReplayRankHandOff
 from app.runtime.handoff.sharded import ShardedHandOff
 from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, ParallelMode
@@ -45,14 +48,19 @@ __all__ = ["HandOff", "HandOffSettings", "Round", "build_hand_off"]
 
 
 def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_format: SegmentFormat,
-                   trained: Any, settings: HandOffSettings) -> HandOff:
+                   trained: Any, settings: HandOffSettings,
+                   served: Callable[[], None] | None = None) -> HandOff:
     """The hand-off the plan calls for; ``trained``: a trainer's TrainedModule (None on rollout
-    ranks), whose shards a sharded hand-off sends. Before any wrapping of ``agent``: a flat or
-    elastic sender binds the agent's tensors to its send buffer, a receiver to its own."""
+    ranks), whose shards a sharded hand-off sends; ``served``: on a replay rank, returns once
+    its server has served the run (ReplayLink.served). Before any wrapping of ``agent``: a flat
+    or elastic sender binds the agent's tensors to its send buffer, a receiver to its own."""
     plan = job.plan
     rank = ctx.get_global_rank()
     trainer = rank in plan.trainers
     if rank in plan.replay:  # it serves the replay (app/runtime/replay_service.py)
+        if not plan.colocated and plan.elastic_rollouts:
+            assert served is not None, "a replay rank's hand-off waits for its server"
+            return ElasticReplayRankHandOff(ctx, plan, served)
         return ReplayRankHandOff(ctx, plan, agent, segment_format, settings)
     if not plan.colocated and plan.elastic_rollouts:
         if trainer and settings.sharded:
