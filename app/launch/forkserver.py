@@ -9,8 +9,8 @@ launcher and again in a new interpreter; the forkserver's other imports run besi
 launcher's (Hydra composing, validating) on another core, and once the plan is validated a
 rank costs a fork. The forkserver does that work while it imports its preload,
 app/launch/forkserver_preload.py (:func:`serve_if_forkserver`): the one hook multiprocessing
-gives a forkserver. A forkserver started again (it died) is a new interpreter, as
-multiprocessing starts it: by then the launcher holds threads.
+gives a forkserver. A forkserver started later (it died, or a submitit job starts one) is a new
+interpreter, as multiprocessing starts it: by then the process holds threads and has run torch.
 
 What a spawned rank had, a forked one keeps:
 
@@ -105,7 +105,7 @@ def start_early(argv: Sequence[str] | None = None) -> str | None:
 
     profile = early_profile(sys.argv[1:] if argv is None else argv, launched_by() != "local")
     if profile is not None:
-        start(profile)
+        start(profile, fork=True)
     return profile
 
 
@@ -121,9 +121,11 @@ def early_profile(argv: Sequence[str], joins: bool) -> str | None:
     return "picture" if _plan_only(argv) else "ranks"
 
 
-def start(profile: str = "ranks") -> bool:
+def start(profile: str = "ranks", fork: bool = False) -> bool:
     """Makes sure this launcher's forkserver runs (a no-op when it does); False where there is
-    none to be had (not Linux)."""
+    none to be had (not Linux). ``fork``: as a fork of this process, which holds one thread and
+    has run no torch op yet (torch's OpenMP threads do not survive a fork); else a new
+    interpreter."""
     global _started
     if not sys.platform.startswith("linux"):
         return False
@@ -132,10 +134,10 @@ def start(profile: str = "ranks") -> bool:
     # Kept in the environment: a forkserver that died is started again from it, tied as well.
     os.environ[MARKER] = f"{os.getpid()}:{profile}"
     forkserver.set_forkserver_preload([PRELOAD])
-    if _started or threading.active_count() > 1:  # a restart, or too late to fork: spawned
+    if fork and not _started and threading.active_count() == 1:
+        fork_forkserver([PRELOAD])  # it keeps what this process imported (torch)
+    else:  # started again (it died), or by a process that has done more than import
         forkserver.ensure_running()
-    else:  # it keeps what this process imported (torch: :func:`start_early`)
-        fork_forkserver([PRELOAD])
     _started = True
     return True
 
