@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, NoReturn
+from typing import IO, Any, NoReturn
 
 from app.launch import forkserver
 from app.launch.failures import FailureRecord, record_path
@@ -47,6 +47,7 @@ from app.launch.lifeline import die_with_parent
 
 INCARNATION_VARIABLE = "RLCOMM_INCARNATION"  # in a restarted rank: which start it is (1, 2, ...)
 POLL_S = 0.2  # how often an idle slot looks for the run's end (it sleeps in between)
+NAP_S = 0.02  # how soon a slot sees a signal it waits for (it polls: see next_signal)
 
 _STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
 _FORWARDED = _STOPS | {signal.SIGUSR1}
@@ -174,7 +175,7 @@ def _wait(child: multiprocessing.process.BaseProcess) -> tuple[int, bool]:
         code = child.exitcode  # reaps it once it ended
         if code is not None:
             return code, stopped
-        info = signal.sigtimedwait(_WAKES, POLL_S)
+        info = next_signal(_WAKES, POLL_S)
         if info is None or info.si_signo == signal.SIGCHLD:
             continue
         signum = info.si_signo
@@ -188,10 +189,25 @@ def _wait_for_end(result: Path) -> bool:
     """Until the run finished (``result``: True) or the agent stops this slot (False); asleep
     meanwhile."""
     while not result.exists():
-        info = signal.sigtimedwait(_WAKES, POLL_S)
+        info = next_signal(_WAKES, POLL_S)
         if info is not None and info.si_signo in _STOPS:
             return False
     return True
+
+
+def next_signal(wanted: frozenset[signal.Signals], timeout_s: float) -> Any:
+    """The ``signal.struct_siginfo`` of the next of ``wanted`` (blocked in this thread) that
+    arrives within ``timeout_s``, or None. It polls, never blocking in ``sigtimedwait``: a wait
+    that a stop and continue (SIGSTOP or Ctrl-Z, then SIGCONT) interrupts past its deadline
+    returns an unfilled siginfo in CPython 3.11 (garbage, or EINVAL), which would forward a
+    signal nobody sent."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = signal.sigtimedwait(wanted, 0)
+        left = deadline - time.monotonic()
+        if info is not None or left <= 0:
+            return info
+        time.sleep(min(left, NAP_S))
 
 
 def _take_stop() -> bool:
