@@ -143,6 +143,13 @@ def _stack(app: AppProcess, rank: int) -> str:
     return app.log(rank)
 
 
+def _last_dump(log: str) -> str:
+    """The newest stacks-on-demand dump in a rank's log: every SIGUSR1 appends one (its header
+    names the signal; the watchdog's own stack in it shows the line that writes the header)."""
+    header = "stacks on demand (SIGUSR1)"
+    return log.rpartition(header)[2] if header in log else ""
+
+
 # ---- stacks on demand, comm.debug, config ---------------------------------------------------
 
 
@@ -150,19 +157,24 @@ def _stack(app: AppProcess, rank: int) -> str:
 def test_sigusr1_writes_every_ranks_stack_and_table_and_the_run_goes_on(
     app_run: Callable[..., AppProcess],
 ) -> None:
-    # Rank 2 is slow (10 s in its own code), not hung: the others wait for it in all_reduce #3.
-    app = app_run("usr1", *HANG, "comm.timeout=60", "+loop.fault=slow", "+loop.max_wait_s=10")
+    # Rank 2 is slow (15 s in its own code), not hung: the others wait for it in all_reduce #3.
+    app = app_run("usr1", *HANG, "comm.timeout=60", "+loop.fault=slow", "+loop.max_wait_s=15")
     app.wait_until_training()
-    app.wait_until("every rank's stack",
-                   lambda: "in _sleep" in _stack(app, 2)
-                   and all("stacks on demand" in app.log(r) for r in range(4)), timeout=60)
+    # A rank's table is its own view: all_reduce #2 stays in flight on a rank until the call has
+    # returned there, which on a loaded machine can be well after rank 2 has gone on to sleep.
+    # So dumps are asked for until every other rank's newest one shows #3 entered.
+    app.wait_until("rank 2 asleep and ranks 0, 1, 3 in all_reduce #3",
+                   lambda: "in _sleep" in _last_dump(_stack(app, 2))
+                   and all("INTRA_NODE: entered #3," in _last_dump(app.log(r))
+                           for r in (0, 1, 3)), timeout=60)
+    dumps = {rank: _last_dump(app.log(rank)) for rank in (0, 1, 3)}
     assert app.wait() == 0, app.describe()
     assert [r["result"] for r in read_result(app.run_dir)["ranks"]] == [{"steps": 5}] * 4
-    for rank in (0, 1, 3):
-        log = app.log(rank)
-        assert f"Python stacks of rank {rank}:" in log and "Thread MainThread" in log, log
+    for rank, dump in dumps.items():
+        assert f"Python stacks of rank {rank}:" in dump and "Thread MainThread" in dump, dump
+        assert "INTRA_NODE: entered #3, completed #2" in dump, dump
         assert re.search(r"all_reduce #3 \(float32\[4\], 16 B, \S+hang_loops.py:\d+\) IN FLIGHT",
-                         log), log
+                         dump), dump
     launcher_log = (app.run_dir.parent / "usr1.stdout").read_text()  # the app's own logger
     assert "SIGUSR1: 4 ranks write their Python stacks" in launcher_log, app.describe()
     app.assert_all_ended()
