@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from app.api import RankEnv
 from app.config import register_configs
 from app.config.help import help_text
+from app.config.provenance import job_choice
 from app.errors import LaunchInterruptedError
 from app.launch import forkserver
 from app.launch.environment import mark_job_start, output_subdir, resolve_rank_env, run_id
@@ -77,6 +78,9 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     # A rank of a joined run other than rank 0 builds no env to learn its spaces: rank 0 probes
     # it once and hands its spaces to every rank (app/launch/rank.py).
     plan, job = validate_job(cfg, probe=not env.joins or env.rank == 0)
+    layout = job_choice("layout")  # which layout, and whose choice it was
+    if layout is not None and env.rank == 0:
+        log.info(layout.line())
     if cfg.plan_only:
         picture = _draw_layout(plan, run_dir, nice=0)  # what the user asked for: not niced
         print(format_plan(plan))  # while the picture is drawn

@@ -24,6 +24,7 @@ def help_text(*, _root_: DictConfig) -> str:
         "",
         "Config groups (group=option; * marks the current choice):",
         *_group_lines(_root_),
+        *_loop_layout_lines(_root_),
         "",
         "Settings (key=value; type, current value, what it does):",
     ]
@@ -50,6 +51,24 @@ def _group_lines(root: DictConfig) -> list[str]:
         name = f"+{group}" if group in OPTIONAL else group
         lines.append(f"  {name + ':':<16}{', '.join(marked)}")
     return lines
+
+
+def _loop_layout_lines(root: DictConfig) -> list[str]:
+    """Each shipped loop's layout when the command line names none (its YAML's defaults)."""
+    from app.config.provenance import choice_for
+
+    layouts = {}
+    for loop in sorted(o for o in _options("loop", root) if not o.endswith("_schema")):
+        choice = choice_for("layout", [f"loop={loop}"])
+        if choice is not None:
+            layouts[loop] = choice
+    if not layouts:
+        return []
+    own = [f"{loop} {c.option}" for loop, c in layouts.items() if c.chosen_by != "app"]
+    app_default = {c.option for c in layouts.values() if c.chosen_by == "app"}
+    rest = f"; the others {', '.join(sorted(app_default))} (the app's default)" if app_default else ""
+    return [f"  (each loop's layout unless layout=... is given: {', '.join(own) or 'none own one'}"
+            f"{rest})"]
 
 
 def _options(group: str, root: DictConfig) -> set[str]:

@@ -65,10 +65,9 @@ class OffPolicyAlgorithm(Algorithm[S]):
         super().__init__(settings, spaces)
         self._replay_settings = replay if replay is not None else ReplaySettings()
         self._replay: Replay | None = None  # built on a trainer's first update
-        self.limiter = RateLimiter(self._replay_settings.samples_per_insert,
-                                   self._replay_settings.tolerance,
-                                   self._replay_settings.min_size,
-                                   self._replay_settings.batch_size)
+        # Built at the first update, when the trainers among which min_size is shared are known
+        # (or handed over by use_replay).
+        self._limiter: RateLimiter | None = None
         # Counters as this attempt's shard started filling: the limiter counts from there.
         self._base_inserts = self._base_samples = 0
         self.learner_steps = 0  # over the run (checkpointed): e.g. for target-network periods
@@ -86,7 +85,24 @@ class OffPolicyAlgorithm(Algorithm[S]):
     def use_replay(self, replay: Replay, limiter: RateLimiter) -> None:
         """Learn from ``replay`` under ``limiter`` instead of a shard of this trainer's own:
         the replay on its own ranks (app/runtime/replay_service.py)."""
-        self._replay, self.limiter = replay, limiter
+        self._replay, self._limiter = replay, limiter
+
+    @property
+    def limiter(self) -> RateLimiter:
+        """The rate limiter of this trainer's shard (after its first update), or the replay
+        ranks' (:meth:`use_replay`)."""
+        if self._limiter is None:
+            raise RuntimeError("the rate limiter is built at the first update")
+        return self._limiter
+
+    def _shard_limiter(self, trainers: int) -> RateLimiter:
+        """The limiter of this trainer's shard, one of ``trainers``: it waits for its share of
+        ``min_size``, the whole run's (``ReplaySettings.shard_min_size``)."""
+        if self._limiter is None:
+            settings = self._replay_settings
+            self._limiter = RateLimiter(settings.samples_per_insert, settings.tolerance,
+                                        settings.shard_min_size(trainers), settings.batch_size)
+        return self._limiter
 
     @property
     def replay(self) -> Replay:
@@ -113,14 +129,15 @@ class OffPolicyAlgorithm(Algorithm[S]):
         for segment in segments:
             replay.insert(segment)
         in_replay = time.perf_counter() - tick
-        allowed = self.limiter.steps_allowed(*self._counts(), replay.size)
+        limiter = self._shard_limiter(_trainers(model))
+        allowed = limiter.steps_allowed(*self._counts(), replay.size)
         steps = agreed_steps(model, allowed)
         # This round's transitions: inserted here, or written by the collectors to the replay
         # ranks (layout.replay), whose counts the allowance just refreshed. The next round
         # brings as many: the collectors wait until the learner has taken the steps that admit
         # them.
         arrived = replay.inserts - before
-        blocking = self.limiter.steps_to_admit(*self._counts(), arrived, steps)
+        blocking = limiter.steps_to_admit(*self._counts(), arrived, steps)
         learner = model if _trainers(model) > 1 else module
         figures: dict[str, float] = {}
         collector_wait_s, learning = 0.0, time.perf_counter()
@@ -246,7 +263,8 @@ class OffPolicyLoop(RLLoop):
         """The runtime's checks, then the replay's (``loop.replay.<field>: ...``) and the
         trainer kind this first cut supports (DDP)."""
         super().validate(plan)
-        errors = self.replay.range_errors(self.hparams.num_steps)
+        shards = len(plan.replay) or len(plan.trainers)
+        errors = self.replay.range_errors(self.hparams.num_steps, shards)
         if errors:
             raise ConfigError(f"loop.{errors[0]}")
         if self.model.kind != "mlp":

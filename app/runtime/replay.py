@@ -46,7 +46,9 @@ class ReplaySettings:
     capacity: int = setting(10_000, "transitions per trainer shard, or per replay rank "
                             "(layout.replay); the oldest go first (FIFO)")
     batch_size: int = setting(128, "transitions per learner step")
-    min_size: int = setting(1_000, "transitions in the shard before the learner starts")
+    min_size: int = setting(1_000, "transitions of the whole run (every shard together, as "
+                            "CleanRL's learning_starts) before the learner starts; each of "
+                            "the run's shards waits for its share")
     samples_per_insert: float = setting(
         8.0, "sampled transitions per inserted transition (> 0), held by the rate limiter")
     tolerance: float = setting(
@@ -57,9 +59,16 @@ class ReplaySettings:
     priority_exponent: float = setting(0.6, "alpha of prioritized replay, in [0, 1]")
     importance_exponent: float = setting(0.4, "beta of the importance weights, in [0, 1]")
 
-    def range_errors(self, segment_steps: int) -> list[str]:
+    def shard_min_size(self, shards: int) -> int:
+        """Transitions one of ``shards`` shards holds before its learner steps: its share of
+        ``min_size``, rounded up (the shards fill alike: each trainer's, or each replay rank's)."""
+        return -(-self.min_size // max(shards, 1))
+
+    def range_errors(self, segment_steps: int, shards: int = 1) -> list[str]:
         """Out-of-range settings as ``replay.<field>: must be ..., got value`` (empty when all
-        fit); ``segment_steps``: the steps per env of one segment (``hparams.num_steps``)."""
+        fit); ``segment_steps``: the steps per env of one segment (``hparams.num_steps``);
+        ``shards``: the run's replay shards (trainers, or replay ranks), among which
+        ``min_size`` is shared."""
         checks = [
             ("capacity", self.capacity >= 1, "a positive integer"),
             ("batch_size", self.batch_size >= 1, "a positive integer"),
@@ -78,9 +87,10 @@ class ReplaySettings:
         if self.capacity < self.batch_size:
             errors.append(f"replay.capacity: must be at least batch_size ({self.batch_size}), "
                           f"got {self.capacity}")
-        if self.capacity < self.min_size:
-            errors.append(f"replay.min_size: must be at most capacity ({self.capacity}), "
-                          f"got {self.min_size}")
+        if self.capacity < self.shard_min_size(shards):
+            held = f"{shards} shards x capacity" if shards > 1 else "capacity"
+            errors.append(f"replay.min_size: must be at most {held} "
+                          f"({shards * self.capacity}), got {self.min_size}")
         least = (self.batch_size + self.samples_per_insert) / 2
         if self.tolerance < least:
             errors.append(f"replay.tolerance: must be at least (batch_size + samples_per_insert)"

@@ -155,7 +155,8 @@ class ReplayServer:
         self.replay = Replay(dataclasses.replace(settings, batch_size=self.share), records, gamma)
         # A learner step is every trainer's share of a batch.
         self.limiter = RateLimiter(settings.samples_per_insert, settings.tolerance,
-                                   settings.min_size, len(plan.trainers) * self.share)
+                                   settings.shard_min_size(len(plan.replay)),
+                                   len(plan.trainers) * self.share)
         self.segment_format = insert_format(segment_format)
         self.batch_format = batch_format(segment_format, list(records), self.share)
         self.waiting = set(plan.trainers).union(writers_of(plan, rank))
@@ -336,14 +337,16 @@ class RemoteReplay(Replay):
 
 class RemoteLimiter(RateLimiter):
     """The rate limiter as the replay ranks apply it (:meth:`RemoteReplay.allowance`). Its
-    ``min_size`` and ``tolerance`` are all replay ranks' together and a learner step is every
-    trainer's batch, as the replay ranks' totals count them: for the ratio a trainer records
-    and the learner steps the collectors' next inserts wait for (``collector_wait_s``)."""
+    ``min_size`` (every replay rank's share, summed) and ``tolerance`` are all replay ranks'
+    together and a learner step is every trainer's batch, as the replay ranks' totals count
+    them: for the ratio a trainer records and the learner steps the collectors' next inserts
+    wait for (``collector_wait_s``)."""
 
     def __init__(self, remote: RemoteReplay, settings: ReplaySettings, trainers: int) -> None:
         replays = len(remote.servers)
         super().__init__(settings.samples_per_insert, settings.tolerance * replays,
-                         settings.min_size * replays, settings.batch_size * trainers)
+                         settings.shard_min_size(replays) * replays,
+                         settings.batch_size * trainers)
         self.remote = remote
 
     def steps_allowed(self, inserts: int, samples: int, size: int) -> int:

@@ -1,6 +1,7 @@
-"""``python -m app loop=dqn`` as a user runs it: DQN solves CartPole-v1 on one rank with the
-replay's columns in metrics.csv, runs on the default layout (trainers and rollout ranks) and ends
-cleanly, a resumed run keeps the replay's counters and refills it before learning, and bad
+"""``python -m app loop=dqn`` as a user runs it: DQN solves CartPole-v1 on its own layout (one
+rank) with the replay's columns in metrics.csv, runs on 2t2r (trainers and rollout ranks) and ends
+cleanly, learning starts once the whole run holds ``min_size`` transitions on one trainer and on
+two, a resumed run keeps the replay's counters and refills it before learning, and bad
 replay settings or a continuous env are one line and exit 2 before any rank
 starts (docs/off-policy.md)."""
 
@@ -22,9 +23,12 @@ pytestmark = pytest.mark.e2e
 QUIET = ("loop.progress=false", "loop.checkpoint_every=0")
 
 
-def test_dqn_solves_cartpole_on_one_rank_and_records_the_replay(tmp_path: Path) -> None:
-    proc = run_app("loop=dqn", "layout=single", "seed=1", *QUIET, f"hydra.run.dir={tmp_path}")
+def test_dqn_solves_cartpole_on_its_own_layout_and_records_the_replay(tmp_path: Path) -> None:
+    # No layout given: loop=dqn's own, one rank that learns and collects.
+    proc = run_app("loop=dqn", "seed=1", *QUIET, f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, describe(proc)
+    assert "layout: single (loop=dqn's default; layout=... to choose another)" in (
+        proc.stdout + proc.stderr), describe(proc)
     result = read_result(tmp_path)
     rank = result["ranks"][0]["result"]
     assert rank["reached_target"], (rank["mean_return_last_window"], rank["env_steps"])
@@ -55,10 +59,11 @@ def test_the_progress_line_shows_the_replay(tmp_path: Path) -> None:
     assert "replay 2,048 at " in last and " samples/insert, " in last, last
 
 
-def test_dqn_on_the_default_layout_learns_from_rollout_ranks_and_ends(tmp_path: Path) -> None:
-    proc = run_app("loop=dqn", "seed=1", *QUIET, "loop.total_env_steps=6144",
+def test_dqn_on_2t2r_learns_from_rollout_ranks_and_ends(tmp_path: Path) -> None:
+    proc = run_app("loop=dqn", "layout=2t2r", "seed=1", *QUIET, "loop.total_env_steps=6144",
                    "loop.replay.min_size=512", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, describe(proc)
+    assert "layout: 2t2r (layout=2t2r on the command line)" in proc.stdout + proc.stderr
     result = read_result(tmp_path)
     assert sorted(r["role"] for r in result["ranks"]) == ["rollout", "rollout", "trainer",
                                                           "trainer"]
@@ -72,6 +77,23 @@ def test_dqn_on_the_default_layout_learns_from_rollout_ranks_and_ends(tmp_path: 
     # same weights to their rollouts.
     trainers = [r["result"] for r in result["ranks"] if r["role"] == "trainer"]
     assert trainers[0]["param_checksum"] == pytest.approx(trainers[1]["param_checksum"])
+
+
+@pytest.mark.parametrize("layout", ["single", "2t2r"])
+def test_learning_starts_once_the_whole_run_has_collected_min_size_transitions(
+        layout: str, tmp_path: Path) -> None:
+    """``loop.replay.min_size`` is the whole run's, as CleanRL's ``learning_starts``: moving from
+    one trainer to two does not make the learner start later."""
+    min_size = 512
+    proc = run_app("loop=dqn", f"layout={layout}", "seed=1", *QUIET, "loop.total_env_steps=1536",
+                   f"loop.replay.min_size={min_size}", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, describe(proc)
+    rows = metrics(tmp_path)
+    first = next(i for i, r in enumerate(rows) if r["learner_steps"] > 0)
+    per_update = rows[0]["env_steps"]  # every collector's segment: 128 per collector
+    assert rows[first]["env_steps"] >= min_size, rows[first]
+    assert rows[first]["env_steps"] < min_size + per_update, (rows[first], per_update)
+    assert all(r["learner_steps"] == 0 for r in rows[:first])
 
 
 def test_a_resumed_run_keeps_the_replay_counters_and_refills_before_learning(

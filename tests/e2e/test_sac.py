@@ -1,5 +1,5 @@
 """``python -m app loop=sac`` as a user runs it: SAC learns Pendulum-v1 on one rank within a
-short budget, runs on the default layout (two DDP trainers, rollout ranks) and ends, and SAC on
+short budget, runs on 2t2r (two DDP trainers, rollout ranks) and ends, and SAC on
 a discrete env is one line and exit 2 before any rank starts (docs/off-policy.md)."""
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def test_sac_learns_pendulum_on_one_rank(tmp_path: Path) -> None:
     assert actions.shape == (7, 1) and bool((actions.abs() <= 2.0).all())  # Pendulum's Box
 
 
-def test_sac_on_the_default_layout_runs_two_trainers_and_ends(tmp_path: Path) -> None:
-    proc = run_app("loop=sac", "seed=1", *QUIET, *SMALL, "loop.replay.min_size=256",
+def test_sac_on_2t2r_runs_two_trainers_and_ends(tmp_path: Path) -> None:
+    proc = run_app("loop=sac", "layout=2t2r", "seed=1", *QUIET, *SMALL, "loop.replay.min_size=256",
                    "loop.total_env_steps=1536", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, describe(proc)
     ranks = read_result(tmp_path)["ranks"]

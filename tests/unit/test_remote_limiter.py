@@ -22,14 +22,15 @@ def test_the_steps_that_admit_inserts_are_each_replay_ranks(replays: int, traine
     settings = ReplaySettings(batch_size=48, min_size=96, samples_per_insert=8.0, tolerance=64.0)
     share = batch_shares(settings.batch_size, replays)[0]
     # Each replay rank's limiter, as ReplayServer builds it: a step is every trainer's share.
-    server = RateLimiter(settings.samples_per_insert, settings.tolerance, settings.min_size,
-                         trainers * share)
+    # Its share of min_size, which is the whole run's.
+    server = RateLimiter(settings.samples_per_insert, settings.tolerance,
+                         settings.shard_min_size(replays), trainers * share)
     # The limiter needs only which replay ranks there are of its remote replay.
     remote: Any = SimpleNamespace(servers=list(range(replays)))
     limiter = RemoteLimiter(remote, settings, trainers)
     assert settings.batch_size % replays == 0  # even shares: every rank counts alike
     compared = 0
-    for inserts, samples, count in itertools.product(range(96, 800, 37), range(0, 6000, 251),
+    for inserts, samples, count in itertools.product(range(settings.shard_min_size(replays), 800, 37), range(0, 6000, 251),
                                                      (16, 64)):
         # The collectors' inserts spread evenly over the replay ranks, the batches too.
         want = server.steps_to_admit(inserts, samples, count, 1_000)
