@@ -193,6 +193,21 @@ def _hydra_config_loader() -> None:
     assert callable(Singleton.get_state)
 
 
+def _hydra_defaults_provenance() -> None:
+    from hydra._internal.defaults_list import DefaultsList, Overrides
+    from hydra.core.config_loader import ConfigLoader
+    from hydra.core.default_element import ResultDefault
+
+    params = list(inspect.signature(ConfigLoader.compute_defaults_list).parameters)
+    assert params == ["self", "config_name", "overrides", "run_mode"], params
+    assert {"defaults", "overrides"} <= set(DefaultsList.__dataclass_fields__)
+    assert {"override_choices", "override_metadata"} <= set(Overrides.__annotations__)
+    source = inspect.getsource(Overrides)
+    assert "OverrideMetadata(external_override=True)" in source
+    assert "containing_config_path=parent_config_path" in source
+    assert {"config_path", "parent"} <= set(ResultDefault.__dataclass_fields__)
+
+
 def _basic_launcher() -> None:
     from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 
@@ -220,6 +235,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("BaseSubmititLauncher.launch (its body)", "app/launch/slurm.py: RlcommLauncher.launch mirrors it", _submitit_launch_body),
     ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/launch/slurm.py: waiting for and reading task results", _submitit_job_internals),
     ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/launch/sweep_jobs.py, app/config/help.py", _hydra_config_loader),
+    ("Hydra ConfigLoader.compute_defaults_list: DefaultsList.overrides.override_metadata", "app/config/provenance.py: whose choice a layout was", _hydra_defaults_provenance),
     ("hydra._internal.core_plugins.basic_launcher.BasicLauncher (launch, setup)", "app/launch/sweep_jobs.py: CheckedBasicLauncher", _basic_launcher),
     ("torch elastic _get_fq_hostname (api, LocalElasticAgent)", "app/launch/private.py: name_agent_host", _elastic_hostname),
     ("torch elastic's log texts (restart notice, worker failed)", "app/launch/private.py: AgentRestartNotice, NoWorkerTraceback", _elastic_log_texts),
