@@ -78,14 +78,16 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     # A rank of a joined run other than rank 0 builds no env to learn its spaces: rank 0 probes
     # it once and hands its spaces to every rank (app/launch/rank.py).
     plan, job = validate_job(cfg, probe=not env.joins or env.rank == 0)
-    layout = job_choice("layout")  # which layout, and whose choice it was
-    if layout is not None and env.rank == 0:
-        log.info(layout.line())
+    layout = job_choice("layout") if env.rank == 0 else None  # which, and whose choice
     if cfg.plan_only:
         picture = _draw_layout(plan, run_dir, nice=0)  # what the user asked for: not niced
         print(format_plan(plan))  # while the picture is drawn
+        if layout is not None:
+            print(layout.line())
         print(f"layout picture: {picture.wait() if picture else write_layout_files(plan, run_dir)}")
         return None
+    if layout is not None:
+        log.info(layout.line())
     if env.note and env.rank == 0:
         log.warning(env.note)
     if env.joins:

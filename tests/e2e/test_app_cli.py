@@ -314,6 +314,8 @@ def test_a_65536_rank_layout_is_one_command_line(tmp_path: Path) -> None:
     assert out.startswith("world_size=65536 nodes=1 ranks_per_node=65536 |")
     assert "WEIGHT_TRANSFER: 1 group(s)" in out and "... 65472 more ranks" in out
     assert [line.split()[2] for line in out.splitlines()[3:5]] == ["trainer", "rollout"]
+    # Under the table: the layout, and whose choice it was (fields overridden on top of it).
+    assert "\nlayout: 2t2r (the app's default; layout=... to choose another)\n" in out, out[-500:]
     assert (tmp_path / "layout.png").is_file() and not (tmp_path / "logs").exists()
 
 
