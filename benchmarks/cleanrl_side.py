@@ -311,14 +311,14 @@ def plot(pairs: Sequence[tuple[Side, Side]], last: int, path: Path, by_steps: bo
                                   squeeze=False)
     axes = list(panels[0])
     axis_of = {0: axes[0], 1: axes[-1]} if by_steps else {1: axes[0]}  # point index -> axes
-    for cleanrl, ours in pairs:
+    for number, (cleanrl, ours) in enumerate(pairs):  # a colour per seed, a style per side
         for side, points, style in ((cleanrl, window_means(cleanrl.episodes, last), "--"),
                                     (ours, ours.episodes, "-")):
             if points:
                 label = f"{side.name} seed {side.seed}"
                 for index, drawn in axis_of.items():
                     drawn.plot([p[index] for p in points], [p[2] for p in points], style,
-                               label=label)
+                               color=f"C{number % 10}", label=label)
     for index, drawn in axis_of.items():
         drawn.set_xlabel("env steps" if index == 0 else "wall time since launch (s)")
         drawn.set_ylabel(f"mean return, last {last} episodes")
