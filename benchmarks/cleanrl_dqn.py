@@ -61,7 +61,7 @@ class TargetSide(Side):
     target_s: float | None = None  # from launch
     target_steps: int | None = None
     loop_target_s: float | None = None  # ours: the run's own figure, from the loop's start
-    stopped: str = ""  # why CleanRL's run was ended before its budget
+    stopped: str = ""  # CleanRL: that it was terminated at the target, before its budget
 
 
 def first_reach(episodes: list[Episode], target: float, window: int) -> Episode | None:
@@ -102,18 +102,16 @@ def run_cleanrl(args: argparse.Namespace, seed: int, out: Path) -> TargetSide:
     if hit is not None:
         side.target_steps, side.target_s = int(hit[0]), round(hit[1], 2)
         side.env_steps = side.target_steps
-    if run.stopped_at is not None:
-        side.stopped = f"terminated at the target, {run.stopped_at:.2f} s after launch"
-    elif run.timed_out:
-        side.stopped = f"terminated after --max-seconds {args.max_seconds:g}"
-    if hit is not None:
+        if run.stopped_at is not None:  # else it ended by itself at that line
+            side.stopped = f"terminated at the target, {run.stopped_at:.2f} s after launch"
         return side
     if not side.episodes:
         side.problem = ("it printed no episodic returns: run it with CleanRL's own requirements "
                         "(gymnasium 0.29), --cleanrl-python")
     elif run.timed_out:
         side.problem = (f"the mean of its last {WINDOW} returns did not reach {TARGET:g} "
-                        f"within {args.max_seconds:g} s (--max-seconds)")
+                        f"within {args.max_seconds:g} s (--max-seconds): "
+                        f"{num(side.final_return, 1)} at {num(side.episodes[-1][0])} env steps")
     else:
         side.problem = (f"it ended (exit code {run.returncode}) before the mean reached "
                         f"{TARGET:g}: {run.tail()}")

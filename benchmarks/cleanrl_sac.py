@@ -35,6 +35,10 @@ against wall time, both sides, one line per seed).
 ``--learning-starts L`` passes CleanRL's ``--learning-starts L`` and our
 ``loop.replay.min_size=L``, for a smoke at a small budget (e.g. ``--steps 2000
 --learning-starts 500``).
+
+What it shares with ``benchmarks.cleanrl_dqn`` (running CleanRL's script, reading its returns,
+our run and its curve, the common options, the results and the picture) is in
+``cleanrl_side.py``.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from .cleanrl_side import (
     tensorboard_episodes,
 )
 
-# What the tests and other modules read from here (they live in cleanrl_side.py now).
+# Read from here by name; the side, the returns and the curves live in cleanrl_side.py.
 __all__ = ["Side", "curve_from_metrics", "main", "mean_last", "parse_args", "parse_episodes",
            "run_cleanrl", "run_ours", "table", "tensorboard_episodes"]
 
