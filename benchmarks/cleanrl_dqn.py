@@ -48,6 +48,7 @@ from typing import Any
 from . import cleanrl_side
 from .cleanrl_side import Episode, Side, num, ratio
 
+NAME = "cleanrl-dqn"  # outputs/bench/NAME-<timestamp>/
 ENV_ID = "CartPole-v1"
 TARGET, WINDOW = 475.0, 20  # CartPole-v1's reward threshold; the app's loop.window
 MAX_SECONDS = 300.0
@@ -180,7 +181,7 @@ def table(pairs: list[tuple[TargetSide, TargetSide]]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cleanrl_dqn",
                                      description=__doc__.split("\n\n")[0])
-    cleanrl_side.add_common_arguments(parser, "cleanrl/dqn.py", seeds="1,2,3",
+    cleanrl_side.add_common_arguments(parser, NAME, "cleanrl/dqn.py", seeds="1,2,3",
                                       layout="the app's default")
     parser.add_argument("--max-seconds", type=float, default=MAX_SECONDS, metavar="N",
                         help="CleanRL is terminated after N seconds if it has not reached the "
@@ -196,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = cleanrl_side.output_dir(args.out, "cleanrl-dqn")
+    out = cleanrl_side.output_dir(args.out, NAME)
     pairs = []
     for seed in args.seeds:
         print(f"seed {seed}: CleanRL dqn.py {ENV_ID}, to a mean of {TARGET:g} over {WINDOW} "

@@ -63,6 +63,7 @@ __all__ = ["Side", "curve_from_metrics", "main", "mean_last", "parse_args", "par
 
 # Our experiment -> the id CleanRL's script runs under gymnasium 0.29 (which has no v5).
 CLEANRL_ENV = {"hopper_sac": "Hopper-v4", "halfcheetah_sac": "HalfCheetah-v4"}
+NAME = "cleanrl-sac"  # outputs/bench/NAME-<timestamp>/
 QUIET = ("loop.progress=false", "loop.checkpoint_every=0")
 
 
@@ -129,7 +130,7 @@ def table(pairs: list[tuple[Side, Side]], last: int) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cleanrl_sac",
                                      description=__doc__.split("\n\n")[0])
-    cleanrl_side.add_common_arguments(parser, "cleanrl/sac_continuous_action.py", seeds="1",
+    cleanrl_side.add_common_arguments(parser, NAME, "cleanrl/sac_continuous_action.py", seeds="1",
                                       layout="the app's default, 2t2r")
     parser.add_argument("--steps", type=int, default=300_000, help="env steps per run")
     parser.add_argument("--experiment", default="hopper_sac", choices=sorted(CLEANRL_ENV))
@@ -153,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = cleanrl_side.output_dir(args.out, "cleanrl-sac")
+    out = cleanrl_side.output_dir(args.out, NAME)
     pairs = []
     for seed in args.seeds:
         print(f"seed {seed}: CleanRL {args.env_id}, {args.steps:,} env steps ...", flush=True)

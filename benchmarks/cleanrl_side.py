@@ -254,9 +254,10 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs if ours is not None and theirs else None
 
 
-def add_common_arguments(parser: argparse.ArgumentParser, script: str, seeds: str,
+def add_common_arguments(parser: argparse.ArgumentParser, name: str, script: str, seeds: str,
                          layout: str) -> None:
-    """The options every CleanRL comparison has: ``script`` names CleanRL's file."""
+    """The options every CleanRL comparison has: ``name`` is its results' folder's prefix,
+    ``script`` CleanRL's file."""
     parser.add_argument("--cleanrl-script", type=Path, required=True, metavar="PATH",
                         help=f"{script} in your CleanRL checkout")
     parser.add_argument("--cleanrl-python", default=sys.executable, metavar="PYTHON",
@@ -265,7 +266,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, script: str, seeds: st
     parser.add_argument("--layout", help=f"our layout (default: {layout})")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="where the runs and results go "
-                        "(default: outputs/bench/<name>-<timestamp>)")
+                        f"(default: outputs/bench/{name}-<timestamp>)")
 
 
 def check_common_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
