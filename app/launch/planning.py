@@ -12,10 +12,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from app.config import loop_schema
+from app.config import build_loop, loop_schema
 from app.config.schema import AppConfig
 from app.errors import ConfigError
-from app.sweep.metrics import check_metric_name
+from app.metrics import check_metric_name
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
 from rlcomm.diagnostics.watchdog import timeout_problem
 
@@ -133,14 +133,6 @@ def _backend(cfg: DictConfig) -> str:
         return resolve_backend(name)
     except Exception:  # a backend that cannot be had fails with its own error at init
         return name
-
-
-def build_loop(loop: DictConfig) -> Any:
-    """The loop object: ``instantiate(loop)``, its nested settings passed as they are (not
-    instantiated: ``loop.env._target_`` names an env factory, which the loop calls itself)."""
-    from hydra.utils import instantiate
-
-    return instantiate(loop, _convert_="object", _recursive_=False)
 
 
 def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int, probe: bool = True) -> Any:

@@ -225,7 +225,7 @@ def _summary(
         "status": "ok",
         "world_size": plan.world_size,
         "loop": loop_name(loop),
-        # The figures a sweep compares (app/sweep/metrics.py): the loop's, as rank 0 reports them.
+        # The figures a sweep compares (app/metrics.py): the loop's, as rank 0 reports them.
         "metrics": {
             **((result.get("metrics") or {}) if isinstance(result, dict) else {}),
             **startup,
