@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from app.api import Direction, LoopMetrics
+from app.api import Direction, LoopHooks, LoopMetrics
 from app.errors import ConfigError
 
 APP_METRICS = LoopMetrics(
@@ -35,8 +35,7 @@ def declared_metrics(loop_target: str | None) -> LoopMetrics | None:
         loop = getattr(importlib.import_module(module_name), attr)
     except Exception:  # a plugin's own import error is the loop's to report, not the sweep's
         return None
-    declared = getattr(loop, "metrics", None)
-    return declared if isinstance(declared, LoopMetrics) else LoopMetrics({})
+    return LoopHooks(loop).metrics
 
 
 def known_metrics(*loop_targets: str | None) -> dict[str, Direction]:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from app.api import JobInfo, Loop, RankEnv
+from app.api import JobInfo, Loop, LoopHooks, RankEnv
 from app.config.schema import AppConfig
 from app.errors import naming
 from app.launch.environment import job_start_time, resolve_rank_env
@@ -219,7 +219,6 @@ def _summary(
     reports: list[dict[str, Any]], startup: dict[str, float],
 ) -> dict[str, Any]:
     """Rank 0's ``result.json``: the loop's figures, every rank's report, the timeline."""
-    loop_summary = getattr(loop, "summary", None)  # a loop may add its own figures and files
     wall_s = time.time() - job_start_time()
     summary = {
         "status": "ok",
@@ -237,7 +236,7 @@ def _summary(
             restarts=env.restart_count,
             wall_s=wall_s,
             run_dir=run_dir,
-            loop_summary=loop_summary(result, run_dir) if callable(loop_summary) else None,
+            loop_summary=LoopHooks(loop).summary(result, run_dir),  # the loop's figures and files
         ),
         "ranks": reports,
     }
