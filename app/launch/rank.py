@@ -124,7 +124,8 @@ def _init(cfg: AppConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
     ctx.init_distributed_env(
         backend=cfg.comm.backend,
         dist_url=cfg.comm.init_method,
-        # Seconds, fractions kept: the seed's signature says int, timedelta takes a float.
+        # Seconds, fractions kept: init_distributed_env keeps the int annotation of CommContext's
+        # published API (tests/unit/test_names.py), and the timedelta it builds takes a float.
         timeout=cfg.comm.timeout,  # type: ignore[arg-type]
         hang_timeout=cfg.comm.hang_timeout,
         debug=cfg.comm.debug,
