@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import random
-import re
 import signal
 import socket
 import time
@@ -33,6 +32,7 @@ from app.output.summary import run_summary
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.elastic import MembersLostError, mark_running
 from rlcomm.errors import PeerLostError
+from rlcomm.net.gloo_words import gist
 from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def _raise_if_hosts_lost(ctx: CommContext, hosts: Hosts, rank: int, err: Excepti
         return
     announce_lost(ctx, hosts, lost)
     raise PeerLostError(
-        f"rank {rank} on {hosts.names[rank]}: lost {hosts.describe(lost)}: {_gist(err)}"
+        f"rank {rank} on {hosts.names[rank]}: lost {hosts.describe(lost)}: {gist(err)}"
     ) from err
 
 
@@ -321,12 +321,6 @@ def _write_result(path: Path, text: str) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-
-
-def _gist(err: BaseException) -> str:
-    """The first sentence of a backend error, without gloo's source location prefix."""
-    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", str(err).strip().splitlines()[0])
-    return text.split(". ")[0]
 
 
 def loop_name(loop: Loop) -> str:

@@ -11,7 +11,7 @@ multiprocessing's Process objects of the launcher (``multiprocessing.process._ch
 app/launch/failures.py: DeathWatch watches its ranks), the forkserver's preload
 (app/launch/forkserver.py), the exit handlers ``python -m app`` runs before it ends
 (``atexit._run_exitfuncs``), and gloo's wording of a peer that left or fell silent, which the
-code matches on (rlcomm/net/hosts.py, app/launch/failures.py, app/launch/rank.py).
+code matches on (rlcomm/net/gloo_words.py).
 
 Replaced by public equivalents (so not listed): rendezvous_handler_registry._registry (register()
 is idempotent for the same creator), torch.distributed.elastic.multiprocessing.api.SignalException
