@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_process_start_is_read_to_the_kernels_tick() -> None:
-    # compose_validate_s starts here: a whole second's error once came from /proc/stat's btime.
+    # compose_validate_s starts here: read to the tick, not to /proc/stat's whole-second btime.
     before = time.time()
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     after = time.time()
