@@ -32,12 +32,12 @@ from app.config import register_configs
 from app.config.help import help_text
 from app.config.provenance import job_choice
 from app.errors import LaunchInterruptedError
+from app.hydra.submitit import register_launcher_configs
 from app.launch import forkserver
 from app.launch.environment import mark_job_start, output_subdir, resolve_rank_env, run_id
 from app.launch.failures import recording_failures, write_errors_named
 from app.launch.launcher import launcher_for
 from app.launch.planning import check_restarts, check_world_size, validate_job
-from app.launch.slurm import register_launcher_configs
 from app.output import timeline
 from app.output.layout_picture import (
     describe_layout,

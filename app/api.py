@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from types import MethodType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from omegaconf import MISSING
 
@@ -129,12 +130,99 @@ class Loop(Protocol):
     """A training loop: ``loop(ctx, job) -> dict`` (JSON-serialisable), called on every rank.
 
     Build one with ``loop._target_=mypkg.MyLoop`` plus its constructor arguments; it receives the
-    registry explicitly and must not reach for ``CommContext()`` itself. Optionally, a method
-    ``summary(result, run_dir) -> dict`` adds figures (and ``files``: name -> path) to the
-    closing summary, from rank 0's result; the result's ``metrics`` (name -> number or None)
-    are what a sweep compares jobs by, declared on the class as ``metrics`` (:class:`LoopMetrics`).
+    registry explicitly and must not reach for ``CommContext()`` itself.
+
+    Besides ``__call__`` the app asks a loop for the members below, each with its default here.
+    A loop defines the ones it changes and need subclass nothing: the app reads every one
+    through :class:`LoopHooks`, which answers with this default where the loop has no member of
+    that name (a class that subclasses ``Loop`` inherits the same defaults).
     """
+
+    #: The figures its result's ``metrics`` mapping reports, and which way each is better (what
+    #: a sweep ranks by); declared on the class. Default: none (the app's own still count).
+    metrics: ClassVar[LoopMetrics] = LoopMetrics({})
+    #: Whether its rollout ranks may be elastic (``layout.elastic_rollouts``): only a loop that
+    #: follows membership may say True, or its collectives would wait for a lost rank forever.
+    elastic_rollouts: ClassVar[bool] = False
+    #: Whether ``layout.replay`` may hold its replay: True (it learns from one), False (it does
+    #: not: replay ranks are refused), or None (the default: replay ranks are ranks like others).
+    replay_ranks_supported: ClassVar[bool | None] = None
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]: ...
 
+    def validate(self, plan: LayoutPlan) -> None:
+        """Every check of the settings against ``plan`` before any rank starts, building what
+        it must (an env to probe its spaces); raises :class:`ConfigError`. Default: none."""
+        return None
 
+    def validate_settings(self, plan: LayoutPlan) -> None:
+        """The checks of :meth:`validate` that build nothing: the only ones run where another
+        process builds (ranks other than rank 0 of a joined run, a SLURM sweep's submitting
+        host). Default: the whole :meth:`validate`."""
+        LoopHooks(self).validate(plan)
+
+    def check_seed(self, seed: int, plan: LayoutPlan) -> None:
+        """Checks the top-level ``seed`` against the seeds its ranks derive from it; raises
+        :class:`ConfigError`. Default: none."""
+        return None
+
+    def summary(self, result: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+        """Figures (and ``files``: name -> path) for the closing summary, from rank 0's
+        ``result``. Default: None, nothing added."""
+        return None
+
+
+_ABSENT = object()
+
+
+class LoopHooks:
+    """What the app asks a loop besides running it: the loop's own member where it has one,
+    else :class:`Loop`'s default. The one place the app reads a loop's hooks, so that a loop
+    need not subclass anything. ``loop``: a built loop, or a loop class (for ``metrics``).
+
+    >>> class Count:
+    ...     def __call__(self, ctx, job): return {}
+    >>> hooks = LoopHooks(Count())
+    >>> hooks.elastic_rollouts, hooks.replay_ranks_supported, hooks.metrics.directions
+    (False, None, {})
+    """
+
+    def __init__(self, loop: object) -> None:
+        self.loop = loop
+
+    def _value(self, name: str) -> Any:
+        own = getattr(self.loop, name, _ABSENT)
+        return vars(Loop)[name] if own is _ABSENT else own
+
+    def _method(self, name: str) -> Any:
+        own = getattr(self.loop, name, None)
+        if callable(own):
+            return own
+        return MethodType(vars(Loop)[name], self.loop)  # a setting of that name is no hook
+
+    @property
+    def metrics(self) -> LoopMetrics:
+        declared = self._value("metrics")
+        return declared if isinstance(declared, LoopMetrics) else LoopMetrics({})
+
+    @property
+    def elastic_rollouts(self) -> bool:
+        return bool(self._value("elastic_rollouts"))
+
+    @property
+    def replay_ranks_supported(self) -> bool | None:
+        supported = self._value("replay_ranks_supported")
+        return None if supported is None else bool(supported)
+
+    def validate(self, plan: LayoutPlan) -> None:
+        self._method("validate")(plan)
+
+    def validate_settings(self, plan: LayoutPlan) -> None:
+        self._method("validate_settings")(plan)
+
+    def check_seed(self, seed: int, plan: LayoutPlan) -> None:
+        self._method("check_seed")(seed, plan)
+
+    def summary(self, result: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
+        figures: dict[str, Any] | None = self._method("summary")(result, run_dir)
+        return figures

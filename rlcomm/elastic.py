@@ -33,6 +33,7 @@ import torch
 from torch import distributed as dist
 
 from rlcomm.errors import RlcommError
+from rlcomm.net.gloo_words import describe_loss
 
 SEGMENT_TAG = 1  # point-to-point tag of member -> leader data (weights use rlcomm.weights' own)
 
@@ -259,12 +260,3 @@ def drain(group: dist.ProcessGroup, positions: list[int], nbytes: int, count: in
                 break
 
 
-def describe_loss(err: BaseException) -> str:
-    """Why a member's transfer failed, in a few words (gloo's message without its location)."""
-    text = str(err)
-    if "Connection closed" in text or "Connection reset" in text or "Broken pipe" in text:
-        return "connection closed"
-    if "Timed out" in text or "timed out" in text:
-        return "timed out"  # the group's timeout: patience_s
-    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    return first.split("] ", 1)[-1][:160]

@@ -1,7 +1,7 @@
 """Structured config: the schemas, their ConfigStore entries and ``--help``."""
 
 from app.api import setting
-from app.config.registry import loop_schema, register_configs, register_loop
+from app.config.registry import build_loop, loop_schema, register_configs, register_loop
 from app.config.schema import AppConfig, CommConfig, LauncherConfig, LayoutConfig, SweepConfig
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "LauncherConfig",
     "LayoutConfig",
     "SweepConfig",
+    "build_loop",
     "loop_schema",
     "register_configs",
     "register_loop",

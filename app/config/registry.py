@@ -49,6 +49,16 @@ def loop_schema(loop_cls: type) -> type:
     return dataclasses.make_dataclass(f"{loop_cls.__name__}Config", specs)
 
 
+def build_loop(loop: Any) -> Any:
+    """The loop object a ``loop`` config node (a DictConfig) describes: ``instantiate(loop)``, its
+    nested settings passed as they are (not instantiated: ``loop.env._target_`` names an env
+    factory, which the loop calls itself). Validation builds it before launch
+    (app/launch/planning.py), ``python -m app.evaluate`` from a run's saved config."""
+    from hydra.utils import instantiate
+
+    return instantiate(loop, _convert_="object", _recursive_=False)
+
+
 def register_loop(name: str, loop_cls: type) -> None:
     """Make ``loop/<name>_schema`` the typed schema of ``loop_cls`` (a loop YAML file lists it in
     its defaults, as ``conf/loop/ppo.yaml`` does)."""

@@ -23,8 +23,8 @@ import torch
 from omegaconf import OmegaConf
 
 from app.api import ConfigError
+from app.config import build_loop
 from app.evaluate.export import export_policy
-from app.launch.planning import build_loop
 from app.runtime.algorithm import Spaces
 from app.runtime.checkpoints import load_policy_state, newest_valid_checkpoint
 from app.runtime.envs import EnvError, probe_spaces

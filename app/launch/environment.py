@@ -65,7 +65,7 @@ _PROCESS_START = time.time()  # roughly this process's start: the app imports th
 
 # Every variable through which a launcher describes a rank: tests and benchmarks scrub these to
 # start the app as from a fresh shell. (The SLURM launcher strips only rlcomm.net.env's
-# RANK_VARIABLES from the jobs it submits: see app/launch/slurm.py.)
+# RANK_VARIABLES from the jobs it submits: see app/hydra/submitit.py.)
 LAUNCHER_VARIABLES = (
     *RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", RUN_ID_VARIABLE, JOB_START_VARIABLE,
     TIMELINE_VARIABLE, FORKSERVER_VARIABLE, PICTURES_VARIABLE, GLOO_SOCKET_IFNAME,

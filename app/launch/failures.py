@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 from app.errors import WRITE_ERRORS, WriteError
 from app.launch.private import open_files, started_processes
 from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError
+from rlcomm.net.gloo_words import says_peer_lost
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -41,10 +42,6 @@ if TYPE_CHECKING:
 #   nothing else is;
 # - "error": this rank's own error.
 Kind = Literal["diagnosis", "peer_lost", "error"]
-
-# gloo's words for a peer whose connection went away (pinned in
-# tests/integration/test_local_launcher_private_apis.py).
-GLOO_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker")
 
 # Room kept on disk for each rank's record from the start, so that a full disk cannot keep the
 # record from being written: a longer message is cut to fit.
@@ -125,7 +122,7 @@ def _reserve_path(log_dir: Path, rank: int) -> Path:
 def classify(err: BaseException) -> Kind:
     if isinstance(err, (HangError, CollectiveMismatchError)):
         return "diagnosis"
-    if isinstance(err, PeerLostError) or any(w in str(err) for w in GLOO_PEER_LOST):
+    if isinstance(err, PeerLostError) or says_peer_lost(str(err)):
         return "peer_lost"
     return "error"
 

@@ -215,7 +215,7 @@ def _local_rank(job: AppConfig, plan: LayoutPlan, run_dir: str,
                 launcher_env: dict[str, str]) -> None:
     forkserver.adopt_launcher_environment(launcher_env)
     rank = int(os.environ.get("RANK", "-1"))
-    if getattr(plan, "elastic_rollouts", False) and rank in plan.rollouts:
+    if plan.elastic_rollouts and rank in plan.rollouts:
         # A lost rollout rank must not end this process: the agent would stop every rank.
         if slots.can_fork():
             tie_to_launcher(launched_here=True)  # the slot as a rank is: its child is tied to it

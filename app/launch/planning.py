@@ -12,10 +12,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from app.config import loop_schema
+from app.api import LoopHooks
+from app.config import build_loop, loop_schema
 from app.config.schema import AppConfig
 from app.errors import ConfigError
-from app.sweep.metrics import check_metric_name
+from app.metrics import check_metric_name
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
 from rlcomm.diagnostics.watchdog import timeout_problem
 
@@ -58,7 +59,7 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppCo
     ``probe=False``: the loop's checks that build things (its ``validate_env``: an env to probe
     its spaces, a policy) are left to another process, which hands this one the env's spaces:
     rank 0 of a joined run, for the other ranks (app/launch/rank.py). A loop without
-    ``validate_settings`` runs its whole ``validate`` anyway."""
+    ``validate_settings`` runs its whole ``validate`` anyway (app.api.Loop's default)."""
     problem = timeout_problem(cfg.comm.timeout, cfg.comm.get("hang_timeout"), prefix="comm.")
     if problem:
         raise ConfigError(problem)
@@ -80,7 +81,7 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppCo
     # Rollout ranks are elastic only under a loop that follows membership (the RL runtime's):
     # any other loop's collectives would wait for a lost rank forever.
     # Epoch groups are gloo: with NCCL the rollout ranks stay static.
-    elastic = (plan.elastic_rollouts and bool(getattr(loop, "elastic_rollouts", False))
+    elastic = (plan.elastic_rollouts and LoopHooks(loop).elastic_rollouts
                and _backend(cfg) != "nccl")
     _check_replay_ranks(plan, loop)
     return dataclasses.replace(plan, elastic_rollouts=elastic), typed_job(cfg, loop)
@@ -92,7 +93,7 @@ def _check_replay_ranks(plan: LayoutPlan, loop: Any) -> None:
     if not plan.replay:
         return
     ranks = list(plan.replay)
-    supported = getattr(loop, "replay_ranks_supported", None)
+    supported = LoopHooks(loop).replay_ranks_supported
     if supported is None:  # a loop of its own (commcheck): replay ranks are ranks like others
         return
     if not supported:
@@ -135,19 +136,11 @@ def _backend(cfg: DictConfig) -> str:
         return name
 
 
-def build_loop(loop: DictConfig) -> Any:
-    """The loop object: ``instantiate(loop)``, its nested settings passed as they are (not
-    instantiated: ``loop.env._target_`` names an env factory, which the loop calls itself)."""
-    from hydra.utils import instantiate
-
-    return instantiate(loop, _convert_="object", _recursive_=False)
-
-
 def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int, probe: bool = True) -> Any:
     """Type-check the loop's settings against its dataclass (unknown keys included), build it
-    once so bad arguments fail before any rank starts, then run its own ``validate(plan)`` (or,
+    once so bad arguments fail before any rank starts, then run its ``validate(plan)`` (or,
     without ``probe``, its ``validate_settings(plan)``) and ``check_seed(seed, plan)`` (the
-    seeds its ranks derive), where it has them."""
+    seeds its ranks derive): app.api.Loop's hooks, with their defaults."""
     from hydra.utils import get_object
     from omegaconf.errors import OmegaConfBaseException
 
@@ -162,14 +155,12 @@ def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int, probe: bool = Tru
         built = build_loop(loop)
     except Exception as err:
         raise ConfigError(f"loop: cannot build {loop.get('_target_')!r}: {err}") from None
-    check = getattr(built, "validate", None)
-    if not probe and callable(getattr(built, "validate_settings", None)):
-        check = built.validate_settings
-    if callable(check):
-        check(plan)
-    check_seed = getattr(built, "check_seed", None)
-    if callable(check_seed):
-        check_seed(seed, plan)
+    hooks = LoopHooks(built)
+    if probe:
+        hooks.validate(plan)
+    else:
+        hooks.validate_settings(plan)
+    hooks.check_seed(seed, plan)
     return built
 
 

@@ -6,7 +6,7 @@ so an upgrade that changes one fails there, with its name, and not in a user's r
 needed, and what it would take to drop it: docs/launch.md (Private APIs).
 
 Subclass hooks (``StaticTCPRendezvous``'s attributes in app/launch/local.py, the Hydra submitit
-plugin's in app/launch/slurm.py) stay in their subclasses: they are the only way in.
+plugin's in app/hydra/submitit.py) stay in their subclasses: they are the only way in.
 """
 
 from __future__ import annotations

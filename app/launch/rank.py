@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import random
-import re
 import signal
 import socket
 import time
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from app.api import JobInfo, Loop, RankEnv
+from app.api import JobInfo, Loop, LoopHooks, RankEnv
 from app.config.schema import AppConfig
 from app.errors import naming
 from app.launch.environment import job_start_time, resolve_rank_env
@@ -33,6 +32,7 @@ from app.output.summary import run_summary
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.elastic import MembersLostError, mark_running
 from rlcomm.errors import PeerLostError
+from rlcomm.net.gloo_words import gist
 from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ def _init(cfg: AppConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
     ctx.init_distributed_env(
         backend=cfg.comm.backend,
         dist_url=cfg.comm.init_method,
-        # Seconds, fractions kept: the seed's signature says int, timedelta takes a float.
+        # Seconds, fractions kept: init_distributed_env keeps the int annotation of CommContext's
+        # published API (tests/unit/test_names.py), and the timedelta it builds takes a float.
         timeout=cfg.comm.timeout,  # type: ignore[arg-type]
         hang_timeout=cfg.comm.hang_timeout,
         debug=cfg.comm.debug,
@@ -189,7 +190,7 @@ def _raise_if_hosts_lost(ctx: CommContext, hosts: Hosts, rank: int, err: Excepti
         return
     announce_lost(ctx, hosts, lost)
     raise PeerLostError(
-        f"rank {rank} on {hosts.names[rank]}: lost {hosts.describe(lost)}: {_gist(err)}"
+        f"rank {rank} on {hosts.names[rank]}: lost {hosts.describe(lost)}: {gist(err)}"
     ) from err
 
 
@@ -219,13 +220,12 @@ def _summary(
     reports: list[dict[str, Any]], startup: dict[str, float],
 ) -> dict[str, Any]:
     """Rank 0's ``result.json``: the loop's figures, every rank's report, the timeline."""
-    loop_summary = getattr(loop, "summary", None)  # a loop may add its own figures and files
     wall_s = time.time() - job_start_time()
     summary = {
         "status": "ok",
         "world_size": plan.world_size,
         "loop": loop_name(loop),
-        # The figures a sweep compares (app/sweep/metrics.py): the loop's, as rank 0 reports them.
+        # The figures a sweep compares (app/metrics.py): the loop's, as rank 0 reports them.
         "metrics": {
             **((result.get("metrics") or {}) if isinstance(result, dict) else {}),
             **startup,
@@ -237,7 +237,7 @@ def _summary(
             restarts=env.restart_count,
             wall_s=wall_s,
             run_dir=run_dir,
-            loop_summary=loop_summary(result, run_dir) if callable(loop_summary) else None,
+            loop_summary=LoopHooks(loop).summary(result, run_dir),  # the loop's figures and files
         ),
         "ranks": reports,
     }
@@ -321,12 +321,6 @@ def _write_result(path: Path, text: str) -> None:
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-
-
-def _gist(err: BaseException) -> str:
-    """The first sentence of a backend error, without gloo's source location prefix."""
-    text = re.sub(r"^\[[^\]]*:\d+\]\s*", "", str(err).strip().splitlines()[0])
-    return text.split(". ")[0]
 
 
 def loop_name(loop: Loop) -> str:

@@ -261,7 +261,8 @@ class OffPolicyLoop(RLLoop):
 
     def validate(self, plan: LayoutPlan) -> None:
         """The runtime's checks, then the replay's (``loop.replay.<field>: ...``) and the
-        trainer kind this first cut supports (DDP)."""
+        trainer kind an off-policy loop trains: DDP, since its update (each trainer's batch from
+        its own replay shard, one gradient step through the DDP model) has no sharded form."""
         super().validate(plan)
         shards = len(plan.replay) or len(plan.trainers)
         errors = self.replay.range_errors(self.hparams.num_steps, shards)

@@ -21,6 +21,18 @@ import numpy as np
 from app.runtime.worker import Episode, RolloutWorker
 from rlcomm import CommContext, ParallelMode, collectives
 
+# metrics.csv's columns that count things: written as integers (``2048``, not ``2048.0``). They
+# come from the row below, the hand-off (``segments``, ``members``, ``epoch``, ``staleness``),
+# evaluations (app/runtime/evaluator.py) and an off-policy update's replay
+# (app/runtime/offpolicy.py); a count averaged over the trainers that is not whole, or NaN in
+# a row without it, is written as it is.
+COUNT_COLUMNS = frozenset({
+    "update", "env_steps", "episodes", "weights_version",
+    "segments", "members", "epoch", "staleness",
+    "eval_version", "eval_env_steps",
+    "replay_size", "replay_inserts", "replay_samples", "learner_steps", "learner_wait",
+})
+
 
 def update_row(
     ctx: CommContext,
@@ -55,15 +67,15 @@ def update_row(
         losses = dict.fromkeys(loss_names, float("nan"))
         transfer_now = transfer_total
     return {
-        "update": float(update),
-        "env_steps": float(env_steps),
+        "update": update,
+        "env_steps": env_steps,
         "wall_s": elapsed,
         "mean_return": float(np.mean([r for r, _ in new])) if new else float("nan"),
         "return_window": recent if recent > float("-inf") else float("nan"),
         "mean_length": float(np.mean([n for _, n in new])) if new else float("nan"),
-        "episodes": float(len(new)),
+        "episodes": len(new),
         "env_steps_per_s": attempt_steps / elapsed if elapsed else 0.0,
-        "weights_version": float(version),
+        "weights_version": version,
         "transfer_s_total": transfer_now,
         "transfer_s": transfer_now - transfer_total,
         **shared,
@@ -164,7 +176,7 @@ def replay_result(rows: list[dict[str, float]]) -> dict[str, Any]:
 
 class MetricsFile:
     """``metrics.csv``, one row appended and written through per update, so a run that fails
-    keeps every row it recorded before. A write that fails (a full disk) is cut back to the last
+    keeps every row it recorded before. Counts (:data:`COUNT_COLUMNS`) are written as integers. A write that fails (a full disk) is cut back to the last
     whole row and re-raised naming the file.
 
     ``rows``: the rows recorded before this attempt (a resume in the same run dir): the file is
@@ -213,7 +225,7 @@ class MetricsFile:
         writer = csv.DictWriter(text, fieldnames=self._fields)
         if header:
             writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(_typed(row) for row in rows)
         return text.getvalue().encode()
 
     def _write(self, handle: io.FileIO, data: bytes) -> None:
@@ -228,3 +240,9 @@ class MetricsFile:
             err.filename = str(self.path)
             raise
         self._size += len(data)
+
+
+def _typed(row: dict[str, float]) -> dict[str, float]:
+    """``row`` with each whole count an int, as metrics.csv writes it."""
+    return {name: int(value) if name in COUNT_COLUMNS and float(value).is_integer() else value
+            for name, value in row.items()}

@@ -4,7 +4,7 @@ The layout lays DATA x SEQUENCE x TENSOR parallel groups over the trainer ranks 
 trainer's module is trained in one of these ways, picked by the grid and ``loop.data_parallel``:
 
 - ``ddp`` without tensor parallelism: ``DistributedDataParallel`` over the trainers, on the
-  acting module itself (the runtime's behaviour before sharding, number for number);
+  acting module itself (what an unsharded grid of trainers trains, number for number);
 - ``ddp`` with tensor parallelism: the module's tensor-parallel plan over TENSOR_PARALLEL, then
   torch's composable ``replicate`` over DATA_PARALLEL;
 - ``fsdp``: the tensor-parallel plan if any, then ``fully_shard`` over DATA_PARALLEL (each block

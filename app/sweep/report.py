@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app.api import Direction
-from app.sweep.metrics import check_metric_name, default_rank_by, direction, headline
+from app.metrics import check_metric_name, default_rank_by, direction, headline
 
 Metrics = dict[str, float | None]
 SEED_KEY = "seed"

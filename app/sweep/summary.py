@@ -1,8 +1,8 @@
 """A sweep's records: every job's entry in ``<sweep dir>/summary.json``, failed ones included,
 then the ranked report (``summary.md``, ``sweep.png``) written from them.
 
-Hydra's callback that calls these in a sweep (app/launch/sweep_summary.py) and the SLURM launcher
-(a job whose ranks failed, app/launch/slurm.py) write the entries; the ranking itself is
+Hydra's callback that calls these in a sweep (app/hydra/sweep_summary.py) and the submitit launchers
+(a job whose ranks failed, app/hydra/submitit.py) write the entries; the ranking itself is
 app/sweep/report.py's.
 """
 

@@ -1,20 +1,9 @@
-"""rlcomm's sweep launchers: hydra/launcher=rlcomm_basic (the default; logic in
-app/launch/sweep_jobs.py) and the submitit ones, rlcomm_slurm and rlcomm_local (app/launch/slurm.py).
-
-Hydra instantiates launcher plugins only from the ``hydra_plugins`` namespace package.
+"""rlcomm's sweep launchers, where Hydra looks for launcher plugins: ``hydra/launcher=rlcomm_basic``
+(the default), ``rlcomm_slurm`` and ``rlcomm_local``. They live in app/hydra/; this package only
+re-exports them (Hydra instantiates launcher plugins only from the ``hydra_plugins`` namespace).
 """
 
-from app.launch.slurm import RlcommLauncher
-from app.launch.sweep_jobs import CheckedBasicLauncher
+from app.hydra.submitit import RlcommLocalLauncher, RlcommSlurmLauncher
+from app.hydra.sweep_jobs import RlcommBasicLauncher
 
-
-class BasicLauncher(CheckedBasicLauncher):
-    pass
-
-
-class SlurmLauncher(RlcommLauncher):
-    _EXECUTOR = "slurm"
-
-
-class LocalLauncher(RlcommLauncher):
-    _EXECUTOR = "local"
+__all__ = ["RlcommBasicLauncher", "RlcommLocalLauncher", "RlcommSlurmLauncher"]

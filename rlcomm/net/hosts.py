@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import re
 import socket
 import threading
 import time
@@ -24,13 +23,13 @@ import torch.distributed as dist
 from rlcomm.collectives import barrier
 from rlcomm.context import CommContext
 from rlcomm.modes import CommMode
+from rlcomm.net.gloo_words import peer_addresses, says_peer_closed_or_timed_out
 from rlcomm.net.interfaces import socket_address
 from rlcomm.net.rendezvous import serves_store
 from rlcomm.plan.layout import LayoutPlan, place_on_hosts
 from rlcomm.utils import format_ranks
 
 _T = TypeVar("_T")
-_PEER_ADDRESS = re.compile(r"\[(\d+\.\d+\.\d+\.\d+)\]:\d+")  # how gloo names a peer
 
 
 @dataclass(frozen=True)
@@ -60,11 +59,11 @@ def lost_hosts(ctx: CommContext, hosts: Hosts, error: BaseException) -> list[str
     """
     me = ctx.get_global_rank()
     text = " | ".join(str(e) for e in _causes(error))  # a HangError wraps gloo's own error
-    for address in _PEER_ADDRESS.findall(text):
+    for address in peer_addresses(text):
         owners = sorted({hosts.names[r] for r, a in enumerate(hosts.addresses) if a == address})
         if owners and hosts.names[me] not in owners:
             return owners
-    if not any(s in text for s in _LOST) or len(set(hosts.names)) < 2:
+    if not says_peer_closed_or_timed_out(text) or len(set(hosts.names)) < 2:
         return None
     heard = [h for h in _heard if h != hosts.names[me]]
     if heard:
@@ -111,8 +110,6 @@ def _causes(error: BaseException) -> list[BaseException]:
     return chain
 
 
-# Failures of a collective that may mean a peer host is gone (gloo's wording).
-_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out")
 _BEAT_S = 1.0  # heartbeat period; a host is silent after 3 periods without a beat
 _VERDICT, _VERDICT_READ = "lost", "lost/read"  # store keys of announce_lost
 _heard: list[str] = []  # the lost hosts another rank announced, as this rank's heartbeat read them

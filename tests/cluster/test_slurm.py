@@ -302,7 +302,7 @@ def test_srun_with_a_layout_of_another_world_size_fails_clearly(
 
 
 # --------------------------------------------------------------------------------------------
-# A requeued job continues its own run dir (issue 21; the lock: app/launch/rundir.py)
+# A requeued job continues its own run dir (the run dir's lock: app/launch/rundir.py)
 # --------------------------------------------------------------------------------------------
 
 REQUEUE_SCRIPT = """#!/bin/bash

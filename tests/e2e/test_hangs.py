@@ -1,4 +1,4 @@
-"""Hang diagnosis (issue 11) through ``python -m app``: the watchdog's one line for each kind of
+"""Hang diagnosis through ``python -m app``: the watchdog's one line for each kind of
 hang, stacks on demand and comm.debug. The diagnosis itself is tests/unit/test_hangs.py; the
 flight recorder for library users, tests/integration/test_hangs.py.
 

@@ -1,4 +1,4 @@
-"""A killed launcher leaves nothing running (issue 21, item 5), with real processes and signals.
+"""A killed launcher leaves nothing running, with real processes and signals.
 
 ``kill -9`` of the launcher is what the OOM killer or a batch system's hard limit does: no handler
 runs. Every rank (tied to its launcher's forkserver, the forkserver to the launcher, by

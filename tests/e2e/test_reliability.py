@@ -1,4 +1,4 @@
-"""When things go wrong (issue 6), through ``python -m app`` with real processes and signals.
+"""When things go wrong, through ``python -m app`` with real processes and signals.
 
 Bad resume paths, a rank that never joins, a rank that dies or raises, an elastic restart from the
 last checkpoint, SIGINT/SIGTERM on the launcher, two runs on one machine and what they listen on.

@@ -1,4 +1,4 @@
-"""A run dir belongs to one run (issue 21, item 1): real runs that meet in one dir.
+"""A run dir belongs to one run: real runs that meet in one dir.
 
 These tests start ``python -m app`` (and torchrun) into dirs another run holds or used; the lock
 and its rules, in this process, are tests/unit/test_rundir.py. The SLURM requeue that continues

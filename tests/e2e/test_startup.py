@@ -1,4 +1,4 @@
-"""Time to answer (issue 22): ranks forked from a preloaded forkserver, the slow outputs off the
+"""Time to answer: ranks forked from a preloaded forkserver, the slow outputs off the
 critical path, and a finished run that always exits, with real processes.
 
 - Ranks are forked from the launcher's forkserver, which imported torch and the app once: they

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.loops.dqn import DQNLoop
-from app.sweep.metrics import direction
+from app.metrics import direction
 from tests.helpers.apprun import describe, run_app
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.sweep.metrics import direction
+from app.metrics import direction
 from tests.helpers.apprun import REPO, assert_commcheck_passed, describe, read_result, run_app
 from tests.helpers.sweeps import PNG, PPO, PPO_METRICS, SCORED_KNOWN, scored_loop
 

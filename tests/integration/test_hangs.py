@@ -1,4 +1,4 @@
-"""Hang diagnosis (issue 11) for library users, on real gloo ranks forked from here: the flight
+"""Hang diagnosis for library users, on real gloo ranks forked from here: the flight
 recorder keeps each mode's calls, recording off records nothing, and a hang is one error naming
 the missing rank. The diagnosis itself is tests/unit/test_hangs.py; the app's hangs,
 tests/e2e/test_hangs.py."""

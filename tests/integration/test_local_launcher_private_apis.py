@@ -4,8 +4,7 @@ elastic agent's rank processes as multiprocessing's Process objects of the launc
 (``multiprocessing.process._children``, how app/launch/failures.py: DeathWatch watches its
 ranks), the forkserver's preload (app/launch/forkserver.py), the exit handlers ``python -m app``
 runs before it ends (``atexit._run_exitfuncs``), and gloo's wording of a peer that left or fell
-silent, which the code matches on (rlcomm/net/hosts.py, app/launch/failures.py,
-app/launch/rank.py).
+silent, which the code matches on (rlcomm/net/gloo_words.py, its one reader).
 """
 
 from __future__ import annotations
@@ -24,9 +23,16 @@ import torch
 import torch.distributed as dist
 
 from app.launch import private
-from app.launch.failures import GLOO_PEER_LOST, classify
-from app.launch.rank import _gist
-from rlcomm.net.hosts import _LOST, _PEER_ADDRESS
+from app.launch.failures import classify
+from rlcomm.net.gloo_words import (
+    PEER_CLOSED,
+    TIMED_OUT,
+    describe_loss,
+    gist,
+    peer_addresses,
+    says_peer_closed_or_timed_out,
+    says_peer_lost,
+)
 from rlcomm.testing import run_ranks
 
 pytestmark = pytest.mark.integration
@@ -153,18 +159,18 @@ def _fall_silent(rank: int, world_size: int) -> str | None:
 def test_gloos_words_for_a_lost_peer_are_the_ones_the_code_matches(when: str) -> None:
     said = run_ranks(_lose_the_peer, 2, when, timeout=120)[0]
     assert said is not None
-    where = ("rlcomm/net/hosts.py: _LOST, _PEER_ADDRESS; app/launch/failures.py: GLOO_PEER_LOST; "
-             "app/launch/rank.py: _gist")
+    where = "rlcomm/net/gloo_words.py: PEER_CLOSED, PEER_ADDRESS, gist"
     problems = []
-    if not any(w in said for w in GLOO_PEER_LOST) or classify(RuntimeError(said)) != "peer_lost":
-        problems.append(f"none of GLOO_PEER_LOST {GLOO_PEER_LOST}")
-    if not any(w in said for w in _LOST[:2]):
-        problems.append(f"none of _LOST's {_LOST[:2]}")
-    if _PEER_ADDRESS.findall(said) != ["127.0.0.1"]:
+    if not says_peer_lost(said) or classify(RuntimeError(said)) != "peer_lost":
+        problems.append(f"none of PEER_CLOSED {PEER_CLOSED} (a peer_lost failure)")
+    if (not any(w in said for w in PEER_CLOSED) or not says_peer_closed_or_timed_out(said)
+            or describe_loss(RuntimeError(said)) != "connection closed"):
+        problems.append("a closed connection, as hosts and elastic members read it")
+    if peer_addresses(said) != ["127.0.0.1"]:
         problems.append("the peer's address as [127.0.0.1]:port")
-    gist = _gist(RuntimeError(said))
-    if gist.startswith("[") or not any(w in gist for w in _LOST[:2]):
-        problems.append(f"a source location prefix that _gist strips (it made {gist!r})")
+    said_gist = gist(RuntimeError(said))
+    if said_gist.startswith("[") or not any(w in said_gist for w in PEER_CLOSED):
+        problems.append(f"a source location prefix that gist strips (it made {said_gist!r})")
     if problems:
         pytest.fail(f"private API changed: gloo's words for a lost peer (used in {where}): "
                     f"{said!r} has not {'; nor '.join(problems)}")
@@ -173,8 +179,9 @@ def test_gloos_words_for_a_lost_peer_are_the_ones_the_code_matches(when: str) ->
 def test_gloos_words_for_a_silent_peer_are_the_ones_the_code_matches() -> None:
     said = run_ranks(_fall_silent, 2, timeout=120)[0]
     assert said is not None
-    gist = _gist(RuntimeError(said))
-    if not any(w in said for w in _LOST[2:]) or not gist.startswith("Timed out"):
+    said_gist = gist(RuntimeError(said))
+    if (not says_peer_closed_or_timed_out(said) or not said_gist.startswith("Timed out")
+            or describe_loss(RuntimeError(said)) != "timed out"):
         pytest.fail(f"private API changed: gloo's words for a peer that timed out (used in "
-                    f"rlcomm/net/hosts.py: _LOST, app/launch/rank.py: _gist): {said!r} (gist "
-                    f"{gist!r}) does not say {' or '.join(_LOST[2:])} after a location prefix")
+                    f"rlcomm/net/gloo_words.py: TIMED_OUT, gist): {said!r} (gist "
+                    f"{said_gist!r}) does not say {' or '.join(TIMED_OUT)} after a location prefix")

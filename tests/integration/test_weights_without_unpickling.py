@@ -1,7 +1,7 @@
-"""Weights are data, not code (issue 6): real PPO ranks (app/launch/rank.py, forked from here)
+"""Weights are data, not code: real PPO ranks (app/launch/rank.py, forked from here)
 send weights and gather trajectories with every way torch.distributed or the stdlib could
-unpickle made to raise. The rest of issue 6, through ``python -m app``, is
-tests/e2e/test_reliability.py."""
+unpickle made to raise. Bad input through ``python -m app`` (resume paths, ranks that die or
+never join) is tests/e2e/test_reliability.py."""
 
 from __future__ import annotations
 

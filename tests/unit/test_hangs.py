@@ -1,4 +1,4 @@
-"""Hang diagnosis (issue 11), pure: what the diagnosis says from the ranks' progress reports
+"""Hang diagnosis, pure: what the diagnosis says from the ranks' progress reports
 (rlcomm/diagnostics/diagnosis.py). The flight recorder on real ranks is
 tests/integration/test_hangs.py; each kind of hang through ``python -m app``,
 tests/e2e/test_hangs.py."""

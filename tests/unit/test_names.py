@@ -1,4 +1,4 @@
-"""One name, one meaning (issue 33, item 3): what the renames must keep.
+"""One name, one meaning: what renaming the modes and initializers must keep.
 
 The original CommContext's methods keep their names, argument names and defaults; its three
 initializers keep working by name without a mode; every shipped mode is built by one of the two

@@ -11,7 +11,7 @@ multiprocessing's Process objects of the launcher (``multiprocessing.process._ch
 app/launch/failures.py: DeathWatch watches its ranks), the forkserver's preload
 (app/launch/forkserver.py), the exit handlers ``python -m app`` runs before it ends
 (``atexit._run_exitfuncs``), and gloo's wording of a peer that left or fell silent, which the
-code matches on (rlcomm/net/hosts.py, app/launch/failures.py, app/launch/rank.py).
+code matches on (rlcomm/net/gloo_words.py).
 
 Replaced by public equivalents (so not listed): rendezvous_handler_registry._registry (register()
 is idempotent for the same creator), torch.distributed.elastic.multiprocessing.api.SignalException
@@ -229,14 +229,14 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("torch.testing._internal.distributed.fake_pg.FakeStore", "rlcomm/net/rendezvous.py, benchmarks/scale.py: the fake backend", _fake_store),
     ("torch._foreach_copy_", "rlcomm/weights/buffers.py: packing many tensors in one call", _foreach_copy),
     ("StaticTCPRendezvous._store/master_port/run_id/timeout", "app/launch/local.py: LoopbackRendezvous", _static_tcp_rendezvous),
-    ("hydra.core.utils.JobReturn._return_value", "app/launch/sweep_summary.py, app/launch/slurm.py: a failed job's error without return_value's stderr print", _job_return_value),
+    ("hydra.core.utils.JobReturn._return_value", "app/hydra/sweep_summary.py, app/hydra/submitit.py: a failed job's error without return_value's stderr print", _job_return_value),
     ("submitit.slurm.slurm._parse_node_list", "app/launch/private.py: parse_node_list (environment.py: first host of a SLURM node list)", _parse_node_list),
-    ("BaseSubmititLauncher.__call__/params/config/hydra_context", "app/launch/slurm.py: RlcommLauncher", _submitit_launcher),
-    ("BaseSubmititLauncher.launch (its body)", "app/launch/slurm.py: RlcommLauncher.launch mirrors it", _submitit_launch_body),
-    ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/launch/slurm.py: waiting for and reading task results", _submitit_job_internals),
-    ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/launch/slurm.py, app/launch/sweep_jobs.py, app/config/help.py", _hydra_config_loader),
+    ("BaseSubmititLauncher.__call__/params/config/hydra_context", "app/hydra/submitit.py: RlcommLauncher", _submitit_launcher),
+    ("BaseSubmititLauncher.launch (its body)", "app/hydra/submitit.py: RlcommLauncher.launch mirrors it", _submitit_launch_body),
+    ("submitit Job.task/num_tasks, SlurmJob.watcher.is_done, core.utils.pickle_load", "app/hydra/submitit.py: waiting for and reading task results", _submitit_job_internals),
+    ("Hydra ConfigLoader.load_sweep_config/get_group_options, Singleton.get_state", "app/hydra/submitit.py, app/hydra/sweep_jobs.py, app/config/help.py", _hydra_config_loader),
     ("Hydra ConfigLoader.compute_defaults_list: DefaultsList.overrides.override_metadata", "app/config/provenance.py: whose choice a layout was", _hydra_defaults_provenance),
-    ("hydra._internal.core_plugins.basic_launcher.BasicLauncher (launch, setup)", "app/launch/sweep_jobs.py: CheckedBasicLauncher", _basic_launcher),
+    ("hydra._internal.core_plugins.basic_launcher.BasicLauncher (launch, setup)", "app/hydra/sweep_jobs.py: RlcommBasicLauncher", _basic_launcher),
     ("torch elastic _get_fq_hostname (api, LocalElasticAgent)", "app/launch/private.py: name_agent_host", _elastic_hostname),
     ("torch elastic's log texts (restart notice, worker failed)", "app/launch/private.py: AgentRestartNotice, NoWorkerTraceback", _elastic_log_texts),
     ("/proc/<pid>/fd links", "app/launch/private.py: open_files (DeathWatch)", _open_files),
@@ -258,8 +258,8 @@ def test_private_api_still_behaves_as_the_code_expects(
 
 
 # What reaches into torch's, Python's or submitit's internals: in the launch room only
-# app/launch/private.py may (subclass hooks aside: LoopbackRendezvous, RlcommLauncher,
-# CheckedBasicLauncher).
+# app/launch/private.py may (subclass hooks aside: LoopbackRendezvous; the Hydra adapters'
+# RlcommLauncher and RlcommBasicLauncher live in app/hydra/).
 _PRIVATE_USES = {
     "multiprocessing.process._children": r"process\._children",
     "readlink of /proc/<pid>/fd": r"os\.readlink|/fd\b",

@@ -1,4 +1,4 @@
-"""A run dir belongs to one run (issue 21, item 1): the lock and its rules, driving
+"""A run dir belongs to one run: the lock and its rules, driving
 app/launch/rundir.py in this process (two descriptors on one lock file conflict as two
 processes do). Real runs that meet in one dir are tests/e2e/test_rundir.py."""
 

@@ -1,15 +1,13 @@
-"""Time to answer (issue 22), the pieces in this process: a process's start read to the kernel's
-tick, the run's phases from its recorded marks, which command lines start a forkserver early,
-background work and its errors, and the launcher's picture service. Whole runs (ranks from the
-preloaded forkserver, the pictures when a run reports success, a finished rank that will not
-exit) are tests/e2e/test_startup.py."""
+"""Time to answer (from the command to its first line, and from the stop to the exit), the pieces
+in this process: the run's phases from its recorded marks, which command lines start a
+forkserver early, background work and its errors, and the errors of the launcher's picture
+service. What takes another process (a process's start time, the picture service asked from
+another process) is tests/integration/test_startup.py; whole runs (ranks from the preloaded
+forkserver, the pictures when a run reports success, a finished rank that will not exit) are
+tests/e2e/test_startup.py."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,20 +19,6 @@ from app.output import background, pictures, timeline
 from tests.helpers.apprun import HANG_S
 
 pytestmark = pytest.mark.unit
-
-
-def test_a_process_start_is_read_to_the_kernels_tick() -> None:
-    # compose_validate_s starts here: a whole second's error once came from /proc/stat's btime.
-    before = time.time()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    after = time.time()
-    try:
-        started = timeline.process_start_time(proc.pid)
-    finally:
-        proc.kill()
-        proc.wait()
-    tick = 1 / os.sysconf("SC_CLK_TCK")
-    assert before - 2 * tick <= started <= after + 2 * tick, (before, started, after)
 
 
 def test_the_phases_follow_one_another_from_the_recorded_marks() -> None:
@@ -84,42 +68,6 @@ def test_background_work_is_waited_for_and_its_error_raised_in_the_waiter(tmp_pa
     background.in_background(time.sleep, 1, name="slow file")
     with pytest.raises(TimeoutError, match="slow file still being written after 0.1 s"):
         background.wait_for_background(0.1)
-
-
-PICTURE_CLIENT = """
-import json, os
-from app.output import pictures
-
-try:
-    pictures.draw(os.open, "/nonexistent/dir/curve.png", os.O_RDONLY)
-    missing = None
-except FileNotFoundError as err:
-    missing = err.filename
-print(json.dumps({"pid": os.getpid(), "drawn_by": pictures.draw(os.getpid), "missing": missing}))
-"""
-
-
-def test_the_launchers_picture_service_draws_for_another_process_and_raises_there(
-    tmp_path: Path,
-) -> None:
-    layout = tmp_path / "layout.png"
-    service = pictures.PictureService(lambda: (layout.write_text("drawn"), layout)[1])
-    variables = service.environ()
-    assert list(variables) == [pictures.ENV]
-    env = {**os.environ, **variables}
-    proc = subprocess.run([sys.executable, "-c", PICTURE_CLIENT], env=env, capture_output=True,
-                          text=True, timeout=HANG_S)
-    assert proc.returncode == 0, proc.stderr
-    seen = json.loads(proc.stdout)
-    assert seen["drawn_by"] == os.getpid() != seen["pid"], seen  # drawn here, asked there
-    assert seen["missing"] == "/nonexistent/dir/curve.png", seen  # its error, raised there
-    assert service.wait(HANG_S) == layout and layout.read_text() == "drawn"
-    # Without a service to ask (torchrun, SLURM), a rank draws in line.
-    env.pop(pictures.ENV)
-    proc = subprocess.run([sys.executable, "-c", PICTURE_CLIENT], env=env, capture_output=True,
-                          text=True, timeout=HANG_S)
-    seen = json.loads(proc.stdout)
-    assert seen["drawn_by"] == seen["pid"], (seen, proc.stderr)
 
 
 def test_the_layout_pictures_error_and_a_drawing_that_hangs_are_raised_by_wait() -> None:

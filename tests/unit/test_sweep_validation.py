@@ -20,8 +20,8 @@ def test_the_slurm_launcher_refuses_a_sweep_with_a_bad_job_before_submitting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
     import app.__main__  # noqa: F401  (registers the schemas and resolvers)
-    from app.launch.sweep_jobs import job_problem
-    from hydra_plugins.rlcomm_launcher import SlurmLauncher
+    from app.hydra.sweep_jobs import job_problem
+    from hydra_plugins.rlcomm_launcher import RlcommSlurmLauncher
 
     sweep = tmp_path / "sweep"
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -35,7 +35,7 @@ def test_the_slurm_launcher_refuses_a_sweep_with_a_bad_job_before_submitting(
         typo = job_problem(context, cfg, ["seed=abc"], ranks_here=False)  # composition fails
         assert typo is not None and "seed=abc" in typo and "\n" not in typo, typo
         params = {k: v for k, v in cfg.hydra.launcher.items() if k != "_target_"}
-        launcher = SlurmLauncher(**params)
+        launcher = RlcommSlurmLauncher(**params)
         launcher.setup(hydra_context=context, task_function=lambda c: None, config=cfg)
         with pytest.raises(SystemExit) as ended:
             launcher.launch([good, bad], initial_job_idx=0)
@@ -50,7 +50,7 @@ def test_the_slurm_launcher_refuses_a_sweep_with_a_bad_job_before_submitting(
 def test_the_slurm_launcher_leaves_building_the_env_to_the_job(tmp_path: Path) -> None:
     """The submitting host checks what builds nothing; the local launchers build the env once."""
     import app.__main__  # noqa: F401  (registers the schemas and resolvers)
-    from app.launch.sweep_jobs import job_problem
+    from app.hydra.sweep_jobs import job_problem
 
     counts = tmp_path / "counts"
     counts.mkdir()

@@ -13,14 +13,14 @@ from hydra import compose, initialize_config_dir
 from app.errors import ConfigError
 from app.launch.planning import validate
 from app.loops.commcheck import group_metrics, slowest_group
-from app.output.layout_picture import describe_layout, draw_layout, write_layout_files
-from app.sweep.metrics import (
+from app.metrics import (
     check_metric_name,
     default_rank_by,
     direction,
     headline,
     known_metrics,
 )
+from app.output.layout_picture import describe_layout, draw_layout, write_layout_files
 from app.sweep.plot import sweep_plot_data
 from app.sweep.report import JobRecord, build_report, format_table, group_by_seed, rank_groups
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout

@@ -3,7 +3,8 @@
 Each loop declares the figures it reports on its class (``metrics``, an
 :class:`app.api.LoopMetrics`); the app declares the ones it adds to every job
 (:data:`APP_METRICS`, app/launch/rank.py). ``sweep.rank_by`` is checked against the configured
-loop's and the app's before any job starts. Per-group figures are named ``<metric>:<group>``,
+loop's and the app's before any job starts (app/launch/planning.py), and the sweep report
+ranks by it (app/sweep/). Both read this catalogue, so neither imports the other. Per-group figures are named ``<metric>:<group>``,
 e.g. commcheck's ``latency_us:WEIGHT_TRANSFER[0,2]``; their direction is the base name's.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from app.api import Direction, LoopMetrics
+from app.api import Direction, LoopHooks, LoopMetrics
 from app.errors import ConfigError
 
 APP_METRICS = LoopMetrics(
@@ -34,8 +35,7 @@ def declared_metrics(loop_target: str | None) -> LoopMetrics | None:
         loop = getattr(importlib.import_module(module_name), attr)
     except Exception:  # a plugin's own import error is the loop's to report, not the sweep's
         return None
-    declared = getattr(loop, "metrics", None)
-    return declared if isinstance(declared, LoopMetrics) else LoopMetrics({})
+    return LoopHooks(loop).metrics
 
 
 def known_metrics(*loop_targets: str | None) -> dict[str, Direction]:

@@ -9,8 +9,8 @@ sweep that cannot finish spends its time (or a cluster's allocation) first; the 
 left free for the fixed sweep.
 
 Used by every sweep launcher the app ships: the basic one (``hydra/launcher=rlcomm_basic``, the
-default; :class:`CheckedBasicLauncher`) and the submitit ones (``rlcomm_local``,
-``rlcomm_slurm``; app/launch/slurm.py: ``RlcommLauncher.launch``).
+default; :class:`RlcommBasicLauncher`) and the submitit ones (``rlcomm_local``,
+``rlcomm_slurm``; app/hydra/submitit.py: ``RlcommLauncher.launch``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hydra.types import HydraContext
 from omegaconf import DictConfig, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from app.hydra import PLUGIN_MODULE
 from app.launch.rundir import withdraw_sweep
 from rlcomm import RlcommError, resolve_backend
 
@@ -78,10 +79,11 @@ def _first_line(err: Exception) -> str:
     return ": ".join(lines[:2]) if lines else type(err).__name__
 
 
-class CheckedBasicLauncher(BasicLauncher):
-    """Hydra's basic launcher (each job in this process, one after another), every job
-    validated before the first runs. ``hydra_plugins.rlcomm_launcher.BasicLauncher`` is this
-    class where Hydra looks for launchers."""
+class RlcommBasicLauncher(BasicLauncher):
+    """``hydra/launcher=rlcomm_basic``: Hydra's basic launcher (each job in this process, one
+    after another), every job validated before the first runs."""
+
+    __module__ = PLUGIN_MODULE  # where Hydra registers it (app/hydra/__init__.py)
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int

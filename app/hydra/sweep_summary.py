@@ -6,8 +6,8 @@ launchers alike): every job's metrics in ``summary.json``, the ranked table in `
 on stdout, and ``sweep.png``. Hydra skips ``on_multirun_end`` when a job failed (the sweeper
 raises the job's error first), so the same report is also written at exit in that case.
 
-It lives in the launch room beside the run dir's callback (app/launch/rundir.py), since it asks
-which rank this process is (app/launch/environment.py); what it writes is app/sweep/'s.
+It lives with the other Hydra adapters, above both rooms it joins: it asks the launch room which
+rank this process is (app/launch/environment.py); what it writes is app/sweep/'s.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from app.errors import ConfigError
 from app.launch.environment import resolve_rank_env
-from app.sweep.metrics import check_metric_name, declared_metrics
+from app.metrics import check_metric_name, declared_metrics
 from app.sweep.summary import record_job, write_sweep_report
 
 
