@@ -22,13 +22,13 @@ For each seed, back to back and alone on the machine, it runs:
    stamped as it is printed, with a monotonic clock from launch; its time to the target is the
    first moment the mean of its last 20 returns reaches 475, its env steps then ``G``. It is
    terminated there (it would train on to its budget), or after ``--max-seconds`` (300);
-2. ours: ``python -m app loop=dqn seed=S`` (the default layout unless ``--layout``), which stops
-   by itself once the mean return of its last 20 episodes reaches 475 (CartPole-v1's reward
-   threshold, ``loop.target_return``'s default). Its wall time is launch to exit; its time to the
-   target is the run's ``time_to_target_s`` (``result.json``'s summary, counted from the training
-   loop's start) moved to count from launch as CleanRL's does (the launch to the first update,
-   from the run's timeline, less ``metrics.csv``'s first ``wall_s``), its env steps
-   ``env_steps_to_target``.
+2. ours: ``python -m app loop=dqn seed=S`` (loop=dqn's own layout, single, unless ``--layout``),
+   which stops by itself once the mean return of its last 20 episodes reaches 475 (CartPole-v1's
+   reward threshold, ``loop.target_return``'s default). Its wall time is launch to exit; its
+   time to the target is the run's ``time_to_target_s`` (``result.json``'s summary, counted from
+   the training loop's start) moved to count from launch as CleanRL's does (the launch to the
+   first update, from the run's timeline, less ``metrics.csv``'s first ``wall_s``), its env
+   steps ``env_steps_to_target``.
 
 It prints, per seed and side: the time to return 475 from launch (and ours from the training
 loop's start), the env steps then, the wall time from launch to exit, the ratio of the times to
@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cleanrl_dqn",
                                      description=__doc__.split("\n\n")[0])
     cleanrl_side.add_common_arguments(parser, NAME, "cleanrl/dqn.py", seeds="1,2,3",
-                                      layout="the app's default")
+                                      layout="loop=dqn's own, single")
     parser.add_argument("--max-seconds", type=float, default=MAX_SECONDS, metavar="N",
                         help="CleanRL is terminated after N seconds if it has not reached the "
                         f"target (default: {MAX_SECONDS:g})")

@@ -131,7 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cleanrl_sac",
                                      description=__doc__.split("\n\n")[0])
     cleanrl_side.add_common_arguments(parser, NAME, "cleanrl/sac_continuous_action.py", seeds="1",
-                                      layout="the app's default, 2t2r")
+                                      layout="loop=sac's own, single")
     parser.add_argument("--steps", type=int, default=300_000, help="env steps per run")
     parser.add_argument("--experiment", default="hopper_sac", choices=sorted(CLEANRL_ENV))
     parser.add_argument("--env-id", help="CleanRL's --env-id (default: the experiment's "
