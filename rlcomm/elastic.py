@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch import distributed as dist
 
-from rlcomm.errors import RlcommError
+from rlcomm.errors import MembershipError
 from rlcomm.net.gloo_words import describe_loss
 
 SEGMENT_TAG = 1  # point-to-point tag of member -> leader data (weights use rlcomm.weights' own)
@@ -41,14 +41,6 @@ SEGMENT_TAG = 1  # point-to-point tag of member -> leader data (weights use rlco
 # cannot abort them and destroying a group with pending work can hang, so they live as long as
 # the process (which ends without tearing them down: os._exit, app/launch).
 graveyard: list[Any] = []
-
-
-class MembershipError(RlcommError):
-    """A membership epoch cannot be formed: members disagree, or a joiner was not admitted."""
-
-
-class MembersLostError(MembershipError):
-    """A leader's live members stayed below the minimum for the whole wait."""
 
 
 _RUNNING = "elastic/running"

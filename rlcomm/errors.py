@@ -39,6 +39,15 @@ class PeerLostError(RlcommError, RuntimeError):
     """A rank lost its connection to ranks on another host (killed, or its link went down)."""
 
 
+class MembershipError(RlcommError):
+    """A membership epoch cannot be formed: members disagree, or a joiner was not admitted."""
+
+
+class MembersLostError(MembershipError):
+    """A leader's live members stayed below the minimum for the whole wait: the consequence of
+    the losses it names, which are the run's cause where they left a record of their own."""
+
+
 class HangError(RlcommError, RuntimeError):
     """A collective never completed; the message names the mode, the call and who is missing.
 

@@ -59,7 +59,10 @@ def _loop_layout_lines(root: DictConfig) -> list[str]:
 
     layouts = {}
     for loop in sorted(o for o in _options("loop", root) if not o.endswith("_schema")):
-        choice = choice_for("layout", [f"loop={loop}"])
+        try:
+            choice = choice_for("layout", [f"loop={loop}"])
+        except Exception:  # a loop in a hydra.searchpath dir: composed only with that path
+            continue
         if choice is not None:
             layouts[loop] = choice
     if not layouts:

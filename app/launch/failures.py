@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 from app.errors import WRITE_ERRORS, WriteError
 from app.launch.private import open_files, started_processes
-from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError
+from rlcomm.errors import CollectiveMismatchError, HangError, MembersLostError, PeerLostError
 from rlcomm.net.gloo_words import says_peer_lost
 
 if TYPE_CHECKING:
@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 # What a failure says about the run:
 # - "diagnosis": a hang or collective-mismatch diagnosis, the same on every rank: the run's cause
 #   (unless a rank was killed: its peers may hang because of it);
-# - "peer_lost": this rank lost a peer (its connection closed); a consequence, reported only when
-#   nothing else is;
+# - "peer_lost": this rank lost a peer (its connection closed), or too many members to go on
+#   (MembersLostError); a consequence, reported only when nothing else is: which rank notices a
+#   loss first, and whether the launcher stops it before it raises, is a race;
 # - "error": this rank's own error.
 Kind = Literal["diagnosis", "peer_lost", "error"]
 
@@ -122,7 +123,7 @@ def _reserve_path(log_dir: Path, rank: int) -> Path:
 def classify(err: BaseException) -> Kind:
     if isinstance(err, (HangError, CollectiveMismatchError)):
         return "diagnosis"
-    if isinstance(err, PeerLostError) or says_peer_lost(str(err)):
+    if isinstance(err, (PeerLostError, MembersLostError)) or says_peer_lost(str(err)):
         return "peer_lost"
     return "error"
 

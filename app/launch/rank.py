@@ -30,8 +30,8 @@ from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
-from rlcomm.elastic import MembersLostError, mark_running
-from rlcomm.errors import PeerLostError
+from rlcomm.elastic import mark_running
+from rlcomm.errors import MembersLostError, PeerLostError
 from rlcomm.net.gloo_words import gist
 from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
 

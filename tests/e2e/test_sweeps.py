@@ -96,7 +96,10 @@ def test_sweep_over_four_layouts_and_two_seeds_ranks_its_jobs(tmp_path: Path) ->
                 "env_steps_per_s", failed=2)  # ...yet the report covers every job
     failed = [r for r in table_rows((sweep / "summary.md").read_text()) if r[0] == "failed"]
     assert [r[2] for r in failed] == ["#0", "#1"]
-    assert all("lost: rank 1" in r[3] for r in failed)  # its rollout rank, at its first step
+    # The cause is rank 1's own error at its first step, whether or not rank 0 noticed the loss
+    # (MembersLostError, a consequence) before the launcher stopped it.
+    assert all(r[3].startswith("rank 1 exit code 1: EnvError: ") for r in failed), failed
+    assert all("simulated fault after 0 steps" in r[3] for r in failed), failed
 
 
 def test_sweep_through_the_local_submitit_launcher_ranks_its_jobs(tmp_path: Path) -> None:

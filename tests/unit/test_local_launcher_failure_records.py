@@ -17,7 +17,7 @@ from app.launch.failures import (
     record_path,
     recording_failures,
 )
-from rlcomm.errors import CollectiveMismatchError, HangError, PeerLostError
+from rlcomm.errors import CollectiveMismatchError, HangError, MembersLostError, PeerLostError
 
 pytestmark = pytest.mark.unit
 
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.unit
     (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5"),
      "peer_lost"),
     (RuntimeError("Read error [127.0.0.1]:7: Connection reset by peer"), "peer_lost"),
+    (MembersLostError("0 live rollout ranks of loop.min_rollouts=1; lost: rank 1"), "peer_lost"),
     (ValueError("boom on rank 1"), "error"),
     # A diagnosis wrapped by something else is that something's error, as the launcher saw it.
     (RuntimeError("loop failed"), "error"),
@@ -112,3 +113,21 @@ def test_a_rank_sigtermed_while_its_peers_only_lost_it_is_the_cause(tmp_path: Pa
     _record(tmp_path / "logs", 0, RuntimeError("[pair.cc:534] Connection closed by peer [::1]:5"))
     assert describe_failures(_failed(r0=1, r1=-signal.SIGTERM), tmp_path) == (
         f"rank 1 killed by SIGTERM (log: {tmp_path / 'logs' / 'rank1.log'})")
+
+
+def test_a_leader_that_lost_its_members_is_no_cause_beside_the_rank_that_failed(
+        tmp_path: Path) -> None:
+    # Whether the leader (rank 0) notices the loss and raises before the launcher stops it is a
+    # race; the line is rank 1's own error either way, and the leader's only when it is alone.
+    lost = MembersLostError("0 live rollout ranks of loop.min_rollouts=1, and none can join "
+                            "(launcher.rollout_restarts=0); lost: rank 1 on h (connection closed)")
+    _record(tmp_path / "logs", 1, RuntimeError("simulated fault after 0 steps"))
+    alone = describe_failures(_failed(r1=1, r0=-signal.SIGTERM), tmp_path)
+    _record(tmp_path / "logs", 0, lost)
+    both = describe_failures(_failed(r0=1, r1=1), tmp_path)
+    rank1 = ("rank 1 exit code 1: RuntimeError: simulated fault after 0 steps "
+             f"(log: {tmp_path / 'logs' / 'rank1.log'})")
+    assert alone == both == rank1
+    (tmp_path / "logs" / "rank1.error.json").unlink()  # rank 1 left no record: the leader's line
+    assert describe_failures(_failed(r0=1), tmp_path).startswith(
+        "rank 0 exit code 1: MembersLostError: 0 live rollout ranks")

@@ -44,12 +44,12 @@ from rlcomm.diagnostics.watchdog import default_hang_timeout
 from rlcomm.elastic import (
     Join,
     Membership,
-    MembersLostError,
     drain,
     graveyard,
     patience_s,
     receive_from_members,
 )
+from rlcomm.errors import MembersLostError
 from rlcomm.weights import WeightSender
 
 WT, TDP = ParallelMode.WEIGHT_TRANSFER, ParallelMode.TRAIN_DATA_PARALLEL
