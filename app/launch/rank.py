@@ -138,9 +138,9 @@ def _init(cfg: AppConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
 def _share_probed_spaces(ctx: CommContext, loop: Loop, rank: int) -> None:
     """The env's spaces rank 0 probed, on every rank of a joined run, so that no other rank
     builds an env to learn them (a trainer then builds none at all). Rank 0 leaves them in the
-    rendezvous store, as data (app/runtime/spaces_wire.py), for the others and for a rank that
+    rendezvous store, as data (app/runtime/envs/spaces_wire.py), for the others and for a rank that
     joins later; a loop without spaces, or spaces with no data form, leave each rank to probe."""
-    from app.runtime.spaces_wire import decode_spaces, encode_spaces
+    from app.runtime.envs.spaces_wire import decode_spaces, encode_spaces
 
     if rank == 0:
         probed = vars(loop).get("spaces")  # RLLoop.spaces, cached by validation

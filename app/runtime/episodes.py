@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from app.runtime.algorithm import Algorithm
-from app.runtime.envs import EnvConfig, make_env
-from app.runtime.history import ObsHistory
+from app.runtime.envs.history import ObsHistory
+from app.runtime.envs.vector import EnvConfig, make_env
 from app.runtime.video import EpisodeVideo, frame, make_rendering_env
 from app.runtime.worker import Agent
 

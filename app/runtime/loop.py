@@ -38,7 +38,7 @@ from app.runtime.checkpoints import (
     resume_mismatch,
     run_settings,
 )
-from app.runtime.envs import EnvConfig, check_env_names, ensure_registered, probe_spaces
+from app.runtime.envs.vector import EnvConfig, check_env_names, ensure_registered, probe_spaces
 from app.runtime.models import ModelConfig, is_image
 from app.runtime.seeds import seed_problem
 from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan

@@ -1,7 +1,7 @@
 """A transformer actor-critic over a window of recent observations, with its tensor-parallel plan.
 
 The policy sees the last ``context`` observations of one env, oldest first, each with a validity
-flag (what :class:`app.runtime.history.ObsHistory` keeps): ``[*B, context, obs_dim + 1]``.
+flag (what :class:`app.runtime.envs.history.ObsHistory` keeps): ``[*B, context, obs_dim + 1]``.
 Pre-norm blocks with SwiGLU feed-forwards (named as torchtitan's Llama, so the plan reads alike)
 attend over the valid steps only; the actor and critic heads read the newest position. Its
 public methods are :class:`app.runtime.models.ActorCritic`'s.

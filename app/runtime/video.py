@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from app.runtime.envs import EnvConfig, make_env
+from app.runtime.envs.vector import EnvConfig, make_env
 
 RENDER_MODE = "rgb_array"
 

@@ -16,10 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from app.runtime.algorithm import Algorithm, Segment, Spaces
-from app.runtime.envs import EnvConfig, EnvError, make_vector_env
-from app.runtime.history import ObsHistory
+from app.runtime.envs.history import ObsHistory
+from app.runtime.envs.normalize import ReturnTracker, RunningNorm
+from app.runtime.envs.vector import EnvConfig, EnvError, make_vector_env
 from app.runtime.models import action_dtype, action_shape, obs_shape
-from app.runtime.normalize import ReturnTracker, RunningNorm
 from app.runtime.segments import Field, SegmentFormat
 
 # (episodic return, episode length) of one finished episode.
@@ -32,7 +32,7 @@ class Agent(nn.Module):
     """What a trainer sends its rollouts: the acting module (``net``) and, when enabled, the
     observation and reward normalisers' statistics (buffers, so they travel and are verified
     with the weights, and are checkpointed). ``context`` > 0: the policy sees each env's last
-    ``context`` observations (app/runtime/history.py), not just the newest."""
+    ``context`` observations (app/runtime/envs/history.py), not just the newest."""
 
     def __init__(self, net: nn.Module, spaces: Spaces, env: EnvConfig, context: int = 0) -> None:
         super().__init__()

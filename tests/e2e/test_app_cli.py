@@ -249,7 +249,7 @@ def test_help_lists_groups_and_every_setting_with_its_doc() -> None:
     from app.config import AppConfig, CommConfig, LauncherConfig, LayoutConfig
     from app.loops.ppo import PPOLoop
     from app.loops.ppo.core import PPOSettings
-    from app.runtime.envs import EnvConfig
+    from app.runtime.envs.vector import EnvConfig
 
     for prefix, schema in [("comm", CommConfig), ("layout", LayoutConfig),
                            ("launcher", LauncherConfig), ("loop", PPOLoop),

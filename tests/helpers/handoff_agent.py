@@ -10,12 +10,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.handoff.sharded import ShardedHandOff
 from app.runtime.sharding import TrainedModule
 from app.runtime.transformer import TransformerActorCritic
 
-ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
+ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.envs.memory.masked_cartpole")
 
 
 class Acting(nn.Module):

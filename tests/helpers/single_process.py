@@ -9,7 +9,7 @@ import torch
 from app.loops.ppo.core import PPO, PPOSettings
 from app.loops.vtrace.core import VTrace, VTraceSettings
 from app.runtime import UpdateInfo
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 
 

@@ -1,4 +1,4 @@
-"""The vector env contract, checked for one kind of vector env (app/runtime/envs.py).
+"""The vector env contract, checked for one kind of vector env (app/runtime/envs/vector.py).
 
 The sync kind is checked in this process (tests/unit/test_envs.py); the async kind starts one
 process per env, so its checks are integration tests (tests/integration/test_envs.py). Both
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gymnasium.spaces import Box
 
-from app.runtime.envs import EnvConfig, make_vector_env, probe_spaces
+from app.runtime.envs.vector import EnvConfig, make_vector_env, probe_spaces
 from tests.helpers.image_env import ENV_ID as IMAGE_ID
 from tests.helpers.image_env import register_image_env
 

@@ -1,4 +1,4 @@
-"""The async vector env (app/runtime/envs.py) keeps the vector env contract: one process per
+"""The async vector env (app/runtime/envs/vector.py) keeps the vector env contract: one process per
 env, so these are integration tests; the sync kind's are tests/unit/test_envs.py, and both run
 the checks of tests/helpers/vector_envs.py."""
 

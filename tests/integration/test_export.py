@@ -16,7 +16,7 @@ from gymnasium import spaces as gym_spaces
 from app.evaluate.export import GreedyPolicy, export_policy
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime.algorithm import Spaces
-from app.runtime.envs import EnvConfig
+from app.runtime.envs.vector import EnvConfig
 from app.runtime.worker import Agent
 
 pytestmark = pytest.mark.integration

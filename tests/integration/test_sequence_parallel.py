@@ -14,7 +14,7 @@ from torch import Tensor
 
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Segment, UpdateInfo
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.sharding import (
     TrainedModule,
     TrainerGrid,
@@ -29,7 +29,7 @@ from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses
 
 UPDATES = 20
 DISTINCT = 5  # segments per collector, trained on in turn: enough data, a quarter of the cost
-ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
+ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.envs.memory.masked_cartpole")
 HP = PPOSettings(num_envs=4, num_steps=8, num_minibatches=2, update_epochs=1, lr=3e-3)
 MODEL = {"width": 16, "layers": 2, "heads": 2, "context": 4}
 # name: (loop.data_parallel, sequence size, tensor size), over 4 trainers.

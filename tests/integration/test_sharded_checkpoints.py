@@ -36,7 +36,7 @@ from app.runtime.checkpoints import (
     policy_shapes,
     resume_mismatch,
 )
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.sharding import TrainedModule
 from app.runtime.transformer import TransformerActorCritic
 from rlcomm import CommContext, LayoutSpec, ParallelMode, plan_layout
@@ -44,7 +44,7 @@ from rlcomm.testing import run_ranks
 
 pytestmark = pytest.mark.integration
 
-ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
+ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.envs.memory.masked_cartpole")
 MODEL = {"width": 128, "layers": 2, "heads": 4, "context": 4}
 GRIDS = {"ddp4": ("ddp", None), "fsdp4": ("fsdp", None), "tp2-fsdp2": ("fsdp", 2),
          "tp2-ddp2": ("ddp", 2)}

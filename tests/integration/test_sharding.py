@@ -12,7 +12,7 @@ import torch
 
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Segment, UpdateInfo
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
 from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent, RolloutWorker, as_segment
@@ -23,7 +23,7 @@ from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses
 UPDATES = 20
 # Every configuration trains each replica on the segments of its pair of ranks (2k, 2k + 1):
 # a tensor-parallel pair shares them (share_segments); elsewhere both ranks hold both.
-ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.memory_envs.masked_cartpole")
+ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.envs.memory.masked_cartpole")
 HP = PPOSettings(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=1, lr=3e-3)
 MODEL = {"width": 32, "layers": 2, "heads": 4, "context": 4}
 CONFIGS = {"ddp4": ("ddp", None), "fsdp4": ("fsdp", None), "tp2-ddp2": ("ddp", 2),

@@ -1,4 +1,4 @@
-"""The runtime's environments (app/runtime/envs.py): the vector env contract for every kind
+"""The runtime's environments (app/runtime/envs/vector.py): the vector env contract for every kind
 (SAME_STEP autoreset, final_obs, episode statistics, seeding), the synthetic image env the tests
 ship, and each one-line error of the launcher's probe.
 
@@ -25,7 +25,7 @@ from gymnasium.wrappers.vector import RecordEpisodeStatistics
 from omegaconf import OmegaConf
 
 from app.api import ConfigError
-from app.runtime.envs import (
+from app.runtime.envs.vector import (
     EnvConfig,
     EnvPoolVectorEnv,
     make_env,

@@ -9,7 +9,7 @@ import torch
 
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime.algorithm import Spaces
-from app.runtime.envs import EnvConfig
+from app.runtime.envs.vector import EnvConfig
 from app.runtime.episodes import run_episodes
 from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent

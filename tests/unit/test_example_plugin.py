@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.runtime import RLLoop, Segment, UpdateInfo
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 from examples.reinforce import Reinforce, ReinforceLoop, ReinforceSettings, discounted_returns
 

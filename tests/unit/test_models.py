@@ -1,4 +1,4 @@
-"""The runtime's acting modules (app/runtime/models.py) and normalisers (app/runtime/normalize.py)."""
+"""The runtime's acting modules (app/runtime/models.py) and normalisers (app/runtime/envs/normalize.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.distributions import Categorical, Normal
 
 from app.runtime.algorithm import Spaces
+from app.runtime.envs.normalize import ReturnTracker, RunningNorm
 from app.runtime.models import (
     ActorCritic,
     action_dtype,
@@ -22,7 +23,6 @@ from app.runtime.models import (
     obs_shape,
     space_problem,
 )
-from app.runtime.normalize import ReturnTracker, RunningNorm
 
 pytestmark = pytest.mark.unit
 

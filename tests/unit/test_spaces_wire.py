@@ -1,4 +1,4 @@
-"""The env's spaces as data (app/runtime/spaces_wire.py): what rank 0 of a joined run hands
+"""The env's spaces as data (app/runtime/envs/spaces_wire.py): what rank 0 of a joined run hands
 the other ranks round-trips without a pickle, and a space with no data form is left out."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from gymnasium import spaces
 
 from app.runtime.algorithm import Spaces
-from app.runtime.spaces_wire import decode_spaces, encode_spaces
+from app.runtime.envs.spaces_wire import decode_spaces, encode_spaces
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """The transformer policy (app/runtime/transformer.py) and its tensor-parallel plan, the
-observation windows it reads (app/runtime/history.py) and the memory task
-(app/runtime/memory_envs.py), in this process. The plan on two real gloo ranks is
+observation windows it reads (app/runtime/envs/history.py) and the memory task
+(app/runtime/envs/memory.py), in this process. The plan on two real gloo ranks is
 tests/integration/test_transformer.py."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributions import Normal
 
 from app.runtime.algorithm import Spaces
-from app.runtime.history import ObsHistory
-from app.runtime.memory_envs import (
+from app.runtime.envs.history import ObsHistory
+from app.runtime.envs.memory import (
     MASKED_CARTPOLE_ID,
     masked_cartpole,
     register_memory_envs,
@@ -344,7 +344,7 @@ def test_masked_cartpole_is_cartpole_without_velocities() -> None:
         masked.close()
         full.close()
     # gym.make's "module:id" imports the module, which registers the id.
-    env = gym.make(f"app.runtime.memory_envs:{MASKED_CARTPOLE_ID}")
+    env = gym.make(f"app.runtime.envs.memory:{MASKED_CARTPOLE_ID}")
     assert env.observation_space.shape == (2,)
     env.close()
 

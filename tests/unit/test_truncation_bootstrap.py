@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.loops.dqn import DQN, DQNSettings
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.replay import ReplaySettings
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 

@@ -12,7 +12,7 @@ from gymnasium import spaces as gym_spaces
 from app.loops.vtrace import VTraceLoop
 from app.loops.vtrace.core import VTrace, VTraceSettings, discounts_from_dones, vtrace_targets
 from app.runtime import Spaces, UpdateInfo
-from app.runtime.envs import EnvConfig, probe_spaces
+from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.worker import Agent, as_segment
 from tests.helpers.single_process import vtrace_parts
 

@@ -32,7 +32,7 @@ from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 from app.api import ConfigError, setting
 from app.runtime.algorithm import Spaces
-from app.runtime.memory_envs import register_memory_envs
+from app.runtime.envs.memory import register_memory_envs
 
 __all__ = [
     "VECTOR_KINDS",

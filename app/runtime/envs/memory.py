@@ -2,7 +2,7 @@
 
 ``MaskedCartPole-v1`` is CartPole-v1 without the velocities: the observation is the cart's
 position and the pole's angle (indices 0 and 2), so the velocities must be inferred from past
-steps. Importing this module registers it (so ``gym.make("app.runtime.memory_envs:
+steps. Importing this module registers it (so ``gym.make("app.runtime.envs.memory:
 MaskedCartPole-v1")`` works as it is); :func:`register_memory_envs` does it explicitly.
 """
 

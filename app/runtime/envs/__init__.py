@@ -1,0 +1,1 @@
+"""Environments: making them, the memory tasks, normalisation, observation history, and spaces as data."""
