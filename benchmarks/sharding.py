@@ -47,8 +47,8 @@ def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
     from torch.distributed.tensor import DTensor
 
     from app.runtime.algorithm import Spaces
+    from app.runtime.models.transformer import TransformerActorCritic
     from app.runtime.sharding import TrainedModule
-    from app.runtime.transformer import TransformerActorCritic
     from rlcomm import LayoutSpec, plan_layout
     from rlcomm.testing import planned_context
 

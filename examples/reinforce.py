@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from app.api import LoopMetrics, setting
 from app.runtime import Algorithm, AlgorithmSettings, Record, RLLoop, Segment, Spaces, UpdateInfo
-from app.runtime.models import ActorCritic, space_problem
+from app.runtime.models.actor_critic import ActorCritic, space_problem
 
 
 @dataclass

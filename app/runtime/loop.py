@@ -39,14 +39,14 @@ from app.runtime.checkpoints import (
     run_settings,
 )
 from app.runtime.envs.vector import EnvConfig, check_env_names, ensure_registered, probe_spaces
-from app.runtime.models import ModelConfig, is_image
-from app.runtime.seeds import seed_problem
-from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
-from app.runtime.transformer import (
+from app.runtime.models.actor_critic import ModelConfig, is_image
+from app.runtime.models.transformer import (
     TransformerActorCritic,
     ffn_hidden,
     transformer_space_problem,
 )
+from app.runtime.seeds import seed_problem
+from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
 from app.runtime.video import render_problem
 from rlcomm import CommContext, LayoutPlan
 

@@ -11,7 +11,7 @@ trainer's module is trained in one of these ways, picked by the grid and ``loop.
   first, then the root: torchtitan's order).
 
 With sequence parallelism the module splits its window over SEQUENCE_PARALLEL (context
-parallelism, :meth:`app.runtime.transformer.TransformerActorCritic.context_parallel`) and data
+parallelism, :meth:`app.runtime.models.transformer.TransformerActorCritic.context_parallel`) and data
 parallelism spans data x sequence (torchtitan's ``dp_shard_cp``), since the sequence ranks hold
 the same parameters and each computes the replica's whole loss.
 

@@ -19,7 +19,7 @@ from app.runtime.algorithm import Algorithm, Segment, Spaces
 from app.runtime.envs.history import ObsHistory
 from app.runtime.envs.normalize import ReturnTracker, RunningNorm
 from app.runtime.envs.vector import EnvConfig, EnvError, make_vector_env
-from app.runtime.models import action_dtype, action_shape, obs_shape
+from app.runtime.models.actor_critic import action_dtype, action_shape, obs_shape
 from app.runtime.segments import Field, SegmentFormat
 
 # (episodic return, episode length) of one finished episode.

@@ -12,8 +12,8 @@ from torch import nn
 
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.handoff.sharded import ShardedHandOff
+from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.sharding import TrainedModule
-from app.runtime.transformer import TransformerActorCritic
 
 ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.envs.memory.masked_cartpole")
 

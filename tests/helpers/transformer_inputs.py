@@ -9,7 +9,7 @@ from gymnasium import spaces as gym_spaces
 from torch import Tensor
 
 from app.runtime.algorithm import Spaces
-from app.runtime.transformer import TransformerActorCritic
+from app.runtime.models.transformer import TransformerActorCritic
 
 OBS_DIM, CONTEXT, WIDTH, HEADS = 3, 4, 16, 4
 DISCRETE = Spaces(gym_spaces.Box(-1.0, 1.0, (OBS_DIM,), np.float32), gym_spaces.Discrete(3))

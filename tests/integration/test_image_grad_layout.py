@@ -6,7 +6,7 @@ Nature CNN's input is a permuted HWC view with channels_last strides, so oneDNN 
 convolution's weight gradient [32, 1, 8, 8] in channels_last strides (64, 1, 8, 1). Autograd keeps
 it (only the size-1 dimension's stride differs), but the parameter, a view of the weights' send
 buffer since ``WeightSender.bind`` (contiguous (64, 64, 8, 1)), is what DDP's bucket views copy,
-and the reducer compares strides exactly. app/runtime/models.py restrides such gradients.
+and the reducer compares strides exactly. app/runtime/models/actor_critic.py restrides such gradients.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from app.runtime.algorithm import Spaces
-from app.runtime.models import ActorCritic
+from app.runtime.models.actor_critic import ActorCritic
 from rlcomm import CommContext, ParallelMode
 from rlcomm.testing import run_ranks
 from rlcomm.weights import WeightReceiver, WeightSender

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 def _send_a_changed_policy(rank: int, world_size: int) -> str:
     from app.loops.ppo import policy_receiver
     from app.runtime.envs.vector import EnvConfig, probe_spaces
-    from app.runtime.models import ActorCritic
+    from app.runtime.models.actor_critic import ActorCritic
     from rlcomm import CommContext, ParallelMode
     from rlcomm.weights import WeightSender, WeightTransferError
 

@@ -15,13 +15,13 @@ from torch import Tensor
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Segment, UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
+from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.sharding import (
     TrainedModule,
     TrainerGrid,
     replica_rank,
     share_replica_segments,
 )
-from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks

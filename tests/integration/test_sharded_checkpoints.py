@@ -37,8 +37,8 @@ from app.runtime.checkpoints import (
     resume_mismatch,
 )
 from app.runtime.envs.vector import EnvConfig, probe_spaces
+from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.sharding import TrainedModule
-from app.runtime.transformer import TransformerActorCritic
 from rlcomm import CommContext, LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import run_ranks
 

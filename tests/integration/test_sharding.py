@@ -13,8 +13,8 @@ import torch
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Segment, UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
+from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
-from app.runtime.transformer import TransformerActorCritic
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 from rlcomm import LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import free_port, planned_context, run_ranks

@@ -1,4 +1,4 @@
-"""The transformer policy's tensor-parallel plan (app/runtime/transformer.py) on two real gloo
+"""The transformer policy's tensor-parallel plan (app/runtime/models/transformer.py) on two real gloo
 ranks: evaluate, gradients, act, clipping and an Adam step match the unsharded model. The
 policy, its plan's checks and its inputs in this process are tests/unit/test_transformer.py."""
 
@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from app.runtime.transformer_tp import tensor_parallel_plan
+from app.runtime.models.transformer_tp import tensor_parallel_plan
 from rlcomm.testing import run_ranks
 from tests.helpers.transformer_inputs import (
     BOX,

@@ -11,7 +11,7 @@ from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime.algorithm import Spaces
 from app.runtime.envs.vector import EnvConfig
 from app.runtime.episodes import run_episodes
-from app.runtime.transformer import TransformerActorCritic
+from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.worker import Agent
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The runtime's acting modules (app/runtime/models.py) and normalisers (app/runtime/envs/normalize.py)."""
+"""The runtime's acting modules (app/runtime/models/actor_critic.py) and normalisers (app/runtime/envs/normalize.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.distributions import Categorical, Normal
 
 from app.runtime.algorithm import Spaces
 from app.runtime.envs.normalize import ReturnTracker, RunningNorm
-from app.runtime.models import (
+from app.runtime.models.actor_critic import (
     ActorCritic,
     action_dtype,
     action_shape,

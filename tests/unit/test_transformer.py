@@ -1,4 +1,4 @@
-"""The transformer policy (app/runtime/transformer.py) and its tensor-parallel plan, the
+"""The transformer policy (app/runtime/models/transformer.py) and its tensor-parallel plan, the
 observation windows it reads (app/runtime/envs/history.py) and the memory task
 (app/runtime/envs/memory.py), in this process. The plan on two real gloo ranks is
 tests/integration/test_transformer.py."""
@@ -28,13 +28,13 @@ from app.runtime.envs.memory import (
     masked_cartpole,
     register_memory_envs,
 )
-from app.runtime.transformer import (
+from app.runtime.models.transformer import (
     TransformerActorCritic,
     check_tensor_parallel,
     ffn_hidden,
     transformer_space_problem,
 )
-from app.runtime.transformer_tp import tensor_parallel_plan
+from app.runtime.models.transformer_tp import tensor_parallel_plan
 from tests.helpers.transformer_inputs import (
     BOX,
     CONTEXT,

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from app.api import setting
 from app.runtime import Algorithm, AlgorithmSettings, Record, Segment, Spaces, UpdateInfo
-from app.runtime.models import ActorCritic, space_problem
+from app.runtime.models.actor_critic import ActorCritic, space_problem
 
 
 @dataclass

@@ -30,7 +30,7 @@ from app.runtime.algorithm import (
     Spaces,
     UpdateInfo,
 )
-from app.runtime.models import ActorCritic, space_problem
+from app.runtime.models.actor_critic import ActorCritic, space_problem
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The window of recent observations a collecting rank keeps per env, for a policy with memory
-(:class:`app.runtime.transformer.TransformerActorCritic`).
+(:class:`app.runtime.models.transformer.TransformerActorCritic`).
 
 Each env's window holds its last ``context`` observations of the current episode, oldest first,
 newest last, each with a validity flag as its last feature: 1.0 for a real step, 0.0 for the

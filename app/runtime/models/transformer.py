@@ -4,14 +4,14 @@ The policy sees the last ``context`` observations of one env, oldest first, each
 flag (what :class:`app.runtime.envs.history.ObsHistory` keeps): ``[*B, context, obs_dim + 1]``.
 Pre-norm blocks with SwiGLU feed-forwards (named as torchtitan's Llama, so the plan reads alike)
 attend over the valid steps only; the actor and critic heads read the newest position. Its
-public methods are :class:`app.runtime.models.ActorCritic`'s.
+public methods are :class:`app.runtime.models.actor_critic.ActorCritic`'s.
 
 :meth:`TransformerActorCritic.context_parallel` splits the window over a SEQUENCE_PARALLEL group
 (context parallelism, for training): each rank runs the blocks on its contiguous chunk, its
 queries attend to the whole window's keys and values (:func:`gather_window`), and the newest
 position, on the last chunk, reaches every rank's heads.
 
-Its tensor-parallel plan lives in :mod:`app.runtime.transformer_tp`, imported only where a grid
+Its tensor-parallel plan lives in :mod:`app.runtime.models.transformer_tp`, imported only where a grid
 splits the model.
 """
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 from app.runtime.algorithm import Spaces
-from app.runtime.models import action_shape, mode, sample, space_problem
+from app.runtime.models.actor_critic import action_shape, mode, sample, space_problem
 
 __all__ = [
     "TransformerActorCritic",
@@ -49,7 +49,7 @@ SEQ_DIM = 1  # the blocks run on [B, context, width]
 
 def transformer_space_problem(spaces: Spaces) -> str | None:
     """Why :class:`TransformerActorCritic` cannot handle ``spaces``, or None; one line, as
-    :func:`app.runtime.models.space_problem`."""
+    :func:`app.runtime.models.actor_critic.space_problem`."""
     obs = spaces.observation
     if not isinstance(obs, gym_spaces.Box) or len(obs.shape) != 1:
         return (f"observation space {obs} is not supported by the transformer policy "
@@ -213,7 +213,7 @@ class TransformerActorCritic(nn.Module):
 
     Observations are ``[*B, context, obs_dim + 1]`` (:attr:`history_shape`), oldest first, the
     last feature 1.0 for a real step and 0.0 for padding. Actions as
-    :class:`app.runtime.models.ActorCritic`: Discrete is categorical, Box a diagonal Gaussian
+    :class:`app.runtime.models.actor_critic.ActorCritic`: Discrete is categorical, Box a diagonal Gaussian
     with a state-independent ``actor_logstd`` [1, act_dim], sampled unclipped.
     ``forward(obs, action)`` is :meth:`evaluate`. Every parameter is drawn from the global RNG
     in construction order, so ranks that seed alike build the same weights.
@@ -337,8 +337,8 @@ class TransformerActorCritic(nn.Module):
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
         """The runtime's plan for this policy (app/runtime/sharding.py): the blocks split as
-        :func:`app.runtime.transformer_tp.tensor_parallel_plan` does, every other part
+        :func:`app.runtime.models.transformer_tp.tensor_parallel_plan` does, every other part
         replicated."""
-        from app.runtime.transformer_tp import tensor_parallel_plan
+        from app.runtime.models.transformer_tp import tensor_parallel_plan
 
         return tensor_parallel_plan(self, replicate_rest=True)

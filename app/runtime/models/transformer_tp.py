@@ -1,4 +1,4 @@
-"""The transformer policy's tensor-parallel plan (app/runtime/transformer.py): torchtitan's Llama
+"""The transformer policy's tensor-parallel plan (app/runtime/models/transformer.py): torchtitan's Llama
 plan over TENSOR_PARALLEL, with sequence parallelism for its norms, and the style that keeps
 every other part replicated. Imported only where a grid splits the model: torch's DTensor styles
 take most of a second to import, which every launch and rank would otherwise pay."""
@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 if TYPE_CHECKING:
-    from app.runtime.transformer import TransformerActorCritic
+    from app.runtime.models.transformer import TransformerActorCritic
 
 
 class ReplicateParallel(ParallelStyle):
