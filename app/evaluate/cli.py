@@ -26,7 +26,7 @@ from app.api import ConfigError
 from app.config import build_loop
 from app.evaluate.export import export_policy
 from app.runtime.algorithm import Spaces
-from app.runtime.checkpoints import load_policy_state, newest_valid_checkpoint
+from app.runtime.checkpoints.checkpoint import load_policy_state, newest_valid_checkpoint
 from app.runtime.envs.vector import EnvError, probe_spaces
 from app.runtime.episodes import Episodes, run_episodes
 from app.runtime.video import render_problem

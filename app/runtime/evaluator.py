@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from app.api import ConfigError
-from app.runtime.checkpoints import CHECKPOINT_DIR, load_checkpoint, save_checkpoint
+from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR, load_checkpoint, save_checkpoint
 from app.runtime.video import headless
 from rlcomm import CommContext, ParallelMode, collectives
 

@@ -31,7 +31,7 @@ from app.output.logs import write_console
 from app.output.progress import StopRule
 from app.output.tensorboard import SUBDIR, check_tensorboard
 from app.runtime.algorithm import Algorithm, AlgorithmSettings, Spaces
-from app.runtime.checkpoints import (
+from app.runtime.checkpoints.checkpoint import (
     CHECKPOINT_DIR,
     newest_valid_checkpoint,
     policy_shapes,

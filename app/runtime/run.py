@@ -25,13 +25,13 @@ from app.output.learning_curve import plot_learning_curve
 from app.output.progress import RunProgress, Snapshot
 from app.output.tensorboard import ScalarLog
 from app.runtime.algorithm import Segment, UpdateInfo
-from app.runtime.checkpoint_shards import save_sharded_checkpoint
-from app.runtime.checkpoints import (
+from app.runtime.checkpoints.checkpoint import (
     load_sharded_checkpoint,
     resume_source,
     run_settings,
     save_checkpoint,
 )
+from app.runtime.checkpoints.shards import save_sharded_checkpoint
 from app.runtime.evaluator import Evaluations, evaluation_row
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import (
@@ -436,7 +436,7 @@ class RuntimeRun:
         if not self.is_trainer or self.optimizer is None or self.trained is None:
             return
         record = self._checkpoint_record()
-        if self.trained.sharded:  # each trainer writes its own shards (checkpoints.py)
+        if self.trained.sharded:  # each trainer writes its own shards (checkpoints/shards.py)
             save_sharded_checkpoint(self.job.run_dir, self.trained, self.optimizer,
                                     self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL), **record)
             return
@@ -469,7 +469,7 @@ class RuntimeRun:
             return
         source, state = picked.path, picked.state
         if self.trained is not None and self.optimizer is not None:
-            if picked.sharded:  # resharded into this grid (checkpoints.py)
+            if picked.sharded:  # resharded into this grid (checkpoints/checkpoint.py)
                 load_sharded_checkpoint(source, self.trained, self.optimizer,
                                         self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL))
             else:

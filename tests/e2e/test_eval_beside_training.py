@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from app.runtime.checkpoints import load_checkpoint
+from app.runtime.checkpoints.checkpoint import load_checkpoint
 from tests.helpers.apprun import describe, metrics, read_result, run_app
 from tests.helpers.videos import read_frames
 

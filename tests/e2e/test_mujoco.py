@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from app.runtime.checkpoints import newest_valid_checkpoint
+from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint
 from tests.helpers.apprun import describe, metrics, read_result, run_app
 from tests.helpers.videos import read_frames
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.runtime.checkpoints import newest_valid_checkpoint
+from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint
 from tests.helpers.apprun import describe, metrics, read_result, run_app
 
 SMALL = ("loop.hparams.num_envs=4", "loop.hparams.num_steps=64", "loop.progress=false")

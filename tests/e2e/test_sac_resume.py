@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.runtime.checkpoints import load_checkpoint
+from app.runtime.checkpoints.checkpoint import load_checkpoint
 from tests.helpers.apprun import describe, metrics, run_app
 
 pytestmark = pytest.mark.e2e

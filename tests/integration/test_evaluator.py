@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from app.loops.ppo import PPOLoop
-from app.runtime.checkpoints import load_checkpoint
+from app.runtime.checkpoints.checkpoint import load_checkpoint
 from app.runtime.episodes import run_episodes
 from app.runtime.evaluator import BEST, Evaluation, Evaluations
 from app.runtime.worker import Agent

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (app/runtime/checkpoints.py, docs/sharding.md): each trainer writes its
+"""Sharded checkpoints (app/runtime/checkpoints/checkpoint.py, docs/sharding.md): each trainer writes its
 own shards with torch.distributed.checkpoint, a checkpoint reshards into another grid (DDP
 too), one process reads the whole policy without a process group, and every promise of a
 checkpoint holds for the folder form (checksums, a corrupt newest one skipped and named, named
@@ -23,8 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from app.api import ConfigError
 from app.launch.failures import write_error_line
-from app.runtime.checkpoint_shards import save_sharded_checkpoint
-from app.runtime.checkpoints import (
+from app.runtime.checkpoints.checkpoint import (
     STATE_FILE,
     file_digest,
     find_checkpoint,
@@ -36,6 +35,7 @@ from app.runtime.checkpoints import (
     policy_shapes,
     resume_mismatch,
 )
+from app.runtime.checkpoints.shards import save_sharded_checkpoint
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.sharding import TrainedModule

@@ -1,4 +1,4 @@
-"""An off-policy algorithm's state in checkpoints (app/runtime/checkpoints.py,
+"""An off-policy algorithm's state in checkpoints (app/runtime/checkpoints/checkpoint.py,
 app/runtime/offpolicy.py): the replay's counters and the learner's step count round-trip through
 a verified checkpoint, a resumed shard refills to min_size before the learner steps again, and a
 checkpoint of an algorithm without such state (PPO) holds no ``algorithm`` entry."""
@@ -14,7 +14,7 @@ from gymnasium import spaces as gym_spaces
 from app.loops.dqn import DQN, DQNSettings
 from app.runtime import Spaces, UpdateInfo
 from app.runtime.algorithm import Segment
-from app.runtime.checkpoints import newest_valid_checkpoint, save_checkpoint
+from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint, save_checkpoint
 from app.runtime.replay import ReplaySettings
 
 pytestmark = pytest.mark.unit

@@ -17,7 +17,7 @@ import torch
 from app.api import ConfigError
 from app.loops.ppo import PPOLoop
 from app.loops.ppo.core import PPOSettings, make_optimizer
-from app.runtime.checkpoints import (
+from app.runtime.checkpoints.checkpoint import (
     load_checkpoint,
     newest_valid_checkpoint,
     policy_shapes,

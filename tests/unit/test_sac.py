@@ -29,7 +29,7 @@ from app.loops.sac import (
     squashed_log_prob,
 )
 from app.runtime.algorithm import Segment, Spaces, UpdateInfo
-from app.runtime.checkpoints import newest_valid_checkpoint, save_checkpoint
+from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint, save_checkpoint
 from app.runtime.offpolicy import soft_update
 from app.runtime.replay import Batch, ReplaySettings
 from tests.helpers.apprun import REPO

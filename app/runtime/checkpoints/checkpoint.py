@@ -5,7 +5,7 @@ optimizer, the counters, the episodes and the metrics rows. It takes one of two 
 - ``<run dir>/checkpoints/ckpt_<update>.pt``, one file by rank 0, when the trainers use DDP;
 - ``<run dir>/checkpoints/ckpt_<update>/``, a folder, when the trainers shard it: each
   trainer's DCP shards and rank 0's ``state.pt`` with the rest and every file's SHA-256
-  (written by app/runtime/checkpoint_shards.py). A resume reshards into whatever grid it runs
+  (written by app/runtime/checkpoints/shards.py). A resume reshards into whatever grid it runs
   on (DDP too); :func:`load_policy_state` reads the policy on one process.
 
 A checkpoint proves itself: it carries a SHA-256 of its content (every tensor's bytes and every
@@ -35,7 +35,7 @@ import torch
 
 from app.api import ConfigError, JobInfo
 from app.output.logs import FILE_ONLY
-from app.runtime.durable import remove_stale, sync_folder, write_synced
+from app.runtime.checkpoints.durable import remove_stale, sync_folder, write_synced
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:

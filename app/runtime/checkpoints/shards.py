@@ -1,4 +1,4 @@
-"""Writing a sharded checkpoint (app/runtime/checkpoints.py reads it, and writes the one-file
+"""Writing a sharded checkpoint (app/runtime/checkpoints/checkpoint.py reads it, and writes the one-file
 form): every trainer writes its own shards with ``torch.distributed.checkpoint`` into
 ``ckpt_<update>.tmp/``, the trainers hash the files in turn, and the first one writes
 ``state.pt`` and renames the folder into place."""
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from app.runtime.checkpoints import (
+from app.runtime.checkpoints.checkpoint import (
     CHECKPOINT_DIR,
     SHARDED_FORMAT,
     STATE_FILE,
@@ -23,7 +23,7 @@ from app.runtime.checkpoints import (
     named_write_error,
     policy_shapes,
 )
-from app.runtime.durable import remove_stale, sync_folder, write_synced
+from app.runtime.checkpoints.durable import remove_stale, sync_folder, write_synced
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

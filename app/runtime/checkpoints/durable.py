@@ -1,5 +1,5 @@
 """Files a crash cannot leave half-written: written aside, synced, then renamed by the caller
-(the checkpoints: app/runtime/checkpoints.py, app/runtime/checkpoint_shards.py)."""
+(the checkpoints: app/runtime/checkpoints/checkpoint.py, app/runtime/checkpoints/shards.py)."""
 
 from __future__ import annotations
 
