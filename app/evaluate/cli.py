@@ -28,8 +28,8 @@ from app.evaluate.export import export_policy
 from app.runtime.algorithm import Spaces
 from app.runtime.checkpoints.checkpoint import load_policy_state, newest_valid_checkpoint
 from app.runtime.envs.vector import EnvError, probe_spaces
-from app.runtime.episodes import Episodes, run_episodes
-from app.runtime.video import render_problem
+from app.runtime.evaluation.episodes import Episodes, run_episodes
+from app.runtime.evaluation.video import render_problem
 from app.runtime.worker import Agent
 
 CONFIG = Path(".hydra") / "config.yaml"

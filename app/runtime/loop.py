@@ -39,6 +39,7 @@ from app.runtime.checkpoints.checkpoint import (
     run_settings,
 )
 from app.runtime.envs.vector import EnvConfig, check_env_names, ensure_registered, probe_spaces
+from app.runtime.evaluation.video import render_problem
 from app.runtime.models.actor_critic import ModelConfig, is_image
 from app.runtime.models.transformer import (
     TransformerActorCritic,
@@ -47,7 +48,6 @@ from app.runtime.models.transformer import (
 )
 from app.runtime.seeds import seed_problem
 from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
-from app.runtime.video import render_problem
 from rlcomm import CommContext, LayoutPlan
 
 STOP_ON = ("train", "eval")

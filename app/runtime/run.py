@@ -32,7 +32,7 @@ from app.runtime.checkpoints.checkpoint import (
     save_checkpoint,
 )
 from app.runtime.checkpoints.shards import save_sharded_checkpoint
-from app.runtime.evaluator import Evaluations, evaluation_row
+from app.runtime.evaluation.evaluator import Evaluations, evaluation_row
 from app.runtime.handoff import HandOffSettings, Round, build_hand_off
 from app.runtime.records import (
     MetricsFile,

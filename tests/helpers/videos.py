@@ -1,4 +1,4 @@
-"""Reading back the mp4 files a run or an evaluation recorded (tests of app/runtime/video.py)."""
+"""Reading back the mp4 files a run or an evaluation recorded (tests of app/runtime/evaluation/video.py)."""
 
 from __future__ import annotations
 

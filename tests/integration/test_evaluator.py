@@ -1,4 +1,4 @@
-"""Evaluation beside training (app/runtime/evaluator.py): the background evaluation process on
+"""Evaluation beside training (app/runtime/evaluation/evaluator.py): the background evaluation process on
 a real CartPole policy, shared over a real one-rank gloo group, and ``checkpoints/best``."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from app.loops.ppo import PPOLoop
 from app.runtime.checkpoints.checkpoint import load_checkpoint
-from app.runtime.episodes import run_episodes
-from app.runtime.evaluator import BEST, Evaluation, Evaluations
+from app.runtime.evaluation.episodes import run_episodes
+from app.runtime.evaluation.evaluator import BEST, Evaluation, Evaluations
 from app.runtime.worker import Agent
 from rlcomm import CommContext, ParallelMode
 from rlcomm.plan import LayoutSpec, plan_layout
@@ -124,7 +124,7 @@ def test_a_resumed_run_replaces_the_best_checkpoint_only_with_a_better_one(
 _KILLED_RANK = """
 import os, signal, sys
 from app.loops.ppo import PPOLoop
-from app.runtime.evaluator import BackgroundEvaluator
+from app.runtime.evaluation.evaluator import BackgroundEvaluator
 evaluator = BackgroundEvaluator(PPOLoop(eval_every=1, eval_episodes=1))
 print(evaluator._process.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)

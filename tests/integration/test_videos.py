@@ -1,4 +1,4 @@
-"""Videos of whole episodes (app/runtime/video.py) rendered headless on real envs: classic
+"""Videos of whole episodes (app/runtime/evaluation/video.py) rendered headless on real envs: classic
 control through pygame, MuJoCo through EGL, and one line for an env that cannot render."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime.algorithm import Spaces
 from app.runtime.envs.vector import EnvConfig
-from app.runtime.episodes import run_episodes
-from app.runtime.video import render_problem
+from app.runtime.evaluation.episodes import run_episodes
+from app.runtime.evaluation.video import render_problem
 from app.runtime.worker import Agent
 from tests.helpers.videos import read_frames
 

@@ -1,4 +1,4 @@
-"""Whole evaluation episodes on one process (app/runtime/episodes.py), on real Gymnasium envs."""
+"""Whole evaluation episodes on one process (app/runtime/evaluation/episodes.py), on real Gymnasium envs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime.algorithm import Spaces
 from app.runtime.envs.vector import EnvConfig
-from app.runtime.episodes import run_episodes
+from app.runtime.evaluation.episodes import run_episodes
 from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.worker import Agent
 

@@ -1,7 +1,7 @@
 """Evaluation beside training (``loop.eval_every``): the lead trainer hands a copy of the weights
 it just made, the same whole weights the hand-off sends to rollout ranks, to a background
 process, which runs ``loop.eval_episodes`` whole episodes with the deterministic action on fresh
-environments (app/runtime/episodes.py) while training goes on.
+environments (app/runtime/evaluation/episodes.py) while training goes on.
 
 The process is spawned once per run, niced below the ranks (evaluation yields the CPU to
 training), and ends when its pipe closes: when the rank ends, however it ends. One evaluation
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from app.api import ConfigError
 from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR, load_checkpoint, save_checkpoint
-from app.runtime.video import headless
+from app.runtime.evaluation.video import headless
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class BackgroundEvaluator:
 def _serve(loop: RLLoop, conn: Connection) -> None:
     """The evaluation process: builds the policy once, then evaluates each weights it is sent
     until the pipe closes."""
-    from app.runtime.episodes import run_episodes
+    from app.runtime.evaluation.episodes import run_episodes
     from app.runtime.worker import Agent
 
     os.nice(_NICE)
