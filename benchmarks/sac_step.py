@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from app.loops.sac import SAC, SACSettings
 from app.runtime.algorithm import Spaces, UpdateInfo
-from app.runtime.replay import Batch
+from app.runtime.replay.buffer import Batch
 
 OBS, ACT, BATCH = 11, 3, 256  # Hopper-v5's observation and action sizes; CleanRL's batch
 GEMM = 256  # the hidden layers' width: a 256x256 by 256x256 product is the step's typical one

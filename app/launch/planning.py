@@ -88,8 +88,8 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppCo
 
 
 def _check_replay_ranks(plan: LayoutPlan, loop: Any) -> None:
-    """``layout.replay`` serves a loop that learns from a replay (app/runtime/offpolicy.py);
-    its rollout ranks may be static or elastic (app/runtime/replay_service.py)."""
+    """``layout.replay`` serves a loop that learns from a replay (app/runtime/replay/offpolicy.py);
+    its rollout ranks may be static or elastic (app/runtime/replay/service.py)."""
     if not plan.replay:
         return
     ranks = list(plan.replay)

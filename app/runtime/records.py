@@ -24,7 +24,7 @@ from rlcomm import CommContext, ParallelMode, collectives
 # metrics.csv's columns that count things: written as integers (``2048``, not ``2048.0``). They
 # come from the row below, the hand-off (``segments``, ``members``, ``epoch``, ``staleness``),
 # evaluations (app/runtime/evaluation/evaluator.py) and an off-policy update's replay
-# (app/runtime/offpolicy.py); a count averaged over the trainers that is not whole, or NaN in
+# (app/runtime/replay/offpolicy.py); a count averaged over the trainers that is not whole, or NaN in
 # a row without it, is written as it is.
 COUNT_COLUMNS = frozenset({
     "update", "env_steps", "episodes", "weights_version",

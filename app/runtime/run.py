@@ -42,7 +42,7 @@ from app.runtime.records import (
     time_split,
     update_row,
 )
-from app.runtime.replay_service import ReplayLink, collectors
+from app.runtime.replay.service import ReplayLink, collectors
 from app.runtime.seeds import env_seed, minibatch_seed
 from app.runtime.segments import with_episodes
 from app.runtime.sharding import (

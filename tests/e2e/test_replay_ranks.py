@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.loops.dqn import dqn_replay
-from app.runtime.offpolicy import REPLAY_FIGURES
+from app.runtime.replay.offpolicy import REPLAY_FIGURES
 from tests.helpers.apprun import describe, metrics, read_result, run_app
 
 pytestmark = pytest.mark.e2e

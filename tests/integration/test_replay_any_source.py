@@ -1,5 +1,5 @@
 """What a replay server's receive relies on with elastic rollout ranks
-(app/runtime/replay_service.py): on real gloo processes over 127.0.0.1, a receive from any rank
+(app/runtime/replay/service.py): on real gloo processes over 127.0.0.1, a receive from any rank
 of a group goes on receiving from the others when a member of the group is SIGKILLed, whether
 the dead one had sent before or not; only its own connection closes. The REPLAY group holds
 the rollout ranks, one of which may die while the replay server waits on it.

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.loops.sac import SAC, SACSettings
 from app.runtime import Spaces, UpdateInfo
-from app.runtime.replay import Batch
+from app.runtime.replay.buffer import Batch
 from rlcomm.testing import run_ranks
 
 pytestmark = pytest.mark.integration

@@ -14,8 +14,8 @@ from app.launch.planning import validate
 from app.loops.dqn import DQN, DQNLoop, DQNSettings, dqn_targets, epsilon_at
 from app.runtime import Spaces, UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
-from app.runtime.offpolicy import REPLAY_FIGURES
-from app.runtime.replay import ReplaySettings
+from app.runtime.replay.buffer import ReplaySettings
+from app.runtime.replay.offpolicy import REPLAY_FIGURES
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 from tests.helpers.apprun import REPO
 

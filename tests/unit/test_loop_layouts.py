@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from app.config.provenance import Choice, choice_for
 from app.errors import ConfigError
 from app.launch.planning import validate
-from app.runtime.replay import ReplaySettings
+from app.runtime.replay.buffer import ReplaySettings
 from tests.helpers.apprun import REPO
 
 pytestmark = pytest.mark.unit

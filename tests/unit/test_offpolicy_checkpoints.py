@@ -1,5 +1,5 @@
 """An off-policy algorithm's state in checkpoints (app/runtime/checkpoints/checkpoint.py,
-app/runtime/offpolicy.py): the replay's counters and the learner's step count round-trip through
+app/runtime/replay/offpolicy.py): the replay's counters and the learner's step count round-trip through
 a verified checkpoint, a resumed shard refills to min_size before the learner steps again, and a
 checkpoint of an algorithm without such state (PPO) holds no ``algorithm`` entry."""
 
@@ -15,7 +15,7 @@ from app.loops.dqn import DQN, DQNSettings
 from app.runtime import Spaces, UpdateInfo
 from app.runtime.algorithm import Segment
 from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint, save_checkpoint
-from app.runtime.replay import ReplaySettings
+from app.runtime.replay.buffer import ReplaySettings
 
 pytestmark = pytest.mark.unit
 

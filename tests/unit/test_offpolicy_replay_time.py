@@ -13,8 +13,8 @@ import torch
 from app.loops.dqn import DQN, DQNSettings
 from app.runtime import UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
-from app.runtime.offpolicy import REPLAY_FIGURES
-from app.runtime.replay import ReplaySettings
+from app.runtime.replay.buffer import ReplaySettings
+from app.runtime.replay.offpolicy import REPLAY_FIGURES
 from app.runtime.worker import Agent, RolloutWorker, as_segment
 
 pytestmark = pytest.mark.unit

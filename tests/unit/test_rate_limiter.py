@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.runtime.replay import RateLimiter
+from app.runtime.replay.buffer import RateLimiter
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""A trainer's view of the replay ranks' rate limiter (app/runtime/replay_service.py's
+"""A trainer's view of the replay ranks' rate limiter (app/runtime/replay/service.py's
 ``RemoteLimiter``): counted over the replay ranks' totals, the learner steps that admit the
 collectors' next inserts (what ``collector_wait_s`` times) are the steps each replay rank's own
 limiter asks for, with several replay ranks and several trainers."""
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from app.runtime.replay import RateLimiter, ReplaySettings
-from app.runtime.replay_service import RemoteLimiter, batch_shares
+from app.runtime.replay.buffer import RateLimiter, ReplaySettings
+from app.runtime.replay.service import RemoteLimiter, batch_shares
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The replay shard and its rate limiter (app/runtime/replay.py): n-step returns against a hand
+"""The replay shard and its rate limiter (app/runtime/replay/buffer.py): n-step returns against a hand
 computation, FIFO eviction, prioritized sampling against its distribution, importance weights,
 the settings' range checks and the limiter's ratio with a fast and a slow side."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.runtime.algorithm import Record, Segment
-from app.runtime.replay import RateLimiter, Replay, ReplaySettings
+from app.runtime.replay.buffer import RateLimiter, Replay, ReplaySettings
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Replay ranks with elastic rollout ranks, without processes (app/runtime/replay_service.py,
+"""Replay ranks with elastic rollout ranks, without processes (app/runtime/replay/service.py,
 docs/off-policy.md "On its own ranks"): the trainers write the collectors' segments on, so the
 replay ranks' writers are the trainers; every replay rank gets its share of each trainer's
 segments, however many trainers there are; and a segment a trainer was handed reaches the
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.runtime.algorithm import Segment
-from app.runtime.replay_service import (
+from app.runtime.replay.service import (
     collectors,
     forwarded_to,
     forwards,

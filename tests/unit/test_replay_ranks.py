@@ -1,7 +1,7 @@
 """The replay on its own ranks, without processes: ``layout.replay`` in the planner (a third
 role, its group, every error one line), the routing of collectors to replay ranks, the batch
 shares, a sampled batch's wire format, and the checks before launch
-(app/runtime/replay_service.py, docs/off-policy.md)."""
+(app/runtime/replay/service.py, docs/off-policy.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from app.errors import ConfigError
 from app.launch.planning import validate
 from app.runtime.algorithm import Record, Segment
-from app.runtime.replay import Replay, ReplaySettings
-from app.runtime.replay_service import (
+from app.runtime.replay.buffer import Replay, ReplaySettings
+from app.runtime.replay.service import (
     batch_format,
     batch_shares,
     collectors,

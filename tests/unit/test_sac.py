@@ -30,8 +30,8 @@ from app.loops.sac import (
 )
 from app.runtime.algorithm import Segment, Spaces, UpdateInfo
 from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint, save_checkpoint
-from app.runtime.offpolicy import soft_update
-from app.runtime.replay import Batch, ReplaySettings
+from app.runtime.replay.buffer import Batch, ReplaySettings
+from app.runtime.replay.offpolicy import soft_update
 from tests.helpers.apprun import REPO
 
 pytestmark = pytest.mark.unit

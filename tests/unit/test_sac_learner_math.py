@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from app.loops.sac import SAC, SACSettings
 from app.runtime.algorithm import Spaces, UpdateInfo
-from app.runtime.replay import Batch
+from app.runtime.replay.buffer import Batch
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 a target network, epsilon-greedy collectors, optionally double DQN and prioritized replay.
 
 The maths is in ``core.py`` (no ``torch.distributed``); the replay, the rate limiter and the
-update are app/runtime/offpolicy.py's, everything else the runtime's (docs/off-policy.md).
+update are app/runtime/replay/offpolicy.py's, everything else the runtime's (docs/off-policy.md).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from app.loops.dqn.core import (
     epsilon_at,
 )
 from app.runtime import Algorithm
-from app.runtime.offpolicy import OffPolicyLoop
-from app.runtime.replay import ReplaySettings
+from app.runtime.replay.buffer import ReplaySettings
+from app.runtime.replay.offpolicy import OffPolicyLoop
 
 __all__ = ["DQN", "DQNLoop", "DQNSettings", "QNetwork", "apex_epsilon", "dqn_replay", "dqn_targets",
            "epsilon_at"]

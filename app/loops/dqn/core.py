@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from app.api import setting
 from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
-from app.runtime.offpolicy import OffPolicyAlgorithm, hard_update
-from app.runtime.replay import Batch, ReplaySettings
+from app.runtime.replay.buffer import Batch, ReplaySettings
+from app.runtime.replay.offpolicy import OffPolicyAlgorithm, hard_update
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ twin Q-networks with Polyak targets and automatic entropy tuning, CleanRL
 ``sac_continuous_action.py``'s defaults.
 
 The maths is in ``core.py`` (no ``torch.distributed``); the replay, the rate limiter and the
-update are app/runtime/offpolicy.py's, everything else the runtime's (docs/off-policy.md).
+update are app/runtime/replay/offpolicy.py's, everything else the runtime's (docs/off-policy.md).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from app.loops.sac.core import (
     squashed_log_prob,
 )
 from app.runtime import Algorithm
-from app.runtime.offpolicy import OffPolicyLoop
-from app.runtime.replay import ReplaySettings
+from app.runtime.replay.buffer import ReplaySettings
+from app.runtime.replay.offpolicy import OffPolicyLoop
 
 __all__ = ["SAC", "SACLoop", "SACModule", "SACSettings", "actor_loss", "alpha_loss",
            "sac_replay", "soft_q_targets", "squashed_log_prob"]

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from app.api import setting
 from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
-from app.runtime.offpolicy import OffPolicyAlgorithm, average_over_trainers, soft_update
-from app.runtime.replay import Batch, ReplaySettings
+from app.runtime.replay.buffer import Batch, ReplaySettings
+from app.runtime.replay.offpolicy import OffPolicyAlgorithm, average_over_trainers, soft_update
 
 # CleanRL's bounds on the actor's log standard deviation.
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0

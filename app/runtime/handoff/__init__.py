@@ -57,7 +57,7 @@ def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_for
     plan = job.plan
     rank = ctx.get_global_rank()
     trainer = rank in plan.trainers
-    if rank in plan.replay:  # it serves the replay (app/runtime/replay_service.py)
+    if rank in plan.replay:  # it serves the replay (app/runtime/replay/service.py)
         if not plan.colocated and plan.elastic_rollouts:
             assert served is not None, "a replay rank's hand-off waits for its server"
             return ElasticReplayRankHandOff(ctx, plan, served)

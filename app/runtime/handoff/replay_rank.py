@@ -1,6 +1,6 @@
 """A replay rank's part in the hand-off (``layout.replay``): no segments, no weights.
 
-Its serving thread (app/runtime/replay_service.py) holds the replay; its main thread follows
+Its serving thread (app/runtime/replay/service.py) holds the replay; its main thread follows
 the run as the other ranks do, so that every rank stops at the same update. With static rollout
 ranks it shares its (no) episodes over GLOBAL each update and learns everyone's
 (:class:`ReplayRankHandOff`). With elastic rollout ranks nothing spans every rank once the run

@@ -4,7 +4,7 @@ An :class:`OffPolicyAlgorithm` declares what a transition records (the ``records
 algorithm has), how it explores (``act``) and acts greedily (``greedy``), and one gradient step
 on a sampled batch (:meth:`OffPolicyAlgorithm.learn`), which may return new priorities. Its
 update, written once here, inserts the segments the runtime hands the trainer into the trainer's
-replay shard (app/runtime/replay.py), asks the rate limiter how many learner steps the ratio
+replay shard (app/runtime/replay/buffer.py), asks the rate limiter how many learner steps the ratio
 allows, agrees on the fewest over the trainers (every DDP rank must run as many backward
 passes), and samples, learns and feeds priorities back that many times. The runtime, PPO and
 V-trace are untouched: to them this is one more update.
@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from app.api import ConfigError, LoopMetrics, setting
 from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
 from app.runtime.loop import RLLoop, _plain
-from app.runtime.replay import Batch, RateLimiter, Replay, ReplaySettings
+from app.runtime.replay.buffer import Batch, RateLimiter, Replay, ReplaySettings
 
 if TYPE_CHECKING:
     from rlcomm import LayoutPlan
@@ -84,7 +84,7 @@ class OffPolicyAlgorithm(Algorithm[S]):
 
     def use_replay(self, replay: Replay, limiter: RateLimiter) -> None:
         """Learn from ``replay`` under ``limiter`` instead of a shard of this trainer's own:
-        the replay on its own ranks (app/runtime/replay_service.py)."""
+        the replay on its own ranks (app/runtime/replay/service.py)."""
         self._replay, self._limiter = replay, limiter
 
     @property

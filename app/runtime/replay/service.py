@@ -1,13 +1,13 @@
 """The replay on its own ranks (``layout.replay``, Ape-X's replay server), point to point over
 the REPLAY group rlcomm creates.
 
-Where the replay lives is a layout decision; the algorithm (app/runtime/offpolicy.py) does not
+Where the replay lives is a layout decision; the algorithm (app/runtime/replay/offpolicy.py) does not
 change. With replay ranks:
 
 - a collector (a rollout rank, or a colocated trainer) writes each packed segment to its
   replay rank, collector i to ``layout.replay[i mod R]`` (:func:`replay_rank_of`), as segments
   are routed to trainers;
-- each replay rank holds one :class:`~app.runtime.replay.Replay` shard (``loop.replay.capacity``
+- each replay rank holds one :class:`~app.runtime.replay.buffer.Replay` shard (``loop.replay.capacity``
   per replay rank), makes the n-step transitions and keeps the priorities, in a serving thread
   (:class:`ReplayServer`), while its main thread follows the run's episodes and stop decision
   as a rollout rank without envs does (app/runtime/handoff/replay_rank.py);
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from app.runtime.algorithm import Record, Segment
-from app.runtime.replay import Batch, RateLimiter, Replay, ReplaySettings
+from app.runtime.replay.buffer import Batch, RateLimiter, Replay, ReplaySettings
 from app.runtime.segments import EPISODE_FIELDS, Field, SegmentFormat
 from app.runtime.worker import MOMENTS, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode
@@ -120,7 +120,7 @@ def packed_again(form: SegmentFormat, segment: Segment) -> Tensor:
 def batch_format(segment_format: SegmentFormat, records: Sequence[str],
                  count: int) -> SegmentFormat:
     """``count`` sampled transitions and the replay rank's figures, as one byte buffer: each
-    field as the replay makes it from a segment's (app/runtime/replay.py)."""
+    field as the replay makes it from a segment's (app/runtime/replay/buffer.py)."""
     fields = segment_format.fields
 
     def rows(name: str) -> Field:
@@ -314,7 +314,7 @@ class RemoteReplay(Replay):
             start += share
 
     def priority_spread(self) -> float:
-        """The replay ranks' mean spread (app/runtime/replay.py's ``priority_spread``)."""
+        """The replay ranks' mean spread (app/runtime/replay/buffer.py's ``priority_spread``)."""
         return float(sum(float(f[3]) for f in self.figures.values()) / len(self.figures))
 
     def state_dict(self) -> dict[str, Any]:
@@ -377,7 +377,7 @@ class ReplayLink:
             self.target = replay_rank_of(plan, rank)
         uses = self.target is not None or rank in plan.trainers or rank in plan.replay
         if not (plan.replay and uses):
-            # No replay ranks (a replay per trainer, app/runtime/offpolicy.py), or an elastic
+            # No replay ranks (a replay per trainer, app/runtime/replay/offpolicy.py), or an elastic
             # rollout rank, which may have joined the running job without any static group.
             return
         self.group = ctx.get_group(ParallelMode.REPLAY)
