@@ -6,12 +6,12 @@ verification, observation and reward normalisation, the stop rule, checkpoints, 
 of the run. An algorithm plugs in four things (:mod:`app.runtime.algorithm`) and becomes a loop
 by subclassing :class:`RLLoop` (docs/custom-algorithm.md).
 
-Modules, in the order a run uses them: ``loop.py`` (the settings, checked before any rank
-starts), ``envs.py``, ``models.py`` and ``transformer.py`` (the policies), ``history.py``,
-``normalize.py``, ``worker.py`` (collecting), ``segments.py`` (a segment's bytes),
-``sharding.py`` (what a trainer trains), ``handoff/`` (what moves between trainers and rollout
-ranks: one interface, the implementation the plan picks), ``run.py`` (one rank's loop),
-``records.py`` and ``checkpoints.py``.
+Modules and folders, in the order a run uses them: ``loop.py`` (the settings, checked before any
+rank starts), ``envs/`` (environments, their normalisation and observation history), ``models/``
+(the policies), ``worker.py`` (collecting), ``segments.py`` (a segment's bytes), ``sharding.py``
+(what a trainer trains), ``handoff/`` (what moves between trainers and rollout ranks: one
+interface, the implementation the plan picks), ``replay/`` (off-policy algorithms' replay),
+``run.py`` (one rank's loop), ``evaluation/``, ``records.py`` and ``checkpoints/``.
 """
 
 from app.runtime.algorithm import (
