@@ -15,8 +15,11 @@ import re
 PEER_CLOSED = ("Connection closed by peer", "Connection reset by peer")
 # gloo's advice after a failed transfer ("typically caused by a remote worker crashing").
 REMOTE_WORKER = "remote worker"
-# No answer within the group's timeout: a peer stopped, or its link went down.
-TIMED_OUT = ("Timed out", "timed out")
+# No answer within the group's timeout: a peer stopped, or its link went down. The operation
+# whose deadline passes first says "Timed out waiting ...ms"; another one on the same pair, which
+# the timeout then closed, says "Application timeout caused pair closure" (which of the two a
+# rank sees first is a race between its operations).
+TIMED_OUT = ("Timed out", "timed out", "Application timeout caused pair closure")
 # A connection that ended at either end (a send into a closed socket: a broken pipe).
 CONNECTION_ENDED = ("Connection closed", "Connection reset", "Broken pipe")
 # How gloo names a peer: ``[address]:port``.
