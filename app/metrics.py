@@ -4,8 +4,9 @@ Each loop declares the figures it reports on its class (``metrics``, an
 :class:`app.api.LoopMetrics`); the app declares the ones it adds to every job
 (:data:`APP_METRICS`, app/launch/rank.py). ``sweep.rank_by`` is checked against the configured
 loop's and the app's before any job starts (app/launch/planning.py), and the sweep report
-ranks by it (app/sweep/). Both read this catalogue, so neither imports the other. Per-group figures are named ``<metric>:<group>``,
-e.g. commcheck's ``latency_us:WEIGHT_TRANSFER[0,2]``; their direction is the base name's.
+ranks by it (app/sweep/). Both read this catalogue, so neither imports the other. Per-group
+figures are named ``<metric>:<group>``, e.g. commcheck's ``latency_us:WEIGHT_TRANSFER[0,2]``;
+their direction is the base name's.
 """
 
 from __future__ import annotations

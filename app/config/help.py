@@ -69,7 +69,8 @@ def _loop_layout_lines(root: DictConfig) -> list[str]:
         return []
     own = [f"{loop} {c.option}" for loop, c in layouts.items() if c.chosen_by != "app"]
     app_default = {c.option for c in layouts.values() if c.chosen_by == "app"}
-    rest = f"; the others {', '.join(sorted(app_default))} (the app's default)" if app_default else ""
+    others = ", ".join(sorted(app_default))
+    rest = f"; the others {others} (the app's default)" if app_default else ""
     return [f"  (each loop's layout unless layout=... is given: {', '.join(own) or 'none own one'}"
             f"{rest})"]
 

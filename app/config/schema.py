@@ -99,7 +99,8 @@ class LauncherConfig:
 
 @dataclass
 class SweepConfig:
-    """How a ``--multirun`` is summarised (app/hydra/sweep_summary.py, app/sweep/summary.py, app/sweep/report.py)."""
+    """How a ``--multirun`` is summarised (app/hydra/sweep_summary.py, app/sweep/summary.py,
+    app/sweep/report.py)."""
 
     rank_by: str | None = setting(
         None, "metric to rank sweep jobs by: one the loop declares (its `metrics`) or the app's "

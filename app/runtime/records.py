@@ -176,8 +176,9 @@ def replay_result(rows: list[dict[str, float]]) -> dict[str, Any]:
 
 class MetricsFile:
     """``metrics.csv``, one row appended and written through per update, so a run that fails
-    keeps every row it recorded before. Counts (:data:`COUNT_COLUMNS`) are written as integers. A write that fails (a full disk) is cut back to the last
-    whole row and re-raised naming the file.
+    keeps every row it recorded before. Counts (:data:`COUNT_COLUMNS`) are written as integers.
+    A write that fails (a full disk) is cut back to the last whole row and re-raised naming the
+    file.
 
     ``rows``: the rows recorded before this attempt (a resume in the same run dir): the file is
     rewritten with them aside and renamed, so the old file stays whole until the new one is."""

@@ -10,10 +10,10 @@ trainer's module is trained in one of these ways, picked by the grid and ``loop.
 - ``fsdp``: the tensor-parallel plan if any, then ``fully_shard`` over DATA_PARALLEL (each block
   first, then the root: torchtitan's order).
 
-With sequence parallelism the module splits its window over SEQUENCE_PARALLEL (context
-parallelism, :meth:`app.runtime.models.transformer.TransformerActorCritic.context_parallel`) and data
-parallelism spans data x sequence (torchtitan's ``dp_shard_cp``), since the sequence ranks hold
-the same parameters and each computes the replica's whole loss.
+With sequence parallelism the module splits its window over SEQUENCE_PARALLEL (context parallelism,
+:meth:`app.runtime.models.transformer.TransformerActorCritic.context_parallel`) and data parallelism
+spans data x sequence (torchtitan's ``dp_shard_cp``), since the sequence ranks hold the same
+parameters and each computes the replica's whole loss.
 
 The ranks of one TENSOR x SEQUENCE block hold one data-parallel replica: they train on the same
 batch (their segments, shared between them, :func:`share_replica_segments`) with the same

@@ -3,11 +3,12 @@
 
 The module holds a tanh-squashed Gaussian actor scaled to the action Box, twin Q-networks and
 their target copies (parameters without gradients, so a checkpoint keeps them), plus two
-buffers that travel with the weights: ``log_alpha`` (a copy of the entropy coefficient's
-log, so that a checkpointed or exported module carries it) and ``uniform`` (1 until the learner's first step: collectors act uniformly at random until the run has collected ``min_size``
-transitions, CleanRL's ``learning_starts``). ``log_alpha`` and its Adam are the algorithm's
-own state, checkpointed through :meth:`SAC.state_dict`; on several trainers its gradient is
-averaged over them, so every trainer's alpha and Adam stay equal.
+buffers that travel with the weights: ``log_alpha`` (a copy of the entropy coefficient's log, so
+that a checkpointed or exported module carries it) and ``uniform`` (1 until the learner's first
+step: collectors act uniformly at random until the run has collected ``min_size`` transitions,
+CleanRL's ``learning_starts``). ``log_alpha`` and its Adam are the algorithm's own state,
+checkpointed through :meth:`SAC.state_dict`; on several trainers its gradient is averaged over them,
+so every trainer's alpha and Adam stay equal.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Writing a sharded checkpoint (app/runtime/checkpoints/checkpoint.py reads it, and writes the one-file
-form): every trainer writes its own shards with ``torch.distributed.checkpoint`` into
+"""Writing a sharded checkpoint (app/runtime/checkpoints/checkpoint.py reads it, and writes the
+one-file form): every trainer writes its own shards with ``torch.distributed.checkpoint`` into
 ``ckpt_<update>.tmp/``, the trainers hash the files in turn, and the first one writes
 ``state.pt`` and renames the folder into place."""
 

@@ -1,1 +1,2 @@
-"""Environments: making them, the memory tasks, normalisation, observation history, and spaces as data."""
+"""Environments: making them, the memory tasks, normalisation, observation history, and spaces
+as data."""

@@ -51,7 +51,8 @@ def run_episodes(
     deterministic: bool = True, videos: Sequence[Path] = (),
 ) -> Episodes:
     """Run ``episodes`` episodes, episode ``i`` on a fresh env reset with ``seed + i``; episode
-    ``i`` is also recorded as the mp4 ``videos[i]`` while there is one (app/runtime/evaluation/video.py).
+    ``i`` is also recorded as the mp4 ``videos[i]`` while there is one
+    (app/runtime/evaluation/video.py).
 
     Up to :data:`BATCH` episodes run side by side, each on its own env, the policy acting for
     all of them in one forward. Stochastic actions are sampled with a generator seeded with

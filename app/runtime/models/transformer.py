@@ -11,8 +11,8 @@ public methods are :class:`app.runtime.models.actor_critic.ActorCritic`'s.
 queries attend to the whole window's keys and values (:func:`gather_window`), and the newest
 position, on the last chunk, reaches every rank's heads.
 
-Its tensor-parallel plan lives in :mod:`app.runtime.models.transformer_tp`, imported only where a grid
-splits the model.
+Its tensor-parallel plan lives in :mod:`app.runtime.models.transformer_tp`, imported only where
+a grid splits the model.
 """
 
 from __future__ import annotations
@@ -213,8 +213,8 @@ class TransformerActorCritic(nn.Module):
 
     Observations are ``[*B, context, obs_dim + 1]`` (:attr:`history_shape`), oldest first, the
     last feature 1.0 for a real step and 0.0 for padding. Actions as
-    :class:`app.runtime.models.actor_critic.ActorCritic`: Discrete is categorical, Box a diagonal Gaussian
-    with a state-independent ``actor_logstd`` [1, act_dim], sampled unclipped.
+    :class:`app.runtime.models.actor_critic.ActorCritic`: Discrete is categorical, Box a diagonal
+    Gaussian with a state-independent ``actor_logstd`` [1, act_dim], sampled unclipped.
     ``forward(obs, action)`` is :meth:`evaluate`. Every parameter is drawn from the global RNG
     in construction order, so ranks that seed alike build the same weights.
     """

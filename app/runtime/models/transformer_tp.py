@@ -1,5 +1,5 @@
-"""The transformer policy's tensor-parallel plan (app/runtime/models/transformer.py): torchtitan's Llama
-plan over TENSOR_PARALLEL, with sequence parallelism for its norms, and the style that keeps
+"""The transformer policy's tensor-parallel plan (app/runtime/models/transformer.py): torchtitan's
+Llama plan over TENSOR_PARALLEL, with sequence parallelism for its norms, and the style that keeps
 every other part replicated. Imported only where a grid splits the model: torch's DTensor styles
 take most of a second to import, which every launch and rank would otherwise pay."""
 

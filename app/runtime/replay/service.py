@@ -1,16 +1,16 @@
 """The replay on its own ranks (``layout.replay``, Ape-X's replay server), point to point over
 the REPLAY group rlcomm creates.
 
-Where the replay lives is a layout decision; the algorithm (app/runtime/replay/offpolicy.py) does not
-change. With replay ranks:
+Where the replay lives is a layout decision; the algorithm (app/runtime/replay/offpolicy.py)
+does not change. With replay ranks:
 
 - a collector (a rollout rank, or a colocated trainer) writes each packed segment to its
   replay rank, collector i to ``layout.replay[i mod R]`` (:func:`replay_rank_of`), as segments
   are routed to trainers;
-- each replay rank holds one :class:`~app.runtime.replay.buffer.Replay` shard (``loop.replay.capacity``
-  per replay rank), makes the n-step transitions and keeps the priorities, in a serving thread
-  (:class:`ReplayServer`), while its main thread follows the run's episodes and stop decision
-  as a rollout rank without envs does (app/runtime/handoff/replay_rank.py);
+- each replay rank holds one :class:`~app.runtime.replay.buffer.Replay` shard
+  (``loop.replay.capacity`` per replay rank), makes the n-step transitions and keeps the priorities,
+  in a serving thread (:class:`ReplayServer`), while its main thread follows the run's episodes and
+  stop decision as a rollout rank without envs does (app/runtime/handoff/replay_rank.py);
 - the hand-off to the trainer carries the rest of the segment (its weights version and the
   normalisers' moments, :attr:`ReplayLink.hand_off_format`), not its transitions;
 - a trainer's replay is a :class:`RemoteReplay`: ``insert`` does nothing (the collectors wrote
