@@ -25,6 +25,7 @@ from app.api import ConfigError
 from app.launch.failures import write_error_line
 from app.runtime.checkpoints.checkpoint import (
     STATE_FILE,
+    TrainingState,
     file_digest,
     find_checkpoint,
     last_checkpoint_note,
@@ -88,10 +89,10 @@ def _write(rank: int, world: int, grid: str, run_dir: Path, update: int,
         optimizer.step()
         trained.publish()
         group = ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL)
-        path = save_sharded_checkpoint(run_dir, trained, optimizer, group, update, 512 * update,
-                                       [(10.0, 10)], [{"update": float(update)}],
-                                       {"loop.model.width": MODEL["width"]},
-                                       {"obs_moments": torch.arange(3.0)})
+        state = TrainingState(update, 512 * update, [(10.0, 10)], [{"update": float(update)}],
+                              {"loop.model.width": MODEL["width"]},
+                              {"obs_moments": torch.arange(3.0)})
+        path = save_sharded_checkpoint(run_dir, trained, optimizer, group, state)
         return {"path": path, **(_whole(trained, optimizer) if whole else {})}
     finally:
         ctx.destroy()

@@ -199,6 +199,7 @@ def test_the_spaces_validation_probed_reach_a_rank_that_builds_no_env(
 
     import app.__main__  # registers the schemas and resolvers
     import app.runtime.loop
+    import app.runtime.settings
     from app.config.schema import AppConfig
     from app.launch.planning import validate_job
 
@@ -213,7 +214,7 @@ def test_the_spaces_validation_probed_reach_a_rank_that_builds_no_env(
     def no_env(*_: object) -> None:
         raise AssertionError("a rank built an env to probe its spaces")
 
-    monkeypatch.setattr(app.runtime.loop, "probe_spaces", no_env)
+    monkeypatch.setattr(app.runtime.settings, "probe_spaces", no_env)
     rank_job = pickle.loads(pickle.dumps(job))  # as the local launcher hands it to a rank
     assert rank_job.loop.spaces == probed
     # Spaces that do not pickle stay behind: the rank probes them itself.

@@ -14,7 +14,11 @@ from gymnasium import spaces as gym_spaces
 from app.loops.dqn import DQN, DQNSettings
 from app.runtime import Spaces, UpdateInfo
 from app.runtime.algorithm import Segment
-from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint, save_checkpoint
+from app.runtime.checkpoints.checkpoint import (
+    TrainingState,
+    newest_valid_checkpoint,
+    save_checkpoint,
+)
 from app.runtime.replay.buffer import ReplaySettings
 
 pytestmark = pytest.mark.unit
@@ -45,8 +49,7 @@ def test_the_replay_counters_round_trip_and_a_resume_refills(tmp_path: Path) -> 
         _update(algorithm, module, opt, update)
     saved = algorithm.state_dict()
     assert saved["replay"]["inserts"] == 64 and saved["learner_steps"] > 0
-    save_checkpoint(tmp_path, module, opt, update=4, env_steps=64, episodes=[], metrics=[],
-                    algorithm=saved)
+    save_checkpoint(tmp_path, module, opt, TrainingState(update=4, env_steps=64, algorithm=saved))
     state = newest_valid_checkpoint(tmp_path).state  # verified: the checksum covers it
     assert state["algorithm"] == saved
 
@@ -63,6 +66,5 @@ def test_the_replay_counters_round_trip_and_a_resume_refills(tmp_path: Path) -> 
 def test_an_algorithm_without_state_writes_no_algorithm_entry(tmp_path: Path) -> None:
     module = torch.nn.Linear(2, 2)
     opt = torch.optim.Adam(module.parameters())
-    save_checkpoint(tmp_path, module, opt, update=1, env_steps=1, episodes=[], metrics=[],
-                    algorithm={})
+    save_checkpoint(tmp_path, module, opt, TrainingState(update=1, env_steps=1, algorithm={}))
     assert "algorithm" not in newest_valid_checkpoint(tmp_path).state

@@ -6,21 +6,21 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
 
-from app.runtime.records import MetricsFile, update_row
+from app.runtime.records import MetricsFile, UpdateRecord
+from app.runtime.records.rows import update_row
 
 pytestmark = pytest.mark.unit
 
 
 def row(update: int, **more: float) -> dict[str, float]:
-    # A rollout rank's row (trainers=None): built without a collective, losses NaN.
-    return {**update_row(cast(Any, None), None, None, ("pg_loss",), update=update,
-                         env_steps=2048 * update, attempt_steps=2048 * update, elapsed=1.5,
-                         version=update, new=[(20.0, 20), (31.0, 31)], recent=25.5,
-                         transfer_s=0.0, shared={}, losses={}), **more}
+    # A rollout rank's row, as the Recorder makes it there: losses NaN.
+    record = UpdateRecord(update=update, env_steps=2048 * update, attempt_steps=2048 * update,
+                          elapsed=1.5, version=update, new=[(20.0, 20), (31.0, 31)], recent=25.5,
+                          transfer_s=0.0, shared={}, losses={})
+    return {**update_row(record, {"pg_loss": math.nan}, 0.0, 0.0), **more}
 
 
 def test_counts_are_written_as_integers_and_measurements_as_floats(tmp_path: Path) -> None:

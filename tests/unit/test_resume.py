@@ -18,6 +18,7 @@ from app.api import ConfigError
 from app.loops.ppo import PPOLoop
 from app.loops.ppo.core import PPOSettings, make_optimizer
 from app.runtime.checkpoints.checkpoint import (
+    TrainingState,
     load_checkpoint,
     newest_valid_checkpoint,
     policy_shapes,
@@ -35,8 +36,9 @@ def _save(run_dir: Path, update: int, loop: PPOLoop | None = None) -> Path:
     """A real checkpoint of a fresh policy, as rank 0 writes it."""
     loop = loop or _loop()
     policy = loop.build_algorithm(loop.spaces).build()
-    return save_checkpoint(run_dir, policy, make_optimizer(policy, loop.hparams), update, update * 256,
-                           [(10.0, 10)], [{"update": float(update)}], run_settings(loop, loop.spaces))
+    state = TrainingState(update, update * 256, [(10.0, 10)], [{"update": float(update)}],
+                          run_settings(loop, loop.spaces))
+    return save_checkpoint(run_dir, policy, make_optimizer(policy, loop.hparams), state)
 
 
 def _mismatch(state: dict[str, Any], loop: PPOLoop) -> str | None:

@@ -29,7 +29,11 @@ from app.loops.sac import (
     squashed_log_prob,
 )
 from app.runtime.algorithm import Segment, Spaces, UpdateInfo
-from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint, save_checkpoint
+from app.runtime.checkpoints.checkpoint import (
+    TrainingState,
+    newest_valid_checkpoint,
+    save_checkpoint,
+)
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.offpolicy import soft_update
 from tests.helpers.apprun import REPO
@@ -229,8 +233,8 @@ def test_a_checkpoint_keeps_the_targets_log_alpha_and_its_adam(tmp_path: Path) -
         info = UpdateInfo(opt, torch.Generator().manual_seed(update), 16 * (update + 1), update, 0)
         sac.update(module, module, [segment], info)
     assert sac.learner_steps > 0 and sac.log_alpha.item() != 0.0  # alpha moved from 1
-    save_checkpoint(tmp_path, module, opt, update=4, env_steps=64, episodes=[], metrics=[],
-                    algorithm=sac.state_dict())
+    save_checkpoint(tmp_path, module, opt,
+                    TrainingState(update=4, env_steps=64, algorithm=sac.state_dict()))
     state = newest_valid_checkpoint(tmp_path).state
 
     resumed = SAC(SACSettings(num_envs=4, num_steps=4, hidden_sizes=[16]), _spaces(),

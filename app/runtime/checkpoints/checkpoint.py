@@ -96,6 +96,33 @@ class Resumable:
         return lines
 
 
+@dataclass(frozen=True)
+class TrainingState:
+    """What a checkpoint holds besides the policy and the optimizer: the counters, every
+    finished episode and metrics row so far, the run's settings (:func:`run_settings`), the
+    normalisers' statistics, an elastic run's membership epoch and an off-policy algorithm's own
+    state (``Algorithm.state_dict``; sharded trainers keep none)."""
+
+    update: int
+    env_steps: int
+    episodes: list[tuple[float, int]] = field(default_factory=list)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    normalizers: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    epoch: int | None = None
+    algorithm: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WholeCheckpoint:
+    """A flat trainer's checkpoint as of when it was taken (copies), to be written later:
+    ``checkpoints/best``, once its evaluation has come back."""
+
+    policy: Mapping[str, torch.Tensor]
+    optimizer: Mapping[str, Any]
+    state: TrainingState
+
+
 # ---- what must agree between a checkpoint and the run resuming it ----------------------------
 
 
@@ -369,52 +396,45 @@ def save_checkpoint(
     run_dir: Path,
     policy: torch.nn.Module | Mapping[str, torch.Tensor],
     optimizer: torch.optim.Optimizer | Mapping[str, Any],
-    update: int,
-    env_steps: int,
-    episodes: list[tuple[float, int]],
-    metrics: list[dict[str, float]],
-    settings: Mapping[str, Any] | None = None,
-    normalizers: Mapping[str, torch.Tensor] | None = None,
-    epoch: int | None = None,
-    algorithm: Mapping[str, Any] | None = None,
+    state: TrainingState,
     name: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum, ``settings``
-    (:func:`run_settings`), ``algorithm`` (``Algorithm.state_dict``, only when non-empty) and
-    ``extra`` entries. Written aside (``.tmp``), synced, renamed; a failed write removes it and
-    re-raises, an OSError noting the last complete checkpoint. ``policy`` and ``optimizer``: the
-    modules, or their whole state dicts (a sharded trainer's, gathered)."""
+    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum, ``state`` and
+    ``extra`` entries (``state.algorithm`` only when non-empty). Written aside (``.tmp``),
+    synced, renamed; a failed write removes it and re-raises, an OSError noting the last
+    complete checkpoint. ``policy`` and ``optimizer``: the modules, or their whole state dicts
+    (a sharded trainer's, gathered)."""
     folder = run_dir / CHECKPOINT_DIR
     if isinstance(policy, torch.nn.Module):
         policy = policy.state_dict()
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer.state_dict()
-    state: dict[str, Any] = {
+    written: dict[str, Any] = {
         # Clones: the parameters and the statistics are views of the (larger) send buffer.
         "policy": {k: v.clone() for k, v in policy.items()},
-        "normalizers": {k: v.clone() for k, v in (normalizers or {}).items()},
+        "normalizers": {k: v.clone() for k, v in state.normalizers.items()},
         "optimizer": dict(optimizer),
-        "update": update,
-        "env_steps": env_steps,
-        "epoch": epoch,  # the membership epoch of an elastic run (rlcomm.elastic), else None
-        "episodes": episodes,
-        "metrics": metrics,
+        "update": state.update,
+        "env_steps": state.env_steps,
+        "epoch": state.epoch,  # the membership epoch of an elastic run (rlcomm.elastic), else None
+        "episodes": state.episodes,
+        "metrics": state.metrics,
         # Minibatch order is seeded per update and environments restart from their seeds.
         "torch_rng": torch.get_rng_state(),
         "format": FORMAT,
-        "settings": dict(settings or {}),
+        "settings": dict(state.settings),
         **(extra or {}),
     }
-    if algorithm:
-        state["algorithm"] = dict(algorithm)
-    state["checksum"] = content_checksum(state)
-    final = folder / (name or f"ckpt_{update:06d}.pt")
+    if state.algorithm:
+        written["algorithm"] = dict(state.algorithm)
+    written["checksum"] = content_checksum(written)
+    final = folder / (name or f"ckpt_{state.update:06d}.pt")
     partial = final.with_suffix(".tmp")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         remove_stale(folder)
-        write_synced(partial, state)
+        write_synced(partial, written)
         os.replace(partial, final)
     except BaseException as err:  # an interrupt too: no partial file survives
         with contextlib.suppress(OSError):
@@ -423,7 +443,7 @@ def save_checkpoint(
             named_write_error(err, final, partial, folder)
         raise
     sync_folder(folder)
-    log.info("checkpoint %s (update %d, %d env steps)", final.name, update, env_steps)
+    log.info("checkpoint %s (update %d, %d env steps)", final.name, state.update, state.env_steps)
     return final
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +17,7 @@ from app.runtime.checkpoints.checkpoint import (
     CHECKPOINT_DIR,
     SHARDED_FORMAT,
     STATE_FILE,
+    TrainingState,
     content_checksum,
     file_digest,
     named_write_error,
@@ -33,19 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def save_sharded_checkpoint(
-    run_dir: Path,
-    trained: TrainedModule,
-    optimizer: torch.optim.Optimizer,
-    group: ProcessGroup,
-    update: int,
-    env_steps: int,
-    episodes: list[tuple[float, int]],
-    metrics: list[dict[str, float]],
-    settings: Mapping[str, Any] | None = None,
-    normalizers: Mapping[str, torch.Tensor] | None = None,
-    epoch: int | None = None,
-) -> Path | None:
+def save_sharded_checkpoint(run_dir: Path, trained: TrainedModule, optimizer: torch.optim.Optimizer,
+                            group: ProcessGroup, state: TrainingState) -> Path | None:
     """Writes the folder ``ckpt_<update>/``; every trainer of ``group`` (the trainers, no
     rollout rank) calls it. Each writes its own shards of the policy and the optimizer with
     ``torch.distributed.checkpoint``; the group's first rank then writes ``state.pt`` (the
@@ -59,7 +48,7 @@ def save_sharded_checkpoint(
     import torch.distributed as dist
 
     folder = run_dir / CHECKPOINT_DIR
-    final = folder / f"ckpt_{update:06d}"
+    final = folder / f"ckpt_{state.update:06d}"
     partial = folder / f"{final.name}.tmp"
     me, size = dist.get_rank(group), dist.get_world_size(group)
     if not _cleared(folder, final, partial, group, lead=me == 0):
@@ -69,23 +58,23 @@ def save_sharded_checkpoint(
     files = _hash_in_turn(partial, group, me, size)
     if me != 0:
         return None
-    state: dict[str, Any] = {
+    written: dict[str, Any] = {
         "policy_shapes": policy_shapes(trained.net),
-        "normalizers": {k: v.clone() for k, v in (normalizers or {}).items()},
-        "update": update,
-        "env_steps": env_steps,
-        "epoch": epoch,
-        "episodes": episodes,
-        "metrics": metrics,
+        "normalizers": {k: v.clone() for k, v in state.normalizers.items()},
+        "update": state.update,
+        "env_steps": state.env_steps,
+        "epoch": state.epoch,
+        "episodes": state.episodes,
+        "metrics": state.metrics,
         "torch_rng": torch.get_rng_state(),
         "format": SHARDED_FORMAT,
-        "settings": dict(settings or {}),
+        "settings": dict(state.settings),
         "files": files,
     }
-    state["checksum"] = content_checksum(state)
-    _write_state_and_rename(state, folder, final, partial)
+    written["checksum"] = content_checksum(written)
+    _write_state_and_rename(written, folder, final, partial)
     log.info("checkpoint %s (update %d, %d env steps, %d trainers' shards)", final.name,
-             update, env_steps, size)
+             state.update, state.env_steps, size)
     return final
 
 

@@ -23,12 +23,17 @@ import torch
 from torch import Tensor
 
 from app.api import ConfigError
-from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR, load_checkpoint, save_checkpoint
+from app.runtime.checkpoints.checkpoint import (
+    CHECKPOINT_DIR,
+    WholeCheckpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from app.runtime.evaluation.video import headless
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:
-    from app.runtime.loop import RLLoop
+    from app.runtime.settings import RunSettings
 
 BEST = "best"  # checkpoints/best: the weights of the best evaluation so far
 VIDEOS = "videos"  # loop.eval_video: videos/best.mp4 and videos/last.mp4
@@ -76,7 +81,7 @@ def evaluation_row(arrived: Evaluation | None) -> dict[str, float]:
 class BackgroundEvaluator:
     """The lead trainer's evaluation process."""
 
-    def __init__(self, loop: RLLoop) -> None:
+    def __init__(self, loop: RunSettings) -> None:
         context = multiprocessing.get_context("spawn")  # nothing of the rank's (gloo, threads)
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(loop, child), daemon=True,
@@ -122,7 +127,7 @@ class BackgroundEvaluator:
             self._process.join()
 
 
-def _serve(loop: RLLoop, conn: Connection) -> None:
+def _serve(loop: RunSettings, conn: Connection) -> None:
     """The evaluation process: builds the policy once, then evaluates each weights it is sent
     until the pipe closes."""
     from app.runtime.evaluation.episodes import run_episodes
@@ -156,11 +161,11 @@ class Evaluations:
     """A run's evaluations: the lead trainer's process, what it found, shared with every rank
     that takes the stop decision (``over``) at the same update, and ``checkpoints/best``.
 
-    ``best_record``: what the lead trainer writes as ``checkpoints/best`` (the keyword arguments
-    of :func:`save_checkpoint`, taken when the weights were handed over) if their evaluation is
-    the best so far; None where trainers are sharded (no best is kept)."""
+    ``best_record``: what the lead trainer writes as ``checkpoints/best`` (taken when the
+    weights were handed over) if their evaluation is the best so far; None where trainers are
+    sharded (no best is kept)."""
 
-    def __init__(self, loop: RLLoop, ctx: CommContext, lead: int, over: ParallelMode,
+    def __init__(self, loop: RunSettings, ctx: CommContext, lead: int, over: ParallelMode,
                  run_dir: Path) -> None:
         self.ctx, self.lead, self.over = ctx, lead, over
         self.run_dir, self.video = run_dir, loop.eval_video
@@ -170,7 +175,7 @@ class Evaluations:
         self.best_path: Path | None = None
         self._best_return: float | None = None  # read from checkpoints/best on first need
         self._best: Evaluation | None = None
-        self._record: dict[str, Any] | None = None  # checkpoints/best's, should it be
+        self._record: WholeCheckpoint | None = None  # checkpoints/best's, should it be
 
     def share(self) -> Evaluation | None:
         """The evaluation that finished since the last call (on every rank of ``over``,
@@ -187,7 +192,7 @@ class Evaluations:
         return arrived
 
     def submit(self, version: int, update: int, env_steps: int, weights: dict[str, Tensor],
-               best_record: dict[str, Any] | None) -> None:
+               best_record: WholeCheckpoint | None) -> None:
         """The lead trainer hands ``weights`` over, if the previous evaluation is done."""
         video = self.run_dir / VIDEOS / f"eval-v{version}.mp4" if self.video else None
         if self.process is not None and self.process.submit(version, update, env_steps,
@@ -244,7 +249,8 @@ class Evaluations:
         if best:
             self._best_return = evaluation.return_mean
         if best and record is not None:
-            self.best_path = save_checkpoint(self.run_dir, **record, name=BEST,
+            self.best_path = save_checkpoint(self.run_dir, record.policy, record.optimizer,
+                                             record.state, name=BEST,
                                              extra={"eval": asdict(evaluation)})
             self._best = evaluation
         if video is not None and video.exists():

@@ -31,8 +31,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.api import ConfigError, LoopMetrics, setting
 from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
-from app.runtime.loop import RLLoop, _plain
+from app.runtime.loop import RLLoop
 from app.runtime.replay.buffer import Batch, RateLimiter, Replay, ReplaySettings
+from app.runtime.settings import plain
 
 if TYPE_CHECKING:
     from rlcomm import LayoutPlan
@@ -257,7 +258,7 @@ class OffPolicyLoop(RLLoop):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.replay, ReplaySettings):
-            self.replay = typing.get_type_hints(type(self))["replay"](**_plain(self.replay))
+            self.replay = typing.get_type_hints(type(self))["replay"](**plain(self.replay))
 
     def validate(self, plan: LayoutPlan) -> None:
         """The runtime's checks, then the replay's (``loop.replay.<field>: ...``) and the

@@ -1,0 +1,113 @@
+"""The Checkpointer: a trainer's checkpoints, written and read, flat or sharded (DCP), and what
+``checkpoints/best`` would hold; and a run's resume, picked and checked
+(:func:`~app.runtime.checkpoints.checkpoint.resume_source`), applied to every rank's state."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.runtime.algorithm import Algorithm
+from app.runtime.checkpoints.checkpoint import (
+    Resumable,
+    TrainingState,
+    WholeCheckpoint,
+    load_sharded_checkpoint,
+    save_checkpoint,
+)
+from app.runtime.checkpoints.shards import save_sharded_checkpoint
+from app.runtime.roles.trainer import Trainer
+from app.runtime.state import RunState
+from app.runtime.worker import Agent
+from rlcomm import CommContext, ParallelMode
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Writes ``checkpoints/ckpt_<update>`` every ``every`` updates and at the end (0: never):
+    under DDP rank 0 writes the whole state every trainer gathered, sharded trainers each write
+    their own shards (app/runtime/checkpoints/shards.py). ``settings``: what a checkpoint
+    records of the run's (:func:`~app.runtime.checkpoints.checkpoint.run_settings`);
+    ``elastic``: a checkpoint keeps the membership epoch, read from the last metrics row."""
+
+    def __init__(self, ctx: CommContext, run_dir: Path, every: int, trainer: Trainer,
+                 settings: dict[str, Any], elastic: bool) -> None:
+        self.ctx, self.run_dir, self.every = ctx, run_dir, every
+        self.trainer, self.settings, self.elastic = trainer, settings, elastic
+
+    def due(self, update: int) -> bool:
+        return bool(self.every) and update % self.every == 0
+
+    def save(self, state: RunState, rows: list[dict[str, float]]) -> None:
+        """The run's state as of now; every trainer calls it."""
+        trained, optimizer = self.trainer.trained, self.trainer.optimizer
+        training = self._training_state(state, rows)
+        if trained.sharded:  # each trainer writes its own shards
+            save_sharded_checkpoint(self.run_dir, trained, optimizer,
+                                    self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL), training)
+            return
+        policy, optimizer_state = trained.state_dicts(optimizer)  # every trainer takes part
+        if self.ctx.get_global_rank() == 0:
+            save_checkpoint(self.run_dir, policy, optimizer_state, training)
+
+    def save_final(self, state: RunState, rows: list[dict[str, float]]) -> None:
+        """The final state too, unless the last update's checkpoint holds it."""
+        if self.every and not self.due(state.update):
+            self.save(state, rows)
+
+    def best(self, state: RunState, rows: list[dict[str, float]]) -> WholeCheckpoint | None:
+        """What ``checkpoints/best`` would hold if the weights just sent evaluate best (copies);
+        None for sharded trainers, which keep no best."""
+        if self.trainer.trained.sharded:
+            return None
+        policy = {k: v.clone() for k, v in self.trainer.agent.net.state_dict().items()}
+        optimizer = copy.deepcopy(self.trainer.optimizer.state_dict())
+        return WholeCheckpoint(policy, optimizer, self._training_state(state, rows))
+
+    def load(self, picked: Resumable) -> None:
+        """The picked checkpoint's policy, optimizer and algorithm state into this trainer;
+        a sharded one is resharded into this grid (every trainer calls it)."""
+        trained, optimizer = self.trainer.trained, self.trainer.optimizer
+        if picked.sharded:
+            load_sharded_checkpoint(picked.path, trained, optimizer,
+                                    self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL))
+        else:
+            trained.load(picked.state["policy"], picked.state["optimizer"], optimizer)
+        if "algorithm" in picked.state:
+            self.trainer.algorithm.load_state_dict(picked.state["algorithm"])
+
+    def _training_state(self, state: RunState, rows: list[dict[str, float]]) -> TrainingState:
+        agent: Agent = self.trainer.agent
+        algorithm: Algorithm[Any] = self.trainer.algorithm
+        return TrainingState(
+            update=state.update, env_steps=state.env_steps, episodes=list(state.episodes),
+            metrics=list(rows), settings=self.settings,
+            normalizers={k: v.clone() for k, v in agent.normalizers().items()},
+            epoch=int(rows[-1].get("epoch", 0)) if self.elastic and rows else None,
+            # An off-policy algorithm's own state (never a sharded trainer's).
+            algorithm=copy.deepcopy(algorithm.state_dict()))
+
+
+def restore(picked: Resumable, state: RunState, agent: Agent,
+            run_dir: Path) -> list[dict[str, float]]:
+    """What every deciding rank takes from the picked checkpoint besides a trainer's modules:
+    the counters, episodes, normalisers' statistics, membership epoch and RNG; returns its
+    metrics rows when it is this run's own (metrics.csv keeps every row), else none."""
+    saved = picked.state
+    for name, value in saved.get("normalizers", {}).items():
+        agent.state_dict()[name].copy_(value)  # in place: the tensors are bound
+    state.update, state.env_steps = saved["update"], saved["env_steps"]
+    state.episodes = [(float(r), int(n)) for r, n in saved["episodes"]]
+    if saved.get("epoch") is not None:  # a new epoch from whoever is there
+        state.epoch_base = int(saved["epoch"]) + 1
+    torch.set_rng_state(saved["torch_rng"])
+    log.info("resumed from %s at update %d (%d env steps)", picked.path, state.update,
+             state.env_steps)
+    if picked.path.resolve().is_relative_to(run_dir.resolve()):
+        return list(saved["metrics"])
+    return []

@@ -1,0 +1,115 @@
+"""What one rank of a run is made of, as the plan assigns it (docs/how-a-rank-runs.md).
+
+A rank gets a role per job it does: a :class:`~app.runtime.roles.collector.Collector` where it
+steps environments, a :class:`~app.runtime.roles.trainer.Trainer` where it trains (both on a
+colocated trainer), a replay server where it holds the replay (app/runtime/replay/service.py),
+and the decider's services where it takes the stop decision. What moves between ranks goes
+through its hand-off (app/runtime/handoff/). :func:`build_rank` assembles them in the one order
+they depend on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from app.api import JobInfo
+from app.runtime.algorithm import Algorithm
+from app.runtime.checkpoints.checkpoint import run_settings
+from app.runtime.checkpoints.checkpointer import Checkpointer
+from app.runtime.evaluation.evaluator import Evaluations
+from app.runtime.handoff import HandOff, HandOffSettings, build_hand_off
+from app.runtime.replay.service import ReplayLink, collectors
+from app.runtime.roles.collector import Collector
+from app.runtime.roles.trainer import Trainer
+from app.runtime.seeds import env_seed
+from app.runtime.segments import with_episodes
+from app.runtime.settings import RunSettings
+from app.runtime.sharding import TrainedModule, is_sharded
+from app.runtime.state import RunState
+from app.runtime.worker import Agent, RolloutWorker, build_segment_format
+from rlcomm import CommContext, ParallelMode
+
+
+@dataclass
+class Rank:
+    """One rank's parts. ``deciders``: the mode of the ranks that take the stop decision, if this
+    rank is one of them (every rank, or an elastic run's trainers); None where it follows its
+    trainer. ``elastic``: the run's rollout ranks may leave and join."""
+
+    loop: RunSettings
+    ctx: CommContext
+    job: JobInfo
+    agent: Agent
+    algorithm: Algorithm[Any]
+    hand_off: HandOff
+    replay_link: ReplayLink
+    elastic: bool
+    deciders: ParallelMode | None
+    collector: Collector | None = None
+    trainer: Trainer | None = None
+    checkpointer: Checkpointer | None = None
+    evaluations: Evaluations | None = None
+    state: RunState = field(default_factory=RunState)
+    # Measured seconds of this attempt: collecting (env stepping and the policy's forward split
+    # out), the update, and communication (time_split_s in the result), which the roles add to.
+    split_s: dict[str, float] = field(default_factory=dict)
+
+
+def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
+    """This rank's parts, built in the order they depend on."""
+    plan, rank = job.plan, ctx.get_global_rank()
+    trains = rank in plan.trainers
+    collects = (plan.colocated and trains) or rank in plan.rollouts
+    elastic = not plan.colocated and plan.elastic_rollouts
+    if loop.threads:  # else the launcher's: the node's cores over its ranks (app/launch/rank.py)
+        torch.set_num_threads(loop.threads)
+    torch.manual_seed(job.seed)  # same initial weights on every rank
+    # As the launcher probed them (they travel with the loop); else one env, built and closed.
+    spaces = loop.spaces
+    algorithm = loop.build_algorithm(spaces)
+    # What the rollouts act with, and what the weights carry: the policy (the algorithm's
+    # module, or loop.model's) and the normalisers' statistics.
+    agent = Agent(loop.build_policy(algorithm, spaces), spaces, loop.env,
+                  context=loop.model.history)
+    hparams = loop.hparams
+    episode_cap = hparams.num_envs * (hparams.num_steps // 8 + 1)
+    segment_format = build_segment_format(algorithm, spaces, agent, hparams.num_steps,
+                                          hparams.num_envs)
+    if elastic:  # a member's episodes travel in its segment
+        segment_format = with_episodes(segment_format, episode_cap)
+    split_s = dict.fromkeys(("collect", "env", "act", "update", "comm"), 0.0)
+    collector = None
+    if collects:
+        worker = RolloutWorker(algorithm, spaces, loop.env, agent, seed=env_seed(job.seed, rank))
+        worker.use_segment_format(segment_format)
+        # Which collector it is, for per-collector exploration.
+        algorithm.set_collector(collectors(plan).index(rank), len(collectors(plan)))
+        collector = Collector(worker, agent, split_s)
+    # A sharded trainer's copy is made before the hand-off, which sends its shards; DDP wraps
+    # the acting module itself, only once the hand-off bound it to its send buffer (the
+    # parameters then live there).
+    sharded = is_sharded(plan, loop.data_parallel)
+    trained = TrainedModule(ctx, plan, agent.net, loop.data_parallel) if trains and sharded else None
+    replay_link = ReplayLink(ctx, plan, algorithm, segment_format, job.seed)
+    settings = HandOffSettings(max_staleness=loop.max_staleness,
+                               verify_every=loop.verify_weights_every,
+                               min_rollouts=loop.min_rollouts,
+                               timeout_s=ctx.timeout.total_seconds(), episode_cap=episode_cap,
+                               sharded=sharded, rollout_restarts=job.rollout_restarts)
+    hand_off = build_hand_off(ctx, job, agent, replay_link.hand_off_format, trained, settings,
+                              replay_link.served)
+    deciders = None if elastic and not trains else (
+        ParallelMode.TRAIN_DATA_PARALLEL if elastic else ParallelMode.GLOBAL)
+    parts = Rank(loop, ctx, job, agent, algorithm, hand_off, replay_link, elastic, deciders,
+                 collector=collector, split_s=split_s)
+    if trains:
+        trained = trained or TrainedModule(ctx, plan, agent.net, loop.data_parallel)
+        parts.trainer = Trainer(ctx, plan, algorithm, agent, trained, job.seed, split_s)
+        parts.checkpointer = Checkpointer(ctx, job.run_dir, loop.checkpoint_every, parts.trainer,
+                                          run_settings(loop, spaces), elastic)
+    if loop.eval_every and deciders is not None:  # beside training, in the lead trainer's process
+        parts.evaluations = Evaluations(loop, ctx, min(plan.trainers), deciders, job.run_dir)
+    return parts

@@ -1,0 +1,9 @@
+"""What a run records: one metrics row per update (``metrics.csv``, TensorBoard, the progress
+line), the figures that compare jobs (``result["metrics"]``) and ``learning_curve.png``, drawn
+from ``metrics.csv`` (app/output/learning_curve.py). The :class:`Recorder` owns them."""
+
+from app.runtime.records.metrics_file import MetricsFile
+from app.runtime.records.recorder import Recorder
+from app.runtime.records.rows import COUNT_COLUMNS, Attempt, UpdateRecord
+
+__all__ = ["COUNT_COLUMNS", "Attempt", "MetricsFile", "Recorder", "UpdateRecord"]

@@ -1,0 +1,121 @@
+"""The decider role: a rank that takes the stop decision with the others that do.
+
+Those are every rank, or an elastic run's trainers (its rollout ranks and replay ranks follow
+their trainers, which tell them when the run stops). Deciders learn every episode of the job
+from the hand-off, so they all stop at the same update. Each records every update (its
+:class:`~app.runtime.records.recorder.Recorder`), takes part in the evaluations where the run
+has them, and, on a trainer, checkpoints (its
+:class:`~app.runtime.checkpoints.checkpointer.Checkpointer`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from app.runtime.checkpoints.checkpointer import Checkpointer
+from app.runtime.evaluation.evaluator import Evaluations, evaluation_row
+from app.runtime.records.recorder import Recorder
+from app.runtime.records.rows import Attempt, UpdateRecord
+from app.runtime.settings import RunSettings
+from app.runtime.state import RunState
+from app.runtime.worker import Agent, Episode
+from rlcomm import ParallelMode
+
+
+class Decider:
+    """Records, checks the target and checkpoints after each update; ``over``: the deciding
+    ranks' mode (GLOBAL, or TRAIN_DATA_PARALLEL on an elastic run). ``started``: when this
+    attempt's loop started (perf_counter) and the env steps it started at."""
+
+    def __init__(self, loop: RunSettings, state: RunState, over: ParallelMode,
+                 recorder: Recorder, checkpointer: Checkpointer | None,
+                 evaluations: Evaluations | None, started: tuple[float, int]) -> None:
+        self.loop, self.state, self.over = loop, state, over
+        self.recorder, self.checkpointer, self.evaluations = recorder, checkpointer, evaluations
+        self.start, self.first_steps = started
+        self.target = loop.target()  # with loop.stop_at_target=false: noted, not the end
+        self.reached_at: tuple[float, int] | None = None
+
+    def more_steps(self) -> bool:
+        return self.state.env_steps < self.loop.total_env_steps
+
+    def share_evaluation(self, shared: dict[str, float]) -> None:
+        """After the hand-off (every decider is there): an evaluation that came back, into
+        the update's row."""
+        if self.evaluations is not None:
+            shared.update(evaluation_row(self.evaluations.share()))
+
+    def after_update(self, version: int, new: list[Episode], losses: dict[str, float],
+                     shared: dict[str, float], transfer_s: float) -> bool:
+        """Records the update, checkpoints when due; True when the target was reached and ends
+        the run (``loop.stop_at_target``)."""
+        state, elapsed = self.state, time.perf_counter() - self.start
+        record = UpdateRecord(
+            update=state.update, env_steps=state.env_steps,
+            attempt_steps=state.env_steps - self.first_steps, elapsed=elapsed, version=version,
+            new=new, recent=state.recent_return(self.loop.window), transfer_s=transfer_s,
+            shared=shared, losses=losses)
+        row = self.recorder.record(record)
+        done = self.evaluations.done if self.evaluations is not None else []
+        self.recorder.show(row, record, len(state.episodes), done[-1] if done else None)
+        if self.checkpointer is not None and self.checkpointer.due(state.update):
+            self.checkpointer.save(state, self.recorder.rows)
+        if self.reached_at is None and self.target is not None and self._quantity() >= self.target:
+            self.reached_at = (time.perf_counter() - self.start, state.env_steps)
+            return self.loop.stop_at_target
+        return False
+
+    def evaluate(self, version: int, agent: Agent) -> None:
+        """Every ``loop.eval_every`` updates: the weights just sent (with the normalisers'
+        statistics) to the lead trainer's evaluator; with them, what ``checkpoints/best`` would
+        hold."""
+        evaluations, state = self.evaluations, self.state
+        if evaluations is None or state.update % self.loop.eval_every:
+            return
+        if evaluations.process is None:
+            return
+        best = (self.checkpointer.best(state, self.recorder.rows)
+                if self.checkpointer is not None else None)
+        evaluations.submit(version, state.update, state.env_steps, agent.state_dict(), best)
+
+    def finish(self, timeout_s: float) -> None:
+        """The run stopped: the evaluation still running completes the record."""
+        if self.evaluations is not None:
+            self.evaluations.finish(timeout_s)
+
+    def save_final(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.save_final(self.state, self.recorder.rows)
+
+    def close(self) -> None:
+        """The run failed: the evaluator process ends with it."""
+        if self.evaluations is not None:
+            self.evaluations.close()
+
+    def result(self, attempt: Attempt, declared: Any, elastic: bool) -> dict[str, Any]:
+        """This rank's decider part of result.json: the job's figures and the run's outcome."""
+        reached_at, recent = self.reached_at, attempt.recent
+        figures = self.recorder.figures(attempt, self.over, declared)
+        metrics = figures["metrics"]
+        if elastic and attempt.elapsed:  # the rollout ranks' waits came with their segments
+            metrics["rollout_wait_fraction"] = self.recorder.rollout_wait_fraction(
+                attempt.updates, attempt.elapsed)
+        evaluated = self.evaluations.result() if self.evaluations is not None else {}
+        metrics.update(evaluated.pop("metrics", dict.fromkeys(("eval_return_mean",
+                                                               "best_eval_return"))))
+        return {
+            "episodes": len(self.state.episodes),
+            "mean_return_last_window": round(recent, 2),
+            "reached_target": reached_at is not None,
+            "time_to_target_s": round(reached_at[0], 2) if reached_at else None,
+            "env_steps_to_target": reached_at[1] if reached_at else None,
+            **figures,
+            **evaluated,
+        }
+
+    def _quantity(self) -> float:
+        """What the target is compared with (``loop.stop_on``)."""
+        if self.loop.stop_on == "eval" and self.evaluations is not None:
+            return self.evaluations.latest_return
+        return self.state.recent_return(self.loop.window)
