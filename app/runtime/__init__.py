@@ -6,12 +6,14 @@ verification, observation and reward normalisation, the stop rule, checkpoints, 
 of the run. An algorithm plugs in four things (:mod:`app.runtime.algorithm`) and becomes a loop
 by subclassing :class:`RLLoop` (docs/custom-algorithm.md).
 
-Modules and folders, in the order a run uses them: ``loop.py`` (the settings, checked before any
-rank starts), ``envs/`` (environments, their normalisation and observation history), ``models/``
+Modules and folders, in the order a run uses them (docs/how-a-rank-runs.md draws them):
+``settings.py`` (``loop.*``, checked before any rank starts) and ``loop.py`` (the entry every
+rank calls), ``envs/`` (environments, their normalisation and observation history), ``models/``
 (the policies), ``worker.py`` (collecting), ``segments.py`` (a segment's bytes), ``sharding.py``
-(what a trainer trains), ``handoff/`` (what moves between trainers and rollout ranks: one
-interface, the implementation the plan picks), ``replay/`` (off-policy algorithms' replay),
-``run.py`` (one rank's loop), ``evaluation/``, ``records.py`` and ``checkpoints/``.
+(what a trainer trains), ``compose.py`` (a rank's parts, by the plan), ``roles/`` (collector,
+trainer, decider), ``handoff/`` (what moves between ranks), ``replay/`` (off-policy algorithms'
+replay), ``run.py`` (one rank's update loop), ``evaluation/``, ``records/`` and
+``checkpoints/``.
 """
 
 from app.runtime.algorithm import (

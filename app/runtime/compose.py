@@ -36,8 +36,8 @@ from rlcomm import CommContext, ParallelMode
 @dataclass
 class Rank:
     """One rank's parts. ``deciders``: the mode of the ranks that take the stop decision, if this
-    rank is one of them (every rank, or an elastic run's trainers); None where it follows its
-    trainer. ``elastic``: the run's rollout ranks may leave and join."""
+    rank is one of them (every rank, or the trainers of a run whose rollout ranks may leave and
+    join); None where it follows its trainer."""
 
     loop: RunSettings
     ctx: CommContext
@@ -46,7 +46,6 @@ class Rank:
     algorithm: Algorithm[Any]
     hand_off: HandOff
     replay_link: ReplayLink
-    elastic: bool
     deciders: ParallelMode | None
     collector: Collector | None = None
     trainer: Trainer | None = None
@@ -103,13 +102,13 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
                               replay_link.served)
     deciders = None if elastic and not trains else (
         ParallelMode.TRAIN_DATA_PARALLEL if elastic else ParallelMode.GLOBAL)
-    parts = Rank(loop, ctx, job, agent, algorithm, hand_off, replay_link, elastic, deciders,
+    parts = Rank(loop, ctx, job, agent, algorithm, hand_off, replay_link, deciders,
                  collector=collector, split_s=split_s)
     if trains:
         trained = trained or TrainedModule(ctx, plan, agent.net, loop.data_parallel)
         parts.trainer = Trainer(ctx, plan, algorithm, agent, trained, job.seed, split_s)
         parts.checkpointer = Checkpointer(ctx, job.run_dir, loop.checkpoint_every, parts.trainer,
-                                          run_settings(loop, spaces), elastic)
+                                          run_settings(loop, spaces))
     if loop.eval_every and deciders is not None:  # beside training, in the lead trainer's process
         parts.evaluations = Evaluations(loop, ctx, min(plan.trainers), deciders, job.run_dir)
     return parts

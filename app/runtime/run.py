@@ -9,7 +9,6 @@ it.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -19,8 +18,7 @@ from app.api import JobInfo
 from app.output import timeline
 from app.output.progress import StopRule
 from app.runtime.algorithm import Segment
-from app.runtime.checkpoints.checkpoint import resume_source
-from app.runtime.checkpoints.checkpointer import restore
+from app.runtime.checkpoints.checkpointer import note_resume, resume
 from app.runtime.compose import Rank, build_rank
 from app.runtime.handoff import Round
 from app.runtime.records.recorder import Recorder
@@ -28,8 +26,6 @@ from app.runtime.records.rows import Attempt, time_split
 from app.runtime.roles.decider import Decider
 from app.runtime.settings import RunSettings
 from rlcomm import CommContext
-
-log = logging.getLogger(__name__)
 
 
 def run_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
@@ -150,27 +146,11 @@ class RankRun:
         """The checkpoint the run resumes from, if any, into this rank; the metrics rows
         recorded before this attempt."""
         rank = self.rank
-        if rank.deciders is None:  # the trainer's weights and statistics come with the first
-            self._note_resume()    # transfer
+        if rank.deciders is None:
+            note_resume(rank.ctx, rank.job, self.loop.resume)
             return []
-        picked = resume_source(rank.ctx, rank.job, self.loop.resume, rank.deciders)  # verified
-        if picked is None:
-            return []
-        if rank.checkpointer is not None:
-            rank.checkpointer.load(picked)
-        elif not picked.sharded:  # a rollout rank: a sharded one's weights come with the first
-            rank.agent.net.load_state_dict(picked.state["policy"])  # transfer, as they do anyway
-        return restore(picked, self.state, rank.agent, rank.job.run_dir)
-
-    def _note_resume(self) -> None:
-        """A rank that follows its trainer: where the run resumed, if it did, by this rank's own
-        restart count (a joiner replaces a lost rank of the running job: none)."""
-        if self.rank.job.joining:
-            return
-        picked = resume_source(self.rank.ctx, self.rank.job, self.loop.resume, over=None)
-        if picked is not None:
-            log.info("resumed from %s at update %d (%d env steps)", picked.path,
-                     picked.state["update"], picked.state["env_steps"])
+        return resume(rank.ctx, rank.job, self.loop.resume, rank.deciders, rank.checkpointer,
+                      rank.agent, self.state)
 
     def _name(self) -> str:
         return type(self.rank.algorithm).__name__.lower()
@@ -199,7 +179,7 @@ class RankRun:
             return {**common, **membership, "env_steps_collected": attempt.steps}
         if "epoch" in membership:
             membership["epoch"] += self.state.epoch_base
-        decided = self.decider.result(attempt, type(self.loop).metrics.directions, rank.elastic)
+        decided = self.decider.result(attempt, type(self.loop).metrics.directions)
         return {
             **common,
             "weight_bytes_sent": hand_off.weight_bytes_sent,

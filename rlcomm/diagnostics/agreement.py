@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,10 +17,23 @@ import torch.distributed as dist
 from rlcomm.diagnostics.recorder import format_call
 from rlcomm.errors import CollectiveMismatchError
 from rlcomm.group_initializer import group_description
+from rlcomm.modes import Mode
 
 if TYPE_CHECKING:
-    from rlcomm.context import CommContext
     from rlcomm.diagnostics.recorder import Call
+
+
+class Groups(Protocol):
+    """What the check reads of the registry (rlcomm.context.CommContext, which calls it)."""
+
+    @property
+    def store(self) -> dist.Store: ...
+    def get_group(self, comm_mode: Mode) -> dist.ProcessGroup: ...
+    def get_device(self, comm_mode: Mode) -> torch.device: ...
+    def get_world_size(self, comm_mode: Mode) -> int: ...
+    def get_ranks_in_group(self, comm_mode: Mode) -> list[int]: ...
+    def get_declared_ranks(self, comm_mode: Mode) -> list[int]: ...
+    def get_global_rank(self) -> int: ...
 
 _OPS = (
     "all_reduce", "broadcast", "broadcast_object_list", "all_gather", "gather", "scatter",
@@ -50,7 +63,7 @@ def _describe(call: Call, tensor: torch.Tensor | None, same_shape: bool) -> list
 
 
 def agree_on_call(
-    ctx: CommContext, call: Call, tensor: torch.Tensor | None, same_shape: bool
+    ctx: Groups, call: Call, tensor: torch.Tensor | None, same_shape: bool
 ) -> None:
     """Fail on every member of ``call``'s group unless all are about to run the same call."""
     group = ctx.get_group(call.mode)
@@ -74,7 +87,7 @@ def agree_on_call(
     )
 
 
-def _sites(ctx: CommContext, call: Call, pair: list[int]) -> list[str]:
+def _sites(ctx: Groups, call: Call, pair: list[int]) -> list[str]:
     """Both sides' calls with their file:line, exchanged over the store (on mismatch only)."""
     store = ctx.store
     key = f"debug/{call.mode}/{call.seq}/"

@@ -1,6 +1,6 @@
 """The Checkpointer: a trainer's checkpoints, written and read, flat or sharded (DCP), and what
-``checkpoints/best`` would hold; and a run's resume, picked and checked
-(:func:`~app.runtime.checkpoints.checkpoint.resume_source`), applied to every rank's state."""
+``checkpoints/best`` would hold; and a run's resume, picked and verified
+(:func:`~app.runtime.checkpoints.checkpoint.resume_source`), applied to a rank."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from typing import Any
 
 import torch
 
+from app.api import JobInfo
 from app.runtime.algorithm import Algorithm
 from app.runtime.checkpoints.checkpoint import (
     Resumable,
     TrainingState,
     WholeCheckpoint,
     load_sharded_checkpoint,
+    resume_source,
     save_checkpoint,
 )
 from app.runtime.checkpoints.shards import save_sharded_checkpoint
@@ -32,13 +34,13 @@ class Checkpointer:
     """Writes ``checkpoints/ckpt_<update>`` every ``every`` updates and at the end (0: never):
     under DDP rank 0 writes the whole state every trainer gathered, sharded trainers each write
     their own shards (app/runtime/checkpoints/shards.py). ``settings``: what a checkpoint
-    records of the run's (:func:`~app.runtime.checkpoints.checkpoint.run_settings`);
-    ``elastic``: a checkpoint keeps the membership epoch, read from the last metrics row."""
+    records of the run's (:func:`~app.runtime.checkpoints.checkpoint.run_settings`). An elastic
+    run's checkpoint keeps its membership epoch, which its metrics rows carry."""
 
     def __init__(self, ctx: CommContext, run_dir: Path, every: int, trainer: Trainer,
-                 settings: dict[str, Any], elastic: bool) -> None:
+                 settings: dict[str, Any]) -> None:
         self.ctx, self.run_dir, self.every = ctx, run_dir, every
-        self.trainer, self.settings, self.elastic = trainer, settings, elastic
+        self.trainer, self.settings = trainer, settings
 
     def due(self, update: int) -> bool:
         return bool(self.every) and update % self.every == 0
@@ -88,16 +90,26 @@ class Checkpointer:
             update=state.update, env_steps=state.env_steps, episodes=list(state.episodes),
             metrics=list(rows), settings=self.settings,
             normalizers={k: v.clone() for k, v in agent.normalizers().items()},
-            epoch=int(rows[-1].get("epoch", 0)) if self.elastic and rows else None,
+            epoch=int(rows[-1]["epoch"]) if rows and "epoch" in rows[-1] else None,
             # An off-policy algorithm's own state (never a sharded trainer's).
             algorithm=copy.deepcopy(algorithm.state_dict()))
 
 
-def restore(picked: Resumable, state: RunState, agent: Agent,
-            run_dir: Path) -> list[dict[str, float]]:
-    """What every deciding rank takes from the picked checkpoint besides a trainer's modules:
-    the counters, episodes, normalisers' statistics, membership epoch and RNG; returns its
-    metrics rows when it is this run's own (metrics.csv keeps every row), else none."""
+def resume(ctx: CommContext, job: JobInfo, source: str | None, over: ParallelMode,
+           checkpointer: Checkpointer | None, agent: Agent,
+           state: RunState) -> list[dict[str, float]]:
+    """The checkpoint a deciding rank resumes from (after a restart this run's newest, else
+    ``loop.resume``'s: ``source``), picked alike on every rank of ``over`` and verified, into
+    this rank: a trainer's modules through its ``checkpointer``, a rollout rank's policy, and
+    on every rank the counters, episodes, normalisers' statistics, membership epoch and RNG.
+    Returns its metrics rows when it is this run's own (metrics.csv keeps every row)."""
+    picked = resume_source(ctx, job, source, over)
+    if picked is None:
+        return []
+    if checkpointer is not None:
+        checkpointer.load(picked)
+    elif not picked.sharded:  # a rollout rank: a sharded one's weights come with the first
+        agent.net.load_state_dict(picked.state["policy"])  # transfer, as they do anyway
     saved = picked.state
     for name, value in saved.get("normalizers", {}).items():
         agent.state_dict()[name].copy_(value)  # in place: the tensors are bound
@@ -108,6 +120,18 @@ def restore(picked: Resumable, state: RunState, agent: Agent,
     torch.set_rng_state(saved["torch_rng"])
     log.info("resumed from %s at update %d (%d env steps)", picked.path, state.update,
              state.env_steps)
-    if picked.path.resolve().is_relative_to(run_dir.resolve()):
+    if picked.path.resolve().is_relative_to(job.run_dir.resolve()):
         return list(saved["metrics"])
     return []
+
+
+def note_resume(ctx: CommContext, job: JobInfo, source: str | None) -> None:
+    """A rank that follows its trainer: where the run resumed, if it did, by this rank's own
+    restart count (a joiner replaces a lost rank of the running job: none). Its trainer's
+    weights and statistics come with the first transfer."""
+    if job.joining:
+        return
+    picked = resume_source(ctx, job, source, over=None)
+    if picked is not None:
+        log.info("resumed from %s at update %d (%d env steps)", picked.path,
+                 picked.state["update"], picked.state["env_steps"])

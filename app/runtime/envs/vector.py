@@ -257,7 +257,7 @@ def check_env_names(cfg: EnvConfig) -> None:
     """What :func:`probe_spaces` checks without building an env: the id is registered (its
     package installed), or the factory imports, is callable and takes ``kwargs``. Each problem
     is the same one line. Ranks that receive the spaces from another process run this instead
-    (app/runtime/loop.py: ``RLLoop.validate_settings``)."""
+    (app/runtime/settings.py: ``RunSettings.validate_settings``)."""
     if cfg.vector == "envpool":
         return  # envpool's ids are its own: its probe checks them
     if cfg._target_:

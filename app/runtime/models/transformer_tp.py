@@ -5,7 +5,7 @@ take most of a second to import, which every launch and rank would otherwise pay
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,8 +20,16 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-if TYPE_CHECKING:
-    from app.runtime.models.transformer import TransformerActorCritic
+
+class SplitTransformer(Protocol):
+    """What the plan reads of the policy (app/runtime/models/transformer.py's
+    TransformerActorCritic): its blocks, the window's dimension and the action kind."""
+
+    layers: nn.ModuleList
+    discrete: bool
+
+    @property
+    def seq_dim(self) -> int: ...
 
 
 class ReplicateParallel(ParallelStyle):
@@ -50,7 +58,7 @@ def _local_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
     return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
-def tensor_parallel_plan(model: TransformerActorCritic, sequence_parallel: bool = False,
+def tensor_parallel_plan(model: SplitTransformer, sequence_parallel: bool = False,
                          replicate_rest: bool = False) -> dict[str, ParallelStyle]:
     """torchtitan's Llama plan for ``model``, for ``parallelize_module(model, tp_mesh, plan)``.
 

@@ -93,12 +93,13 @@ class Decider:
         if self.evaluations is not None:
             self.evaluations.close()
 
-    def result(self, attempt: Attempt, declared: Any, elastic: bool) -> dict[str, Any]:
+    def result(self, attempt: Attempt, declared: Any) -> dict[str, Any]:
         """This rank's decider part of result.json: the job's figures and the run's outcome."""
         reached_at, recent = self.reached_at, attempt.recent
         figures = self.recorder.figures(attempt, self.over, declared)
         metrics = figures["metrics"]
-        if elastic and attempt.elapsed:  # the rollout ranks' waits came with their segments
+        # Rollout ranks that take no part in the decision sent their waits with their segments.
+        if self.over is not ParallelMode.GLOBAL and attempt.elapsed:
             metrics["rollout_wait_fraction"] = self.recorder.rollout_wait_fraction(
                 attempt.updates, attempt.elapsed)
         evaluated = self.evaluations.result() if self.evaluations is not None else {}
