@@ -1,19 +1,21 @@
-"""Off-policy algorithms on the runtime: a replay shard per trainer behind the one update call.
+"""Off-policy algorithms on the runtime: a replay behind the one update call.
 
 An :class:`OffPolicyAlgorithm` declares what a transition records (the ``records`` every
 algorithm has), how it explores (``act``) and acts greedily (``greedy``), and one gradient step
 on a sampled batch (:meth:`OffPolicyAlgorithm.learn`), which may return new priorities. Its
-update, written once here, inserts the segments the runtime hands the trainer into the trainer's
-replay shard (app/runtime/replay/buffer.py), asks the rate limiter how many learner steps the ratio
-allows, agrees on the fewest over the trainers (every DDP rank must run as many backward
-passes), and samples, learns and feeds priorities back that many times. The runtime, PPO and
-V-trace are untouched: to them this is one more update.
+update, written once here, sees its replay only through a replay client
+(app/runtime/replay/client.py: this trainer's own shard, or the replay ranks' client the
+runtime hands over with :meth:`OffPolicyAlgorithm.learn_from`): it inserts the segments the
+runtime hands the trainer, asks how many learner steps the rate limiter allows, agrees on the
+fewest over the trainers (every DDP rank must run as many backward passes), and samples,
+learns and feeds priorities back that many times. The runtime, PPO and V-trace are untouched:
+to them this is one more update.
 
 The limiter holds both sides, and the update measures how long each waited on it: the
 collectors' next segment is admitted only once the learner has taken the steps the ratio asks
 for first (``collector_wait_s``: the seconds of those steps), and the learner, once it has
 taken every step the ratio allows, waits for the next inserts (``learner_wait_s``: the seconds
-from then to the next update). A resumed run refills its shard: the checkpoint keeps the
+from then to the next update). A resumed run refills its replay: the checkpoint keeps the
 replay's counters, not its contents (docs/off-policy.md).
 """
 
