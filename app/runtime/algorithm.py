@@ -9,7 +9,11 @@
    and the segments the runtime gathered for it.
 
 The deterministic action (:meth:`Algorithm.greedy`, for evaluation and export) defaults to
-the module's own ``greedy(obs)``.
+the module's own ``greedy(obs)``. An algorithm that learns from a replay (an off-policy one,
+app/runtime/replay/offpolicy.py) also declares its ``loop.replay``
+(:meth:`Algorithm.replay_settings`) and takes the replay the runtime hands it where the replay
+lives on replay ranks (:meth:`Algorithm.learn_from`); an algorithm without one keeps both
+defaults.
 
 The runtime (``app/runtime/``) owns the rest: roles, environments, collection, moving segments,
 weight sync, normalisation, the stop rule, checkpoints and every record of the run.
@@ -19,12 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 
 from app.api import setting
+
+if TYPE_CHECKING:  # the replay's modules build on this one
+    from app.runtime.replay.buffer import ReplaySettings
+    from app.runtime.replay.client import ReplayClient
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,19 @@ class Algorithm(Generic[S]):
         """State values [N] to bootstrap episodes cut by a time limit (``gamma * V(final obs)``
         is added to that step's reward), or None for no bootstrap."""
         return None
+
+    def replay_settings(self) -> ReplaySettings | None:
+        """``loop.replay`` for an algorithm that learns from a replay; None (the default) for
+        one that does not."""
+        return None
+
+    def learn_from(self, replay: ReplayClient) -> None:
+        """On a trainer, before its first update and before a resume's
+        :meth:`load_state_dict`: learn from ``replay`` (the replay ranks' client,
+        ``layout.replay``) rather than from a replay of this trainer's own. An algorithm
+        without a replay (the default) cannot: the check before launch refuses replay ranks
+        for its loop."""
+        raise TypeError(f"{type(self).__name__} does not learn from a replay")
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this algorithm besides the module and the optimizer

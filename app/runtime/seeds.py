@@ -3,7 +3,7 @@ the ranks (app/runtime/run.py) and by the check before launch (:func:`seed_probl
 
 from __future__ import annotations
 
-RANK_STRIDE = 10_000  # rank r's environments: seed x RANK_STRIDE + r
+RANK_STRIDE = 10_000  # rank r's environments (a replay rank's sampling): seed x RANK_STRIDE + r
 UPDATE_STRIDE = 1_000_003  # a replica's minibatch order, one stream per update
 TORCH_SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds below it
 ENVPOOL_SEED_LIMIT = 2**31  # envpool seeds its pool with an int32
@@ -13,6 +13,13 @@ def env_seed(seed: int, rank: int) -> int:
     """The seed of rank ``rank``'s vector env (sub-env ``i`` is seeded with it + ``i``) and of
     its acting generator."""
     return seed * RANK_STRIDE + rank
+
+
+def replay_seed(seed: int, rank: int) -> int:
+    """The seed of replay rank ``rank``'s sampling generator (``layout.replay``): the rule of
+    :func:`env_seed`, whose rank it is (a replay rank steps no envs), so the bounds checked
+    before launch (:func:`seed_problem`, over every rank) hold for it too."""
+    return env_seed(seed, rank)
 
 
 def minibatch_seed(seed: int, replica: int, update: int) -> int:

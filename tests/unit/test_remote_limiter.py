@@ -1,18 +1,17 @@
-"""A trainer's view of the replay ranks' rate limiter (app/runtime/replay/service.py's
-``RemoteLimiter``): counted over the replay ranks' totals, the learner steps that admit the
+"""A trainer's view of the replay ranks' rate limiter (app/runtime/replay/client.py's
+``totals_limiter``): counted over the replay ranks' totals, the learner steps that admit the
 collectors' next inserts (what ``collector_wait_s`` times) are the steps each replay rank's own
 limiter asks for, with several replay ranks and several trainers."""
 
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
 from app.runtime.replay.buffer import RateLimiter, ReplaySettings
-from app.runtime.replay.service import RemoteLimiter, batch_shares
+from app.runtime.replay.client import totals_limiter
+from app.runtime.replay.routing import batch_shares
 
 pytestmark = pytest.mark.unit
 
@@ -25,9 +24,8 @@ def test_the_steps_that_admit_inserts_are_each_replay_ranks(replays: int, traine
     # Its share of min_size, which is the whole run's.
     server = RateLimiter(settings.samples_per_insert, settings.tolerance,
                          settings.shard_min_size(replays), trainers * share)
-    # The limiter needs only which replay ranks there are of its remote replay.
-    remote: Any = SimpleNamespace(servers=list(range(replays)))
-    limiter = RemoteLimiter(remote, settings, trainers)
+    # The rule a trainer's RemoteReplay counts with: the replay ranks' totals.
+    limiter = totals_limiter(settings, replays, trainers)
     assert settings.batch_size % replays == 0  # even shares: every rank counts alike
     compared = 0
     for inserts, samples, count in itertools.product(range(settings.shard_min_size(replays), 800, 37), range(0, 6000, 251),

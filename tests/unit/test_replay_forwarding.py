@@ -12,14 +12,8 @@ import pytest
 import torch
 
 from app.runtime.algorithm import Segment
-from app.runtime.replay.service import (
-    collectors,
-    forwarded_to,
-    forwards,
-    insert_format,
-    packed_again,
-    writers_of,
-)
+from app.runtime.replay.messages import insert_format, packed_again
+from app.runtime.replay.routing import collectors, forwarded_to, forwards, writers_of
 from app.runtime.segments import EPISODE_FIELDS, Field, SegmentFormat, with_episodes
 from app.runtime.worker import as_segment
 from rlcomm import LayoutSpec, plan_layout

@@ -1,7 +1,7 @@
 """The replay on its own ranks, without processes: ``layout.replay`` in the planner (a third
 role, its group, every error one line), the routing of collectors to replay ranks, the batch
 shares, a sampled batch's wire format, and the checks before launch
-(app/runtime/replay/service.py, docs/off-policy.md)."""
+(app/runtime/replay/service.py, routing.py, messages.py, docs/off-policy.md)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,8 @@ from app.errors import ConfigError
 from app.launch.planning import validate
 from app.runtime.algorithm import Record, Segment
 from app.runtime.replay.buffer import Replay, ReplaySettings
-from app.runtime.replay.service import (
-    batch_format,
-    batch_shares,
-    collectors,
-    replay_rank_of,
-    writers_of,
-)
+from app.runtime.replay.messages import batch_format
+from app.runtime.replay.routing import batch_shares, collectors, replay_rank_of, writers_of
 from app.runtime.segments import Field, SegmentFormat
 from rlcomm import LayoutError, LayoutSpec, ParallelMode, format_plan, plan_layout
 from tests.helpers.apprun import REPO

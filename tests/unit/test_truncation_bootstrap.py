@@ -40,7 +40,7 @@ def test_a_cut_episode_keeps_its_final_observation_and_bootstraps_from_it() -> N
         assert not torch.equal(final[t], seg["obs"][t + 1])
         assert seg["dones"][t + 1].tolist() == [1.0, 1.0]
     assert final[[t for t in range(12) if t not in (4, 9)]].abs().max() == 0
-    replay = algorithm.replay
+    replay = algorithm.replay.shard  # this trainer's own shard (a LocalReplay's)
     replay.insert(seg)
     slots = lambda t: slice(2 * t, 2 * t + 2)  # noqa: E731 (time-major: slot = t * N + i)
     for t in (4, 9):

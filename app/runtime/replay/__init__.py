@@ -1,2 +1,3 @@
-"""Replay: a trainer's replay shard, the replay on its own ranks, and the off-policy update
-behind it."""
+"""Replay: a replay shard and its rate limiter (buffer), what an off-policy algorithm sees of
+its replay (client), the replay on its own ranks (service, messages, routing), and the
+off-policy update behind it (offpolicy)."""

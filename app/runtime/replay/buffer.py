@@ -16,7 +16,9 @@ segments are routed today), fills it from the segments it receives and samples b
   ``(size * P(i)) ** -importance_exponent`` divided by their maximum over the whole shard, so
   they only scale updates down. A new transition gets the largest priority seen so far.
 - :class:`RateLimiter` keeps the learner's samples near ``samples_per_insert`` per inserted
-  transition (Reverb's ``SampleToInsertRatio``), counted in whole learner steps.
+  transition (Reverb's ``SampleToInsertRatio``), counted in whole learner steps: a pure rule on
+  the counts it is given, applied beside a trainer's own shard (app/runtime/replay/client.py's
+  ``LocalReplay``) or by a replay rank on its own (app/runtime/replay/service.py).
 """
 
 from __future__ import annotations
@@ -153,7 +155,8 @@ def n_step_transitions(segment: Mapping[str, Tensor], n: int,
 
 
 class Replay:
-    """One trainer's replay shard: fixed capacity, FIFO, uniform or proportional sampling.
+    """One replay shard (a trainer's, or a replay rank's): fixed capacity, FIFO, uniform or
+    proportional sampling.
 
     ``inserts`` and ``samples`` count transitions over the run (a checkpoint keeps them);
     ``size`` is how many the shard holds now.
@@ -250,7 +253,8 @@ class Replay:
 
 
 class RateLimiter:
-    """Samples per insert, in whole learner steps (Reverb's ``SampleToInsertRatio``).
+    """Samples per insert, in whole learner steps (Reverb's ``SampleToInsertRatio``): a rule on
+    the counts its callers pass, with no state of its own beyond its settings.
 
     Once ``min_size`` transitions are held, the learner's samples track
     ``target = samples_per_insert * (inserts - min_size)``: a learner step (``batch_size``

@@ -1,19 +1,21 @@
-"""Off-policy algorithms on the runtime: a replay shard per trainer behind the one update call.
+"""Off-policy algorithms on the runtime: a replay behind the one update call.
 
 An :class:`OffPolicyAlgorithm` declares what a transition records (the ``records`` every
 algorithm has), how it explores (``act``) and acts greedily (``greedy``), and one gradient step
 on a sampled batch (:meth:`OffPolicyAlgorithm.learn`), which may return new priorities. Its
-update, written once here, inserts the segments the runtime hands the trainer into the trainer's
-replay shard (app/runtime/replay/buffer.py), asks the rate limiter how many learner steps the ratio
-allows, agrees on the fewest over the trainers (every DDP rank must run as many backward
-passes), and samples, learns and feeds priorities back that many times. The runtime, PPO and
-V-trace are untouched: to them this is one more update.
+update, written once here, sees its replay only through a replay client
+(app/runtime/replay/client.py: this trainer's own shard, or the replay ranks' client the
+runtime hands over with :meth:`OffPolicyAlgorithm.learn_from`): it inserts the segments the
+runtime hands the trainer, asks how many learner steps the rate limiter allows, agrees on the
+fewest over the trainers (every DDP rank must run as many backward passes), and samples,
+learns and feeds priorities back that many times. The runtime, PPO and V-trace are untouched:
+to them this is one more update.
 
 The limiter holds both sides, and the update measures how long each waited on it: the
 collectors' next segment is admitted only once the learner has taken the steps the ratio asks
 for first (``collector_wait_s``: the seconds of those steps), and the learner, once it has
 taken every step the ratio allows, waits for the next inserts (``learner_wait_s``: the seconds
-from then to the next update). A resumed run refills its shard: the checkpoint keeps the
+from then to the next update). A resumed run refills its replay: the checkpoint keeps the
 replay's counters, not its contents (docs/off-policy.md).
 """
 
@@ -32,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel
 from app.api import ConfigError, LoopMetrics, setting
 from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
 from app.runtime.loop import RLLoop
-from app.runtime.replay.buffer import Batch, RateLimiter, Replay, ReplaySettings
+from app.runtime.replay.buffer import Batch, ReplaySettings
+from app.runtime.replay.client import LocalReplay, ReplayClient
 from app.runtime.settings import plain
 
 if TYPE_CHECKING:
@@ -65,12 +68,8 @@ class OffPolicyAlgorithm(Algorithm[S]):
     def __init__(self, settings: S, spaces: Spaces, replay: ReplaySettings | None = None) -> None:
         super().__init__(settings, spaces)
         self._replay_settings = replay if replay is not None else ReplaySettings()
-        self._replay: Replay | None = None  # built on a trainer's first update
-        # Built at the first update, when the trainers among which min_size is shared are known
-        # (or handed over by use_replay).
-        self._limiter: RateLimiter | None = None
-        # Counters as this attempt's shard started filling: the limiter counts from there.
-        self._base_inserts = self._base_samples = 0
+        # The runtime's (learn_from), else this trainer's own shard, built at its first use.
+        self._replay: ReplayClient | None = None
         self.learner_steps = 0  # over the run (checkpointed): e.g. for target-network periods
         # When the learner last ran out of allowed steps (None: it had steps left, or no update
         # yet): the time from then to the next update is its wait on the limiter.
@@ -83,32 +82,21 @@ class OffPolicyAlgorithm(Algorithm[S]):
         """``loop.replay``, as the loop built this algorithm with it."""
         return self._replay_settings
 
-    def use_replay(self, replay: Replay, limiter: RateLimiter) -> None:
-        """Learn from ``replay`` under ``limiter`` instead of a shard of this trainer's own:
-        the replay on its own ranks (app/runtime/replay/service.py)."""
-        self._replay, self._limiter = replay, limiter
+    def learn_from(self, replay: ReplayClient) -> None:
+        """Learn from ``replay`` instead of a shard of this trainer's own: the replay ranks'
+        client (app/runtime/replay/service.py), handed over before the first update and
+        before a resume's :meth:`load_state_dict`."""
+        if self._replay is not None:
+            raise RuntimeError(f"{type(self).__name__}.learn_from: the algorithm already "
+                               "uses a replay; hand it over before its first use")
+        self._replay = replay
 
     @property
-    def limiter(self) -> RateLimiter:
-        """The rate limiter of this trainer's shard (after its first update), or the replay
-        ranks' (:meth:`use_replay`)."""
-        if self._limiter is None:
-            raise RuntimeError("the rate limiter is built at the first update")
-        return self._limiter
-
-    def _shard_limiter(self, trainers: int) -> RateLimiter:
-        """The limiter of this trainer's shard, one of ``trainers``: it waits for its share of
-        ``min_size``, the whole run's (``ReplaySettings.shard_min_size``)."""
-        if self._limiter is None:
-            settings = self._replay_settings
-            self._limiter = RateLimiter(settings.samples_per_insert, settings.tolerance,
-                                        settings.shard_min_size(trainers), settings.batch_size)
-        return self._limiter
-
-    @property
-    def replay(self) -> Replay:
+    def replay(self) -> ReplayClient:
+        """The replay this algorithm learns from: the runtime's (:meth:`learn_from`), or this
+        trainer's own shard (app/runtime/replay/client.py's ``LocalReplay``)."""
         if self._replay is None:
-            self._replay = Replay(self._replay_settings, self.records, self.settings.gamma)
+            self._replay = LocalReplay(self._replay_settings, self.records, self.settings.gamma)
         return self._replay
 
     def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
@@ -130,15 +118,16 @@ class OffPolicyAlgorithm(Algorithm[S]):
         for segment in segments:
             replay.insert(segment)
         in_replay = time.perf_counter() - tick
-        limiter = self._shard_limiter(_trainers(model))
-        allowed = limiter.steps_allowed(*self._counts(), replay.size)
+        if isinstance(replay, LocalReplay):  # its share of min_size among the DDP group's
+            replay.share_among(_trainers(model))
+        allowed = replay.steps_allowed()
         steps = agreed_steps(model, allowed)
         # This round's transitions: inserted here, or written by the collectors to the replay
         # ranks (layout.replay), whose counts the allowance just refreshed. The next round
         # brings as many: the collectors wait until the learner has taken the steps that admit
         # them.
         arrived = replay.inserts - before
-        blocking = limiter.steps_to_admit(*self._counts(), arrived, steps)
+        blocking = replay.steps_to_admit(arrived, steps)
         learner = model if _trainers(model) > 1 else module
         figures: dict[str, float] = {}
         collector_wait_s, learning = 0.0, time.perf_counter()
@@ -163,25 +152,10 @@ class OffPolicyAlgorithm(Algorithm[S]):
         self.waited_s["learner_wait_s"] += learner_wait_s
         return {**own, **self.replay_figures(steps), "replay_s": in_replay}
 
-    def _counts(self) -> tuple[int, int]:
-        """Inserts and samples as the limiter counts them: since this attempt's shard began."""
-        return self.replay.inserts - self._base_inserts, self.replay.samples - self._base_samples
-
     def replay_figures(self, steps: int) -> dict[str, float]:
         """The replay's figures after an update of ``steps`` learner steps."""
-        replay, limiter = self.replay, self.limiter
-        past_start = replay.inserts - self._base_inserts - limiter.min_size
-        sampled = replay.samples - self._base_samples
-        return {
-            "replay_size": float(replay.size),
-            "replay_inserts": float(replay.inserts),
-            "replay_samples": float(replay.samples),
-            "samples_per_insert": sampled / past_start if past_start > 0 else 0.0,
-            "priority_spread": replay.priority_spread(),
-            "learner_steps": float(steps),
-            "learner_wait": float(steps == 0),
-            **self.waited_s,
-        }
+        return {**self.replay.figures(), "learner_steps": float(steps),
+                "learner_wait": float(steps == 0), **self.waited_s}
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this algorithm beyond the module and the optimizer: the
@@ -193,7 +167,6 @@ class OffPolicyAlgorithm(Algorithm[S]):
         ``min_size`` before the learner steps again."""
         self.replay.load_state_dict(state["replay"])
         self.learner_steps = int(state["learner_steps"])
-        self._base_inserts, self._base_samples = self.replay.inserts, self.replay.samples
 
 
 def _trainers(model: nn.Module) -> int:
