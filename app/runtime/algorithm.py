@@ -29,46 +29,13 @@ import torch
 from torch import Tensor, nn
 
 from app.api import setting
+from app.runtime.data import Record, Segment, Spaces
 
-if TYPE_CHECKING:  # the replay's modules build on this one
+if TYPE_CHECKING:
     from app.runtime.replay.buffer import ReplaySettings
     from app.runtime.replay.client import ReplayClient
 
-
-@dataclass(frozen=True)
-class Spaces:
-    """One environment's observation and action space (gymnasium spaces)."""
-
-    observation: Any
-    action: Any
-
-
-@dataclass(frozen=True)
-class Record:
-    """One per-step field an algorithm records: its shape per env and its dtype."""
-
-    shape: tuple[int, ...] = ()
-    dtype: torch.dtype = torch.float32
-
-
-class Segment(dict[str, Tensor]):
-    """One collector's ``T`` steps of ``N`` envs, time-major, as the trainer receives it.
-
-    Keys: ``obs`` [T, N, *obs] (what the policy saw: normalised when ``loop.env.normalize_obs``),
-    ``actions`` [T, N, *action] (as sampled, before any clipping to the action space),
-    ``rewards`` [T, N] (scaled when ``loop.env.normalize_reward``), ``dones`` [T, N]
-    (``dones[t]``: ``obs[t]`` starts a new episode), one entry per :attr:`Algorithm.records`
-    name [T, N, *shape], and ``next_obs`` [N, *obs] / ``next_done`` [N], the state after the
-    last step. With :attr:`Algorithm.final_observations`, also ``truncated`` [T, N] (1 where
-    step t's episode was cut by a time limit) and ``final_obs`` [T, N, *obs] (that episode's
-    true last observation, as the policy saw it; zeros elsewhere). ``version``: the weights
-    version it was collected with; ``lag``: how many versions that is behind the weights being
-    trained.
-    """
-
-    version: int = 0
-    lag: int = 0
-    moments: dict[str, Tensor] = {}
+__all__ = ["Algorithm", "AlgorithmSettings", "Record", "Segment", "Spaces", "UpdateInfo"]
 
 
 @dataclass

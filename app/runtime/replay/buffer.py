@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from app.api import setting
-from app.runtime.algorithm import Record, Segment
+from app.runtime.data import Record, Segment
 
 # Added to |TD error| so that no transition's probability falls to zero (PER's epsilon).
 PRIORITY_FLOOR = 1e-6

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.runtime.algorithm import Record, Segment
+from app.runtime.data import Record, Segment
 from app.runtime.replay.buffer import Batch, RateLimiter, Replay, ReplaySettings
 from app.runtime.replay.messages import (
     ALLOW,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.runtime.algorithm import Segment
+from app.runtime.data import Segment
 from app.runtime.replay.buffer import Batch
 from app.runtime.segments import EPISODE_FIELDS, Field, SegmentFormat
 
