@@ -26,7 +26,8 @@ from app.api import ConfigError
 from app.config import build_loop
 from app.evaluate.export import export_policy
 from app.runtime.algorithm import Spaces
-from app.runtime.checkpoints.checkpoint import load_policy_state, newest_valid_checkpoint
+from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint
+from app.runtime.checkpoints.policy import load_policy_state
 from app.runtime.envs.vector import EnvError, probe_spaces
 from app.runtime.evaluation.episodes import Episodes, run_episodes
 from app.runtime.evaluation.video import render_problem

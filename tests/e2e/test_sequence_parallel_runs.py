@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.runtime.checkpoints.checkpoint import load_policy_state
+from app.runtime.checkpoints.policy import load_policy_state
 from tests.helpers.apprun import metrics, run_ppo
 
 pytestmark = pytest.mark.e2e

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.runtime.checkpoints.checkpoint import load_policy_state
+from app.runtime.checkpoints.policy import load_policy_state
 from tests.helpers.apprun import AppProcess, describe, metrics, read_result, run_app, run_ppo
 
 pytestmark = pytest.mark.e2e

@@ -30,13 +30,12 @@ from app.runtime.checkpoints.checkpoint import (
     find_checkpoint,
     last_checkpoint_note,
     load_checkpoint,
-    load_policy_state,
-    load_sharded_checkpoint,
     newest_valid_checkpoint,
     policy_shapes,
     resume_mismatch,
 )
-from app.runtime.checkpoints.shards import save_sharded_checkpoint
+from app.runtime.checkpoints.policy import load_policy_state
+from app.runtime.checkpoints.shards import load_sharded_checkpoint, save_sharded_checkpoint
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.sharding import TrainedModule

@@ -5,8 +5,8 @@ optimizer, the counters, the episodes and the metrics rows. It takes one of two 
 - ``<run dir>/checkpoints/ckpt_<update>.pt``, one file by rank 0, when the trainers use DDP;
 - ``<run dir>/checkpoints/ckpt_<update>/``, a folder, when the trainers shard it: each
   trainer's DCP shards and rank 0's ``state.pt`` with the rest and every file's SHA-256
-  (written by app/runtime/checkpoints/shards.py). A resume reshards into whatever grid it runs
-  on (DDP too); :func:`load_policy_state` reads the policy on one process.
+  (written and read by app/runtime/checkpoints/shards.py: a resume reshards into whatever grid
+  it runs on, DDP too); app/runtime/checkpoints/policy.py reads the policy on one process.
 
 A checkpoint proves itself: it carries a SHA-256 of its content (every tensor's bytes and every
 value, walked in a fixed order, so the digest does not depend on torch's file format) and the
@@ -24,7 +24,6 @@ import logging
 import numbers
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,9 +38,8 @@ from app.runtime.checkpoints.durable import remove_stale, sync_folder, write_syn
 from rlcomm import CommContext, ParallelMode, collectives
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
-    from app.runtime.sharding import TrainedModule
+    pass
 
 log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
@@ -445,51 +443,3 @@ def save_checkpoint(
     sync_folder(folder)
     log.info("checkpoint %s (update %d, %d env steps)", final.name, state.update, state.env_steps)
     return final
-
-
-def load_sharded_checkpoint(path: Path, trained: TrainedModule, optimizer: torch.optim.Optimizer,
-                            group: ProcessGroup) -> None:
-    """A sharded checkpoint's policy and optimizer into this trainer, whatever grid wrote it:
-    DCP reads each trainer's own part of each tensor for this grid's shards (or whole tensors
-    under DDP). Every trainer of ``group`` calls it; ``path`` was verified when picked."""
-    import torch.distributed.checkpoint as dcp
-
-    state = trained.sharded_state(optimizer)  # this grid's own tensors, filled in place
-    try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group)
-    except dcp.CheckpointException as err:  # a BaseException: as an error of this rank instead
-        raise RuntimeError(f"loop.resume: reading {path}: {_first_failure(err)}") from None
-    trained.load_sharded_state(state, optimizer)
-
-
-def load_policy_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """The whole policy's state dict from a checkpoint (a ``.pt`` file, a sharded folder, a run
-    dir or its checkpoints/ dir: its newest valid one), on one process without a process group
-    (evaluation). Checksums are verified; a sharded checkpoint's optimizer is not read."""
-    import torch.distributed.checkpoint as dcp
-
-    picked = newest_valid_checkpoint(path)
-    for note in picked.notes():
-        log.warning("%s", note)
-    if not picked.sharded:
-        return dict(picked.state["policy"])
-    reader = dcp.FileSystemReader(picked.path)
-    prefix = "policy."  # DCP flattens {"policy": {name: tensor}} to "policy.<name>"
-    policy = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-              for key, meta in reader.read_metadata().state_dict_metadata.items()
-              if key.startswith(prefix) and isinstance(meta, dcp.TensorStorageMetadata)}
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load({"policy": policy}, storage_reader=reader, no_dist=True)
-    except dcp.CheckpointException as err:
-        raise RuntimeError(f"reading {picked.path}: {_first_failure(err)}") from None
-    return policy
-
-
-def _first_failure(err: BaseException) -> str:
-    failures = getattr(err, "failures", {})
-    for rank in sorted(failures):
-        cause = failures[rank][0]
-        return f"{type(cause).__name__}: {cause}"
-    return str(err)

@@ -17,11 +17,10 @@ from app.runtime.checkpoints.checkpoint import (
     Resumable,
     TrainingState,
     WholeCheckpoint,
-    load_sharded_checkpoint,
     resume_source,
     save_checkpoint,
 )
-from app.runtime.checkpoints.shards import save_sharded_checkpoint
+from app.runtime.checkpoints.shards import load_sharded_checkpoint, save_sharded_checkpoint
 from app.runtime.roles.trainer import Trainer
 from app.runtime.state import RunState
 from app.runtime.worker import Agent

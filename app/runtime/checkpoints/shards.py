@@ -1,13 +1,17 @@
-"""Writing a sharded checkpoint (app/runtime/checkpoints/checkpoint.py reads it, and writes the
-one-file form): every trainer writes its own shards with ``torch.distributed.checkpoint`` into
-``ckpt_<update>.tmp/``, the trainers hash the files in turn, and the first one writes
-``state.pt`` and renames the folder into place."""
+"""A sharded checkpoint, written and read with ``torch.distributed.checkpoint`` (DCP); the
+one-file form and what both share (the format, checksums, picking) are
+app/runtime/checkpoints/checkpoint.py's.
+
+Written: every trainer writes its own shards into ``ckpt_<update>.tmp/``, the trainers hash the
+files in turn, and the first one writes ``state.pt`` and renames the folder into place. Read:
+each trainer reads its own part of each tensor for its grid, whatever grid wrote it."""
 
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,3 +160,45 @@ def _write_state_and_rename(state: dict[str, Any], folder: Path, final: Path,
         raise
     shutil.rmtree(replaced, ignore_errors=True)
     sync_folder(folder)
+
+
+def load_sharded_checkpoint(path: Path, trained: TrainedModule, optimizer: torch.optim.Optimizer,
+                            group: ProcessGroup) -> None:
+    """A sharded checkpoint's policy and optimizer into this trainer, whatever grid wrote it:
+    DCP reads each trainer's own part of each tensor for this grid's shards (or whole tensors
+    under DDP). Every trainer of ``group`` calls it; ``path`` was verified when picked."""
+    import torch.distributed.checkpoint as dcp
+
+    state = trained.sharded_state(optimizer)  # this grid's own tensors, filled in place
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group)
+    except dcp.CheckpointException as err:  # a BaseException: as an error of this rank instead
+        raise RuntimeError(f"loop.resume: reading {path}: {_first_failure(err)}") from None
+    trained.load_sharded_state(state, optimizer)
+
+
+def read_sharded_policy(path: Path) -> dict[str, torch.Tensor]:
+    """The whole policy of the sharded checkpoint at ``path`` (verified when picked), on one
+    process without a process group; its optimizer is not read."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(path)
+    prefix = "policy."  # DCP flattens {"policy": {name: tensor}} to "policy.<name>"
+    policy = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+              for key, meta in reader.read_metadata().state_dict_metadata.items()
+              if key.startswith(prefix) and isinstance(meta, dcp.TensorStorageMetadata)}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load({"policy": policy}, storage_reader=reader, no_dist=True)
+    except dcp.CheckpointException as err:
+        raise RuntimeError(f"reading {path}: {_first_failure(err)}") from None
+    return policy
+
+
+def _first_failure(err: BaseException) -> str:
+    failures = getattr(err, "failures", {})
+    for rank in sorted(failures):
+        cause = failures[rank][0]
+        return f"{type(cause).__name__}: {cause}"
+    return str(err)
