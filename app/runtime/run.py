@@ -46,6 +46,7 @@ class RankRun:
         rows = self._resume()
         first_update, first_steps = self.state.update, self.state.env_steps  # this attempt's start
         start, cpu_start = time.perf_counter(), time.process_time()
+        self.state.attempt_start = start
         if rank.deciders is not None:
             self.decider = self._decider(rows, (start, first_steps))
         try:
@@ -70,7 +71,7 @@ class RankRun:
         attempt = Attempt(elapsed=elapsed, updates=self.state.update - first_update,
                           steps=self.state.env_steps - first_steps,
                           transfer_s=self.hand_off.transfer_s, wait_s=self.hand_off.wait_total_s,
-                          reached_at=self.decider.reached_at if self.decider else None,
+                          reached_at=self.state.reached_at,
                           recent=self.state.recent_return(self.loop.window))
         return self._result(attempt, cpu_s)
 

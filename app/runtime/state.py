@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,12 +14,21 @@ from app.runtime.worker import Episode
 class RunState:
     """The updates done, the job's env steps and every finished episode this rank learnt; a
     resumed run starts from its checkpoint's. ``epoch_base``: a resumed elastic run's
-    membership epochs count on from its checkpoint's."""
+    membership epochs count on from its checkpoint's. ``reached_at``: when (seconds trained)
+    and at how many env steps the target was first reached; ``train_s_before``: seconds trained
+    by this run's earlier attempts, up to the checkpoint this one resumed from."""
 
     update: int = 0
     env_steps: int = 0
     episodes: list[Episode] = field(default_factory=list)
     epoch_base: int = 0
+    reached_at: tuple[float, int] | None = None
+    train_s_before: float = 0.0
+    attempt_start: float = field(default_factory=time.perf_counter)
+
+    def training_s(self) -> float:
+        """Seconds trained so far, over every attempt of this run."""
+        return self.train_s_before + time.perf_counter() - self.attempt_start
 
     def recent_return(self, window: int) -> float:
         """The stop rule's quantity: the mean return of the last ``window`` episodes (-inf

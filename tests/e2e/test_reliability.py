@@ -229,13 +229,18 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
     start_app: Callable[..., AppProcess],
 ) -> None:
     updates = 30
+    # A target any policy reaches in its first updates, noted and trained past: the run's first
+    # time is what the restarted run must report.
     settings = (*PPO_SMALL, f"loop.total_env_steps={updates * STEPS_PER_UPDATE}",
-                "loop.checkpoint_every=2", "launcher.max_restarts=1")
+                "loop.checkpoint_every=2", "launcher.max_restarts=1", "loop.target_return=10",
+                "loop.stop_at_target=false")
 
     clean = start_app("uninterrupted", *settings)
     assert clean.wait() == 0, clean.describe()
     expected = per_rank(read_result(clean.run_dir), "updates", "env_steps")
     assert expected == {r: (updates, updates * STEPS_PER_UPDATE) for r in range(4)}
+    first_reach = read_result(clean.run_dir)["summary"]["env_steps_to_target"]
+    assert first_reach is not None and first_reach <= 2 * STEPS_PER_UPDATE, first_reach
     clean.assert_all_ended()
 
     app = start_app("restarted", *settings)
@@ -261,6 +266,11 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
     (name, at), = resumed[0]
     assert all(found == [(name, at)] for found in resumed.values()), resumed
     assert 2 <= int(at) < updates and int(name) == int(at), resumed  # a real mid-run resume
+    # The run's history survived the restart: the target was first reached before the
+    # checkpoint it resumed from, and the summary says when, not when the resumed run saw it.
+    summary = result["summary"]
+    assert summary["env_steps_to_target"] == first_reach, (summary, app.describe())
+    assert summary["time_to_target_s"] > 0, summary
     assert not list(checkpoints.glob("*.tmp")), list(checkpoints.iterdir())
     assert (checkpoints / f"ckpt_{updates:06d}.pt").exists()
     app.assert_all_ended()

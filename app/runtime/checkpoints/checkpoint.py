@@ -98,8 +98,10 @@ class Resumable:
 class TrainingState:
     """What a checkpoint holds besides the policy and the optimizer: the counters, every
     finished episode and metrics row so far, the run's settings (:func:`run_settings`), the
-    normalisers' statistics, an elastic run's membership epoch and an off-policy algorithm's own
-    state (``Algorithm.state_dict``; sharded trainers keep none)."""
+    normalisers' statistics, an elastic run's membership epoch, an off-policy algorithm's own
+    state (``Algorithm.state_dict``; sharded trainers keep none), the seconds trained so far over
+    every attempt (``train_s``) and when and at how many env steps the target was first reached
+    (``reached_at``), so that a restart keeps the run's history."""
 
     update: int
     env_steps: int
@@ -109,6 +111,8 @@ class TrainingState:
     normalizers: Mapping[str, torch.Tensor] = field(default_factory=dict)
     epoch: int | None = None
     algorithm: Mapping[str, Any] = field(default_factory=dict)
+    train_s: float = 0.0
+    reached_at: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -418,6 +422,8 @@ def save_checkpoint(
         "epoch": state.epoch,  # the membership epoch of an elastic run (rlcomm.elastic), else None
         "episodes": state.episodes,
         "metrics": state.metrics,
+        "train_s": state.train_s,
+        "reached_at": state.reached_at,
         # Minibatch order is seeded per update and environments restart from their seeds.
         "torch_rng": torch.get_rng_state(),
         "format": FORMAT,

@@ -91,7 +91,8 @@ class Checkpointer:
             normalizers={k: v.clone() for k, v in agent.normalizers().items()},
             epoch=int(rows[-1]["epoch"]) if rows and "epoch" in rows[-1] else None,
             # An off-policy algorithm's own state (never a sharded trainer's).
-            algorithm=copy.deepcopy(algorithm.state_dict()))
+            algorithm=copy.deepcopy(algorithm.state_dict()),
+            train_s=state.training_s(), reached_at=state.reached_at)
 
 
 def resume(ctx: CommContext, job: JobInfo, source: str | None, over: ParallelMode,
@@ -101,7 +102,9 @@ def resume(ctx: CommContext, job: JobInfo, source: str | None, over: ParallelMod
     ``loop.resume``'s: ``source``), picked alike on every rank of ``over`` and verified, into
     this rank: a trainer's modules through its ``checkpointer``, a rollout rank's policy, and
     on every rank the counters, episodes, normalisers' statistics, membership epoch and RNG.
-    Returns its metrics rows when it is this run's own (metrics.csv keeps every row)."""
+    When it is this run's own (a restart), the run's history goes on from it: its metrics rows
+    are returned (metrics.csv keeps every update once), and the seconds trained and the first
+    time the target was reached carry over."""
     picked = resume_source(ctx, job, source, over)
     if picked is None:
         return []
@@ -119,9 +122,12 @@ def resume(ctx: CommContext, job: JobInfo, source: str | None, over: ParallelMod
     torch.set_rng_state(saved["torch_rng"])
     log.info("resumed from %s at update %d (%d env steps)", picked.path, state.update,
              state.env_steps)
-    if picked.path.resolve().is_relative_to(job.run_dir.resolve()):
-        return list(saved["metrics"])
-    return []
+    if not picked.path.resolve().is_relative_to(job.run_dir.resolve()):
+        return []
+    state.train_s_before = float(saved.get("train_s", 0.0))
+    reached = saved.get("reached_at")
+    state.reached_at = (float(reached[0]), int(reached[1])) if reached is not None else None
+    return list(saved["metrics"])
 
 
 def note_resume(ctx: CommContext, job: JobInfo, source: str | None) -> None:

@@ -70,6 +70,8 @@ def save_sharded_checkpoint(run_dir: Path, trained: TrainedModule, optimizer: to
         "epoch": state.epoch,
         "episodes": state.episodes,
         "metrics": state.metrics,
+        "train_s": state.train_s,
+        "reached_at": state.reached_at,
         "torch_rng": torch.get_rng_state(),
         "format": SHARDED_FORMAT,
         "settings": dict(state.settings),

@@ -35,7 +35,6 @@ class Decider:
         self.recorder, self.checkpointer, self.evaluations = recorder, checkpointer, evaluations
         self.start, self.first_steps = started
         self.target = loop.target()  # with loop.stop_at_target=false: noted, not the end
-        self.reached_at: tuple[float, int] | None = None
 
     def more_steps(self) -> bool:
         return self.state.env_steps < self.loop.total_env_steps
@@ -48,7 +47,8 @@ class Decider:
 
     def after_update(self, version: int, new: list[Episode], losses: dict[str, float],
                      shared: dict[str, float], transfer_s: float) -> bool:
-        """Records the update, checkpoints when due; True when the target was reached and ends
+        """Records the update, notes the first time the target is reached (before a checkpoint
+        due now, which keeps it), checkpoints when due; True when the target is reached and ends
         the run (``loop.stop_at_target``)."""
         state, elapsed = self.state, time.perf_counter() - self.start
         record = UpdateRecord(
@@ -59,12 +59,12 @@ class Decider:
         row = self.recorder.record(record)
         done = self.evaluations.done if self.evaluations is not None else []
         self.recorder.show(row, record, len(state.episodes), done[-1] if done else None)
+        reached = self.target is not None and self._quantity() >= self.target
+        if reached and state.reached_at is None:  # the first time counts, over every attempt
+            state.reached_at = (state.training_s(), state.env_steps)
         if self.checkpointer is not None and self.checkpointer.due(state.update):
             self.checkpointer.save(state, self.recorder.rows)
-        if self.reached_at is None and self.target is not None and self._quantity() >= self.target:
-            self.reached_at = (time.perf_counter() - self.start, state.env_steps)
-            return self.loop.stop_at_target
-        return False
+        return reached and self.loop.stop_at_target
 
     def evaluate(self, version: int, agent: Agent) -> None:
         """Every ``loop.eval_every`` updates: the weights just sent (with the normalisers'
@@ -95,7 +95,7 @@ class Decider:
 
     def result(self, attempt: Attempt, declared: Any) -> dict[str, Any]:
         """This rank's decider part of result.json: the job's figures and the run's outcome."""
-        reached_at, recent = self.reached_at, attempt.recent
+        reached_at, recent = self.state.reached_at, attempt.recent
         figures = self.recorder.figures(attempt, self.over, declared)
         metrics = figures["metrics"]
         # Rollout ranks that take no part in the decision sent their waits with their segments.
