@@ -93,7 +93,7 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
     import torch
     from torch import nn
 
-    from app.runtime.handoff import HandOffSettings, compose_hand_off
+    from app.runtime.handoff import HandOffSettings, static_hand_off
     from app.runtime.handoff.weights_sharded import ShardSender
     from app.runtime.segments import Field, SegmentFormat
     from app.runtime.sharding import TrainedModule
@@ -119,7 +119,7 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
         settings = HandOffSettings(max_staleness=0, verify_every=0, min_rollouts=1,
                                    timeout_s=600, episode_cap=1, sharded=True)
         segment_format = SegmentFormat({"version": Field((1,), torch.int64)})
-        sharded = compose_hand_off(ctx, plan, agent, segment_format, trained, settings)
+        sharded = static_hand_off(ctx, plan, agent, segment_format, trained, settings)
         register_initializer("FLAT_HAND_OFF", WeightTransferGroupInitializer)
         ctx.init_group([0, *plan.rollouts], mode="FLAT_HAND_OFF", backend="gloo")
         flat_sender = flat_receiver = None

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.runtime.handoff import HandOff, HandOffSettings, compose_hand_off
+from app.runtime.handoff import HandOff, HandOffSettings, static_hand_off
 from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule
 from rlcomm import LayoutSpec, plan_layout
@@ -69,8 +69,8 @@ def _static(rank: int, world: int, trainers: int, data_parallel: str, tensor: in
                    if rank in plan.trainers else None)
         settings = HandOffSettings(max_staleness=max_staleness, verify_every=1, min_rollouts=1,
                                    timeout_s=120, episode_cap=1, sharded=True)
-        hand_off = compose_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
-                                    trained, settings)
+        hand_off = static_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
+                                   trained, settings)
         storage = {name: t.data_ptr() for name, t in agent.state_dict().items()}
         facts: list[dict[str, int]] = []
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.runtime.handoff import HandOffSettings, compose_hand_off
+from app.runtime.handoff import HandOffSettings, static_hand_off
 from app.runtime.handoff.slices import shards_mode
 from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule
@@ -48,8 +48,8 @@ def _ranks(rank: int, world: int, max_staleness: int) -> dict[str, Any]:
         trained = TrainedModule(ctx, plan, agent.net, "fsdp") if trainer else None
         settings = HandOffSettings(max_staleness=max_staleness, verify_every=EVERY,
                                    min_rollouts=1, timeout_s=120, episode_cap=1, sharded=True)
-        hand_off = compose_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
-                                    trained, settings)
+        hand_off = static_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
+                                   trained, settings)
         modes = [shards_mode(owner) for owner in hand_off.weights.owners]
         if trainer:
             modes = [shards_mode(rank)] if rank in hand_off.weights.owners else []

@@ -41,7 +41,7 @@ from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 
 __all__ = ["HandOff", "HandOffSettings", "HandOffStats", "Round", "build_hand_off",
-           "compose_hand_off"]
+           "static_hand_off"]
 
 WT, TDP = ParallelMode.WEIGHT_TRANSFER, ParallelMode.TRAIN_DATA_PARALLEL
 
@@ -53,24 +53,33 @@ def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_for
     ranks), whose shards a sharded channel sends; ``served``: on a replay rank, returns once
     its server has served the run (ReplayLink.served). Before any wrapping of ``agent``: a flat
     channel binds the agent's tensors to its send buffer, a receiver to its own."""
-    return compose_hand_off(ctx, job.plan, agent, segment_format, trained, settings,
-                            dict(job.hosts), job.joining, served)
-
-
-def compose_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
-                     segment_format: SegmentFormat, trained: Any, settings: HandOffSettings,
-                     hosts: dict[int, str] | None = None, joining: bool = False,
-                     served: Callable[[], None] | None = None) -> HandOff:
-    """:func:`build_hand_off`'s parts from the plan itself (``hosts``: rank -> host, as the
-    job knows them; ``joining``: this process replaces a lost rollout rank)."""
-    rank = ctx.get_global_rank()
+    plan = job.plan
     elastic = not plan.colocated and plan.elastic_rollouts
+    return _compose(ctx, plan, agent, segment_format, trained, settings, elastic,
+                    dict(job.hosts), job.joining, served)
+
+
+def static_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
+                    segment_format: SegmentFormat, trained: Any,
+                    settings: HandOffSettings) -> HandOff:
+    """A static layout's hand-off over ``plan``'s groups, whatever its ``elastic_rollouts``
+    says (tests and benchmarks of the flat and sharded channels)."""
+    return _compose(ctx, plan, agent, segment_format, trained, settings, False, {}, False, None)
+
+
+def _compose(ctx: CommContext, plan: LayoutPlan, agent: nn.Module, segment_format: SegmentFormat,
+             trained: Any, settings: HandOffSettings, elastic: bool, hosts: dict[int, str],
+             joining: bool, served: Callable[[], None] | None) -> HandOff:
+    """The parts for this rank (``elastic``: rollout ranks may leave and join; ``hosts``: rank
+    -> host as the job knows them; ``joining``: this process replaces a lost rollout rank)."""
+    rank = ctx.get_global_rank()
     patience = epoch_timeout(ctx, settings.timeout_s) if elastic else None
     stats = HandOffStats()
     if rank in plan.replay:  # it serves the replay (app/runtime/replay/service.py)
+        route = _replay_route(ctx, plan, segment_format, settings, stats, elastic, served)
         return HandOff("replay", NoWeights(counts_updates=not elastic), StaticMembership(),
-                       _replay_route(ctx, plan, segment_format, settings, stats, served), stats)
-    membership = _membership(ctx, plan, settings, patience, hosts or {}, joining)
+                       route, stats)
+    membership = _membership(ctx, plan, settings, patience, hosts, joining)
     weights = _weights(ctx, plan, agent, trained, settings, stats, patience)
     route = _route(ctx, plan, membership, segment_format, settings, stats, weights)
     kind = "sharded" if settings.sharded and not plan.colocated else "flat"
@@ -80,10 +89,10 @@ def compose_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
 
 
 def _replay_route(ctx: CommContext, plan: LayoutPlan, segment_format: SegmentFormat,
-                  settings: HandOffSettings, stats: HandOffStats,
+                  settings: HandOffSettings, stats: HandOffStats, elastic: bool,
                   served: Callable[[], None] | None) -> SegmentRoute:
     """A replay rank follows the trainers (elastic rollout ranks) or the episodes."""
-    if not plan.colocated and plan.elastic_rollouts:
+    if elastic:
         assert served is not None, "a replay rank's hand-off waits for its server"
         return FollowTrainersRoute(ctx, plan, served)
     return GatherRoute(ctx, plan, segment_format, settings, stats, lambda updates: updates,
