@@ -65,6 +65,7 @@ class Quorum:
     min_members: int
     restarts: int | None
     members: str = "rollout ranks"
+    leaders: str = "trainers"
     min_setting: str = "loop.min_rollouts"
     restarts_setting: str = "launcher.rollout_restarts"
 
@@ -241,7 +242,7 @@ class EpochLeader:
     def _lost(self) -> str:
         return ", ".join(f"rank {c.rank} on {c.host} ({c.reason})"
                          for c in self.changes if c.event == "leave") or \
-            "by the other leaders' groups"
+            f"by the other {self.quorum.leaders}' groups"
 
     def _waiting(self, deadline: float | None, live: int, lost: str, joinable: bool) -> float:
         """The deadline of the wait for joiners; raises when none can come, or past it."""
@@ -252,7 +253,7 @@ class EpochLeader:
                                    f"{q.restarts}); lost: {lost}")
         if deadline is None:
             text = (f"waiting up to {self.patience_s:g} s for {q.members} to join: "
-                    f"{short}; lost: {lost}")
+                    f"{live} live of {q.min_setting}={q.min_members}; lost: {lost}")
             log.warning("rank %d %s", self.rank, text)
             if self.on_wait is not None:
                 self.on_wait(text)
