@@ -1,5 +1,5 @@
-"""The sharded hand-offs send their large slices in place (app/runtime/handoff/sharded.py and
-elastic_sharded.py, over rlcomm.weights' direct tensors), on real gloo ranks: each owner sends
+"""The sharded hand-offs send their large slices in place (app/runtime/handoff/weights_sharded.py,
+static and elastic, over rlcomm.weights' direct tensors), on real gloo ranks: each owner sends
 them from its own local shard (its send buffer holds none of them), and each rollout rank
 receives them in lockstep straight into the whole weights it acts with (no receive buffer holds
 them, the acting tensors keep their storage, nothing is copied into them). The weights stay exact and

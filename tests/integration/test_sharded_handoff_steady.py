@@ -1,4 +1,4 @@
-"""The sharded hand-off's shard senders are steady (app/runtime/handoff/sharded.py, rlcomm.weights'
+"""The sharded hand-off's shard senders are steady (app/runtime/handoff/weights_sharded.py, rlcomm.weights'
 ``steady``), on real gloo ranks: with FSDP2 every slice of an owner is direct, so a version that
 ``verify_every`` does not checksum costs each owner's group one broadcast per slice and no header
 message, a checksummed one a message more; the rollout ranks take part in exactly those
