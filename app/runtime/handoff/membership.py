@@ -35,6 +35,22 @@ class Follower(Protocol):
         ...
 
 
+class Unchanging:
+    """A part with no group of its own to follow: the membership's changes leave it as is."""
+
+    def begin(self, members: list[int]) -> None:
+        """Nothing to open."""
+
+    def agree(self, changing: bool) -> bool:
+        return changing
+
+    def end(self, moved: bool, epoch: int) -> None:
+        """Nothing in flight to end."""
+
+    def renew(self, epoch: int, members: list[int]) -> None:
+        """Nothing to reopen."""
+
+
 Transfer = Callable[[bool], None]  # one weights sync: sends or takes; ``first`` or not
 
 

@@ -25,6 +25,7 @@ import torch
 
 from app.runtime.algorithm import Segment
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round, check_staleness
+from app.runtime.handoff.membership import Unchanging
 from app.runtime.segments import SegmentFormat
 from app.runtime.worker import Episode, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
@@ -64,7 +65,7 @@ class Source(enum.Enum):
     NONE = "none"  # a replay rank: none
 
 
-class GatherRoute:
+class GatherRoute(Unchanging):
     """A static layout's segments (see the module's doc) and every rank's episodes."""
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, segment_format: SegmentFormat,
@@ -76,18 +77,6 @@ class GatherRoute:
         self.is_trainer = self.rank in plan.trainers
         self.collectors = len(plan.trainers) if plan.colocated else len(plan.rollouts)
         self.max_staleness, self.episode_cap = settings.max_staleness, settings.episode_cap
-
-    def begin(self, members: list[int]) -> None:
-        """The layout's groups are there already."""
-
-    def agree(self, changing: bool) -> bool:
-        return changing
-
-    def end(self, moved: bool, epoch: int) -> None:
-        """Every rank stops at the same update: nothing is left in flight."""
-
-    def renew(self, epoch: int, members: list[int]) -> None:
-        """A static layout has no epochs."""
 
     def result(self) -> dict[str, Any]:
         return {}
@@ -154,7 +143,7 @@ class GatherRoute:
         return episodes, shared
 
 
-class FollowTrainersRoute:
+class FollowTrainersRoute(Unchanging):
     """A replay rank's route when rollout ranks are elastic: its first exchange lasts the run.
 
     Nothing spans every rank once the run goes (the trainers take the stop decision among
@@ -167,18 +156,6 @@ class FollowTrainersRoute:
         self.ctx, self.served = ctx, served
         self.lead = min(plan.trainers)
         self.final: dict[str, Any] = {}
-
-    def begin(self, members: list[int]) -> None:
-        """No group of its own."""
-
-    def agree(self, changing: bool) -> bool:
-        return changing
-
-    def end(self, moved: bool, epoch: int) -> None:
-        """The trainers stop the run, not the reverse."""
-
-    def renew(self, epoch: int, members: list[int]) -> None:
-        """No group of its own."""
 
     def exchange(self, own: torch.Tensor | None, mine: list[Episode], updates: int) -> None:
         """None once the run stopped: every trainer said STOP to this rank's server."""

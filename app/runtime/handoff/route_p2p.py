@@ -19,6 +19,7 @@ import torch
 
 from app.runtime.algorithm import Segment
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round, check_staleness
+from app.runtime.handoff.membership import Unchanging
 from app.runtime.handoff.membership_epochs import EpochLeader, EpochMember
 from app.runtime.handoff.route import Version
 from app.runtime.segments import EPISODE_FIELDS, SegmentFormat, pack_episodes, unpack_episodes
@@ -175,7 +176,7 @@ class LeaderRoute:
         return [copy]
 
 
-class MemberRoute:
+class MemberRoute(Unchanging):
     """A rollout rank's end: its segment, with its finished episodes and waiting time, to its
     trainer; a failed send follows the trainer to its next epoch (the membership's)."""
 
@@ -184,18 +185,6 @@ class MemberRoute:
         self.ctx, self.membership, self.segment_format = ctx, membership, segment_format
         self.stats = stats
         self.segments_sent = 0
-
-    def begin(self, members: list[int]) -> None:
-        """The membership built the group."""
-
-    def agree(self, changing: bool) -> bool:
-        return changing
-
-    def end(self, moved: bool, epoch: int) -> None:
-        """The leader takes off what this rank sent ahead."""
-
-    def renew(self, epoch: int, members: list[int]) -> None:
-        """The membership built the group."""
 
     def result(self) -> dict[str, Any]:
         return {"segments_sent": self.segments_sent}

@@ -19,6 +19,7 @@ from typing import Protocol
 from torch import nn
 
 from app.runtime.handoff.base import HandOffSettings, HandOffStats
+from app.runtime.handoff.membership import Unchanging
 from rlcomm import CommContext, ParallelMode
 from rlcomm.elastic import graveyard
 from rlcomm.weights import WeightReceiver, WeightSender, WeightTransferError
@@ -68,7 +69,7 @@ class WeightChannel(Protocol):
         ...
 
 
-class NoWeights:
+class NoWeights(Unchanging):
     """The channel of a rank no weights go to or from (colocated, a replay rank).
     ``counts_updates``: its version is the number of updates done (else 0)."""
 
@@ -81,23 +82,11 @@ class NoWeights:
     def version_after(self, updates: int) -> int:
         return updates if self.counts_updates else 0
 
-    def begin(self, members: list[int]) -> None:
-        """Nothing to open."""
-
     def sync(self, first: bool) -> None:
         """Nothing moves."""
 
     def settle(self) -> None:
         """Nothing in flight."""
-
-    def agree(self, changing: bool) -> bool:
-        return changing
-
-    def end(self, moved: bool, epoch: int) -> None:
-        """Nothing to close."""
-
-    def renew(self, epoch: int, members: list[int]) -> None:
-        """Nothing to reopen."""
 
 
 def policy_receiver(ctx: CommContext, policy: nn.Module) -> WeightReceiver:
