@@ -10,7 +10,7 @@ batches under each way the runtime wraps it: DDP over 4, FSDP2 over 4, tensor pa
   after each update) is not in these bytes; its row says how large it is.
 - **Step time:** one forward, backward, gradient clip and Adam step on a batch of ``BATCH``
   windows, median over repetitions. No goal on CPU.
-- **Hand-off** (app/runtime/handoff/sharded.py): two trainers under FSDP2 hand a model of
+- **Hand-off** (app/runtime/handoff/weights_sharded.py): two trainers under FSDP2 hand a model of
   ``HAND_OFF_PARAMS`` to 2 and 3 rollout ranks: each sends its own shard (its large slices
   straight from the shard) and every rollout rank receives them into its whole weights, in
   place, against the flat hand-off's broadcast of the same bytes from one trainer (bound
@@ -93,8 +93,8 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
     import torch
     from torch import nn
 
-    from app.runtime.handoff.base import HandOffSettings
-    from app.runtime.handoff.sharded import ShardedHandOff
+    from app.runtime.handoff import HandOffSettings, static_hand_off
+    from app.runtime.handoff.weights_sharded import ShardSender
     from app.runtime.segments import Field, SegmentFormat
     from app.runtime.sharding import TrainedModule
     from rlcomm import LayoutSpec, plan_layout, register_initializer
@@ -119,7 +119,7 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
         settings = HandOffSettings(max_staleness=0, verify_every=0, min_rollouts=1,
                                    timeout_s=600, episode_cap=1, sharded=True)
         segment_format = SegmentFormat({"version": Field((1,), torch.int64)})
-        sharded = ShardedHandOff(ctx, plan, agent, segment_format, trained, settings)
+        sharded = static_hand_off(ctx, plan, agent, segment_format, trained, settings)
         register_initializer("FLAT_HAND_OFF", WeightTransferGroupInitializer)
         ctx.init_group([0, *plan.rollouts], mode="FLAT_HAND_OFF", backend="gloo")
         flat_sender = flat_receiver = None
@@ -152,7 +152,8 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
         whole = sum(t.nbytes for t in flat_agent.state_dict().values())
         # What a trainer's send buffers hold (the sharded owners send their large slices from
         # their shards: not in them).
-        shard_sender = sharded.shard_sender
+        channel = sharded.weights
+        shard_sender = channel.sender if isinstance(channel, ShardSender) else None
         send_bytes = {"sharded": shard_sender.buffer_bytes if shard_sender is not None else 0,
                       "flat": flat_sender.buffer_bytes if flat_sender is not None else 0}
         return {"times": times, "send_bytes": send_bytes, "whole": whole}

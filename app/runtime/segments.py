@@ -64,7 +64,7 @@ class SegmentFormat:
         return views
 
 
-# What an elastic run's segment also carries (app/runtime/handoff/elastic.py).
+# What an elastic run's segment also carries (app/runtime/handoff/route_p2p.py).
 EPISODE_FIELDS = ("episodes", "episode_count", "wait_s")
 
 

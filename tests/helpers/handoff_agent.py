@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from app.runtime.envs.vector import EnvConfig, probe_spaces
-from app.runtime.handoff.sharded import ShardedHandOff
+from app.runtime.handoff import HandOff
 from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.sharding import TrainedModule
 
@@ -38,7 +38,7 @@ def state_values(agent: nn.Module) -> dict[str, np.ndarray]:
 Values = dict[str, np.ndarray]
 
 
-def sync_versions(hand_off: ShardedHandOff, agent: Acting, trained: TrainedModule | None,
+def sync_versions(hand_off: HandOff, agent: Acting, trained: TrainedModule | None,
                   versions: int, received: Callable[[], None] | None = None,
                   ) -> tuple[dict[int, Values], dict[int, Values]]:
     """Versions 1 .. ``versions`` of the weights through ``hand_off``: a trainer (``trained``)

@@ -399,7 +399,7 @@ def _epoch_change(rank: int, store: dist.Store) -> dict[str, Any]:
             return {"ended": "another version"}
         except TransfersEnded as err:
             moved = err.moved
-        # app/runtime/handoff/elastic_member.py's ElasticMember._follow, then _enter
+        # app/runtime/handoff/membership_epochs.py's EpochMember._follow, then _enter
         graveyard.append((receiver, ctx.get_group(WT), receiver.abandon()))
         epoch = latest_epoch(store, LEADER)
         members = epoch_members(store, LEADER, epoch)
@@ -425,7 +425,7 @@ def _leader_changes_epoch(ctx: CommContext, store: dist.Store) -> dict[str, Any]
     buffers = {m: torch.zeros(6, dtype=torch.float64) for m in membership.members}
     store.set("test/receiving", "1")
     lost = receive_from_members(old, buffers, {1: 1, 2: 2})
-    # app/runtime/handoff/elastic.py's ElasticLeader._next_epoch: the record, then "moved"
+    # app/runtime/handoff/membership_epochs.py's EpochLeader.change: the record, then "moved"
     epoch = membership.announce([m for m in membership.members if m not in lost], [])
     graveyard.append((sender, old, sender.end(moved=True)))
     new = membership.group(LEADER, ctx.timeout)

@@ -1,4 +1,4 @@
-"""Elastic rollout ranks fed by sharded trainers (app/runtime/handoff/elastic_sharded.py), on
+"""Elastic rollout ranks fed by sharded trainers (app/runtime/handoff/weights_sharded.py), on
 real gloo ranks: FSDP2 over two trainers, each leading one elastic rollout rank. Every rollout
 rank acts with the whole model's exact weights, assembled from the owners' slices, and no
 trainer gathers the model to send it; a rollout rank SIGKILLed mid-run is dropped, and the job
@@ -35,9 +35,9 @@ SEGMENT_FORMAT = with_episodes(SegmentFormat({"version": Field((1,), torch.int64
 
 
 def _direct_everywhere() -> None:
-    import app.runtime.handoff.sharded as sharded
+    import app.runtime.handoff.slices as slices
 
-    sharded.DIRECT_MIN_BYTES = 0
+    slices.DIRECT_MIN_BYTES = 0
 
 
 def _setup(rank: int, world: int, ctx: Any, max_staleness: int = 0
@@ -95,9 +95,9 @@ def _trainer(agent: Acting, trained: TrainedModule, hand_off: HandOff) -> dict[s
         trained.publish()
         hand_off.update_done()
     hand_off.stop(UPDATES, 0)
-    return {"sent": sent, "gathers": gathers, "bytes": hand_off.weight_bytes_sent,
+    return {"sent": sent, "gathers": gathers, "bytes": hand_off.stats.weight_bytes_sent,
             "kind": hand_off.kind, "result": hand_off.result(),
-            "shard_bytes": getattr(hand_off, "weight_bytes", None)}
+            "shard_bytes": hand_off.weights.weight_bytes}
 
 
 def _rollout(agent: Acting, hand_off: HandOff, report: Any = None) -> dict[str, Any]:

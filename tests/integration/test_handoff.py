@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from app.api import JobInfo, RankEnv
-from app.runtime.handoff import HandOffSettings, build_hand_off
-from app.runtime.handoff.sharded import ShardedHandOff
+from app.runtime.handoff import HandOffSettings, build_hand_off, static_hand_off
 from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule, is_sharded
 from rlcomm import LayoutSpec, plan_layout
@@ -42,11 +41,11 @@ def _hand_off(rank: int, world: int, data_parallel: str, tensor: int | None,
         agent = Acting()
         trained = (TrainedModule(ctx, plan, agent.net, data_parallel)
                    if rank in plan.trainers else None)
-        hand_off = ShardedHandOff(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
-                                  trained, _settings(max_staleness, sharded=True))
+        hand_off = static_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
+                                   trained, _settings(max_staleness, sharded=True))
         sent, held = sync_versions(hand_off, agent, trained, VERSIONS)
-        return {"sent": sent, "held": held, "owners": hand_off.owners,
-                "bytes": hand_off.weight_bytes_sent, "kind": hand_off.kind}
+        return {"sent": sent, "held": held, "owners": hand_off.weights.owners,
+                "bytes": hand_off.stats.weight_bytes_sent, "kind": hand_off.kind}
 
 
 @pytest.mark.parametrize(("grid", "max_staleness"), [

@@ -1,5 +1,5 @@
-"""The sharded hand-offs send their large slices in place (app/runtime/handoff/sharded.py and
-elastic_sharded.py, over rlcomm.weights' direct tensors), on real gloo ranks: each owner sends
+"""The sharded hand-offs send their large slices in place (app/runtime/handoff/weights_sharded.py,
+static and elastic, over rlcomm.weights' direct tensors), on real gloo ranks: each owner sends
 them from its own local shard (its send buffer holds none of them), and each rollout rank
 receives them in lockstep straight into the whole weights it acts with (no receive buffer holds
 them, the acting tensors keep their storage, nothing is copied into them). The weights stay exact and
@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.runtime.handoff import HandOffSettings
-from app.runtime.handoff.sharded import ShardedHandOff
+from app.runtime.handoff import HandOff, HandOffSettings, static_hand_off
 from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule
 from rlcomm import LayoutSpec, plan_layout
@@ -36,17 +35,17 @@ OVERHEAD = 1024
 
 
 def _direct_everywhere() -> None:
-    import app.runtime.handoff.sharded as sharded
+    import app.runtime.handoff.slices as slices
 
-    sharded.DIRECT_MIN_BYTES = 0
+    slices.DIRECT_MIN_BYTES = 0
 
 
-def _rollout_facts(hand_off: ShardedHandOff, agent: Acting) -> dict[str, int]:
+def _rollout_facts(hand_off: HandOff, agent: Acting) -> dict[str, int]:
     """How many direct slices the rollout rank's acting weights hold in place, of how many,
     and the bytes of the receive buffers beside them (and what they must hold: the packed)."""
     state = agent.state_dict()
     in_place = direct = packed = 0
-    for _, slices, placements in hand_off.receivers:
+    for _, slices, placements in hand_off.weights.receivers:
         for name, values in slices.slices().items():
             where = placements[name]
             if isinstance(where, slice) and values.numel():
@@ -55,7 +54,7 @@ def _rollout_facts(hand_off: ShardedHandOff, agent: Acting) -> dict[str, int]:
             else:
                 packed += values.nbytes
     return {"in_place": in_place, "direct": direct, "packed": packed,
-            "buffers": sum(receiver.buffer_bytes for receiver, _, _ in hand_off.receivers)}
+            "buffers": sum(receiver.buffer_bytes for receiver, _, _ in hand_off.weights.receivers)}
 
 
 def _static(rank: int, world: int, trainers: int, data_parallel: str, tensor: int | None,
@@ -70,8 +69,8 @@ def _static(rank: int, world: int, trainers: int, data_parallel: str, tensor: in
                    if rank in plan.trainers else None)
         settings = HandOffSettings(max_staleness=max_staleness, verify_every=1, min_rollouts=1,
                                    timeout_s=120, episode_cap=1, sharded=True)
-        hand_off = ShardedHandOff(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
-                                  trained, settings)
+        hand_off = static_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
+                                   trained, settings)
         storage = {name: t.data_ptr() for name, t in agent.state_dict().items()}
         facts: list[dict[str, int]] = []
 
@@ -80,8 +79,8 @@ def _static(rank: int, world: int, trainers: int, data_parallel: str, tensor: in
                 storage == {n: t.data_ptr() for n, t in agent.state_dict().items()})})
 
         sent, held = sync_versions(hand_off, agent, trained, VERSIONS, received)
-        sender = hand_off.shard_sender
-        owned = hand_off.owned.values() if hand_off.owned is not None else {}
+        sender = hand_off.weights.sender
+        owned = hand_off.weights.owned.values() if hand_off.weights.owned is not None else {}
         return {"sent": sent, "held": held, "facts": facts,
                 "send_buffer": sender.buffer_bytes if sender is not None else 0,
                 "owned": sum(t.nbytes for t in owned.values())}

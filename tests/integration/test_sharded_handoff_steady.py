@@ -1,4 +1,4 @@
-"""The sharded hand-off's shard senders are steady (app/runtime/handoff/sharded.py, rlcomm.weights'
+"""The sharded hand-off's shard senders are steady (app/runtime/handoff/weights_sharded.py, rlcomm.weights'
 ``steady``), on real gloo ranks: with FSDP2 every slice of an owner is direct, so a version that
 ``verify_every`` does not checksum costs each owner's group one broadcast per slice and no header
 message, a checksummed one a message more; the rollout ranks take part in exactly those
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.runtime.handoff import HandOffSettings
-from app.runtime.handoff.sharded import ShardedHandOff, shards_mode
+from app.runtime.handoff import HandOffSettings, static_hand_off
+from app.runtime.handoff.slices import shards_mode
 from app.runtime.segments import Field, SegmentFormat
 from app.runtime.sharding import TrainedModule
 from rlcomm import CommContext, LayoutSpec, plan_layout
@@ -37,9 +37,9 @@ def _entered(ctx: CommContext, modes: list[str]) -> int:
 
 
 def _ranks(rank: int, world: int, max_staleness: int) -> dict[str, Any]:
-    import app.runtime.handoff.sharded as sharded
+    import app.runtime.handoff.slices as slices
 
-    sharded.DIRECT_MIN_BYTES = 0
+    slices.DIRECT_MIN_BYTES = 0
     plan = plan_layout(LayoutSpec(world_size=world, trainers=list(range(TRAINERS))))
     with planned_context(plan, timeout=120) as ctx:
         torch.manual_seed(0)
@@ -48,18 +48,18 @@ def _ranks(rank: int, world: int, max_staleness: int) -> dict[str, Any]:
         trained = TrainedModule(ctx, plan, agent.net, "fsdp") if trainer else None
         settings = HandOffSettings(max_staleness=max_staleness, verify_every=EVERY,
                                    min_rollouts=1, timeout_s=120, episode_cap=1, sharded=True)
-        hand_off = ShardedHandOff(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
-                                  trained, settings)
-        modes = [shards_mode(owner) for owner in hand_off.owners]
+        hand_off = static_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
+                                   trained, settings)
+        modes = [shards_mode(owner) for owner in hand_off.weights.owners]
         if trainer:
-            modes = [shards_mode(rank)] if rank in hand_off.owners else []
+            modes = [shards_mode(rank)] if rank in hand_off.weights.owners else []
         counts: list[int] = []  # a rollout rank's broadcasts per sync, on every owner's group
 
         def received() -> None:
             counts.append(_entered(ctx, modes) - sum(counts))
 
         sent, held = sync_versions(hand_off, agent, trained, VERSIONS, received)
-        owned = hand_off.owned.values() if hand_off.owned is not None else {}
+        owned = hand_off.weights.owned.values() if hand_off.weights.owned is not None else {}
         return {"counts": counts, "sent": sent, "held": held,
                 "slices": sum(1 for t in owned.values() if t.numel()),
                 "total": _entered(ctx, modes)}

@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 from app.api import setting
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Algorithm, RLLoop
-from app.runtime.handoff.flat import StaleDataError, check_staleness, policy_receiver
+from app.runtime.handoff.base import StaleDataError, check_staleness
+from app.runtime.handoff.weights import policy_receiver
 
 __all__ = ["PPOLoop", "StaleDataError", "check_staleness", "policy_receiver"]
 

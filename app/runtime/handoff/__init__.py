@@ -1,75 +1,142 @@
-"""The hand-off between trainers and rollout ranks: one interface, chosen by the plan.
+"""The hand-off between trainers and rollout ranks: one object composed of three parts.
 
-A trainer publishes weights through it and receives the segments it trains on; a rollout rank
-sends its segments and receives the weights it acts with. The run (app/runtime/run.py)
-sees only :class:`HandOff`; the plan picks the implementation (:func:`build_hand_off`):
+A trainer publishes weights through it and receives the segments it trains on; a rollout
+rank sends its segments and receives the weights it acts with. The run (app/runtime/run.py)
+sees only :class:`HandOff`; :func:`build_hand_off` picks its parts from the plan:
 
-- :class:`~app.runtime.handoff.flat.FlatHandOff`: a static layout (``layout.elastic_rollouts
-  =false``) or a colocated one: a trainer broadcasts its whole weights over WEIGHT_TRANSFER;
-- :class:`~app.runtime.handoff.sharded.ShardedHandOff`: a static layout whose trainers are
-  sharded (docs/sharding.md): each shard owner sends its own slice to every rollout rank, which
-  assembles whole weights; no trainer gathers the model to send it;
-- :class:`~app.runtime.handoff.elastic.ElasticLeader` and
-  :class:`~app.runtime.handoff.elastic_member.ElasticMember`: rollout ranks that may leave and
-  join (``layout.elastic_rollouts``, the default), point to point over membership epochs; each
-  trainer sends its whole weights to its own members;
-- :class:`~app.runtime.handoff.elastic_sharded.ElasticShardedLeader` and
-  :class:`~app.runtime.handoff.elastic_sharded.ElasticShardedMember`: elastic rollout ranks fed
-  by sharded trainers: segments as on the elastic path, weights as on the sharded one (each
-  owner's slices to every live rollout rank of the job), over job-wide membership changes;
-- :class:`~app.runtime.handoff.replay_rank.ReplayRankHandOff`: a replay rank
-  (``layout.replay``), which follows the episodes only; with elastic rollout ranks,
-  :class:`~app.runtime.handoff.replay_rank.ElasticReplayRankHandOff`, which follows the
-  trainers to the run's end.
+- the **weight channel** (weights.py, weights_sharded.py): how a version of the weights goes
+  from the trainers to whoever acts: whole, from each trainer (flat), or each shard owner's
+  slices, assembled by the receiver (sharded: docs/sharding.md); none when colocated;
+- the **membership** (membership.py, membership_epochs.py): who is in the group now: the
+  layout's (static), or rlcomm.elastic's epochs, re-formed as members leave and join
+  (``layout.elastic_rollouts``, the default);
+- the **segment route** (route.py, route_p2p.py): where collected data goes: gathered by each
+  trainer (static), point to point to the member's trainer (elastic), or nowhere on a replay
+  rank (``layout.replay``: the collectors write to it through ReplayLink.put), which follows
+  the episodes (static) or the trainers to the run's end (elastic).
 
-Checksums (``loop.verify_weights_every``), versions and ``loop.max_staleness`` behave alike on
-every path: each is built on rlcomm.weights' sender and receiver.
+A new combination is a new composition here, not a new class. Checksums
+(``loop.verify_weights_every``), versions and ``loop.max_staleness`` behave alike on every
+channel: each is built on rlcomm.weights' sender and receiver.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from app.api import JobInfo
-from app.runtime.handoff.base import HandOff, HandOffSettings, Round
-from app.runtime.handoff.elastic import ElasticLeader
-from app.runtime.handoff.elastic_member import ElasticMember
-from app.runtime.handoff.elastic_sharded import ElasticShardedLeader, ElasticShardedMember
-from app.runtime.handoff.flat import FlatHandOff
-from app.runtime.handoff.replay_rank import ElasticReplayRankHandOff, ReplayRankHandOff
-from app.runtime.handoff.sharded import ShardedHandOff
+from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round
+from app.runtime.handoff.handoff import HandOff
+from app.runtime.handoff.membership import Membership, StaticMembership
+from app.runtime.handoff.membership_epochs import EpochLeader, EpochMember, Quorum, epoch_timeout
+from app.runtime.handoff.route import FollowTrainersRoute, GatherRoute, SegmentRoute, Source
+from app.runtime.handoff.route_p2p import LeaderRoute, MemberRoute
+from app.runtime.handoff.weights import FlatReceiver, FlatSender, NoWeights, WeightChannel
+from app.runtime.handoff.weights_sharded import ShardReceiver, ShardSender
 from app.runtime.segments import SegmentFormat
-from rlcomm import CommContext, ParallelMode
+from rlcomm import CommContext, LayoutPlan, ParallelMode
 
-__all__ = ["HandOff", "HandOffSettings", "Round", "build_hand_off"]
+__all__ = ["HandOff", "HandOffSettings", "HandOffStats", "Round", "build_hand_off",
+           "static_hand_off"]
+
+WT, TDP = ParallelMode.WEIGHT_TRANSFER, ParallelMode.TRAIN_DATA_PARALLEL
 
 
 def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_format: SegmentFormat,
                    trained: Any, settings: HandOffSettings,
                    served: Callable[[], None] | None = None) -> HandOff:
     """The hand-off the plan calls for; ``trained``: a trainer's TrainedModule (None on rollout
-    ranks), whose shards a sharded hand-off sends; ``served``: on a replay rank, returns once
+    ranks), whose shards a sharded channel sends; ``served``: on a replay rank, returns once
     its server has served the run (ReplayLink.served). Before any wrapping of ``agent``: a flat
-    or elastic sender binds the agent's tensors to its send buffer, a receiver to its own."""
+    channel binds the agent's tensors to its send buffer, a receiver to its own."""
     plan = job.plan
+    elastic = not plan.colocated and plan.elastic_rollouts
+    return _compose(ctx, plan, agent, segment_format, trained, settings, elastic,
+                    dict(job.hosts), job.joining, served)
+
+
+def static_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
+                    segment_format: SegmentFormat, trained: Any,
+                    settings: HandOffSettings) -> HandOff:
+    """A static layout's hand-off over ``plan``'s groups, whatever its ``elastic_rollouts``
+    says (tests and benchmarks of the flat and sharded channels)."""
+    return _compose(ctx, plan, agent, segment_format, trained, settings, False, {}, False, None)
+
+
+def _compose(ctx: CommContext, plan: LayoutPlan, agent: nn.Module, segment_format: SegmentFormat,
+             trained: Any, settings: HandOffSettings, elastic: bool, hosts: dict[int, str],
+             joining: bool, served: Callable[[], None] | None) -> HandOff:
+    """The parts for this rank (``elastic``: rollout ranks may leave and join; ``hosts``: rank
+    -> host as the job knows them; ``joining``: this process replaces a lost rollout rank)."""
     rank = ctx.get_global_rank()
-    trainer = rank in plan.trainers
+    patience = epoch_timeout(ctx, settings.timeout_s) if elastic else None
+    stats = HandOffStats()
     if rank in plan.replay:  # it serves the replay (app/runtime/replay/service.py)
-        if not plan.colocated and plan.elastic_rollouts:
-            assert served is not None, "a replay rank's hand-off waits for its server"
-            return ElasticReplayRankHandOff(ctx, plan, served)
-        return ReplayRankHandOff(ctx, plan, agent, segment_format, settings)
-    if not plan.colocated and plan.elastic_rollouts:
-        if trainer and settings.sharded:
-            return ElasticShardedLeader(ctx, agent, segment_format, settings, dict(job.hosts), trained)
-        if trainer:
-            return ElasticLeader(ctx, agent, segment_format, settings, dict(job.hosts))
-        leader = plan.groups_of(rank)[ParallelMode.WEIGHT_TRANSFER.value][0]
-        member = ElasticShardedMember if settings.sharded else ElasticMember
-        return member(ctx, agent, segment_format, leader, settings, joining=job.joining)
-    if not plan.colocated and settings.sharded:
-        return ShardedHandOff(ctx, plan, agent, segment_format, trained, settings)
-    return FlatHandOff(ctx, plan, agent, segment_format, settings)
+        route = _replay_route(ctx, plan, segment_format, settings, stats, elastic, served)
+        return HandOff("replay", NoWeights(counts_updates=not elastic), StaticMembership(),
+                       route, stats)
+    membership = _membership(ctx, plan, settings, patience, hosts, joining)
+    weights = _weights(ctx, plan, agent, trained, settings, stats, patience)
+    route = _route(ctx, plan, membership, segment_format, settings, stats, weights)
+    kind = "sharded" if settings.sharded and not plan.colocated else "flat"
+    if elastic:
+        kind = "elastic-sharded" if settings.sharded else "elastic"
+    return HandOff(kind, weights, membership, route, stats)
+
+
+def _replay_route(ctx: CommContext, plan: LayoutPlan, segment_format: SegmentFormat,
+                  settings: HandOffSettings, stats: HandOffStats, elastic: bool,
+                  served: Callable[[], None] | None) -> SegmentRoute:
+    """A replay rank follows the trainers (elastic rollout ranks) or the episodes."""
+    if elastic:
+        assert served is not None, "a replay rank's hand-off waits for its server"
+        return FollowTrainersRoute(ctx, plan, served)
+    return GatherRoute(ctx, plan, segment_format, settings, stats, lambda updates: updates,
+                       Source.NONE)
+
+
+def _membership(ctx: CommContext, plan: LayoutPlan, settings: HandOffSettings,
+                patience: datetime.timedelta | None, hosts: dict[int, str],
+                joining: bool) -> Membership:
+    """Epochs of each trainer's group of rollout ranks, where they may leave and join."""
+    rank = ctx.get_global_rank()
+    if patience is None:
+        return StaticMembership()
+    if rank in plan.trainers:
+        quorum = Quorum(settings.min_rollouts, settings.rollout_restarts)
+        return EpochLeader(ctx, WT, TDP, quorum, hosts, patience)
+    leader = plan.groups_of(rank)[WT.value][0]
+    return EpochMember(ctx, WT, leader, settings.timeout_s, joining, patience)
+
+
+def _weights(ctx: CommContext, plan: LayoutPlan, agent: nn.Module, trained: Any,
+             settings: HandOffSettings, stats: HandOffStats,
+             patience: datetime.timedelta | None) -> WeightChannel:
+    """Whole weights from each trainer, or each shard owner's slices; none when colocated."""
+    rank, elastic = ctx.get_global_rank(), patience is not None
+    if plan.colocated:
+        return NoWeights(counts_updates=True)
+    if rank in plan.trainers:
+        if settings.sharded:
+            return ShardSender(ctx, plan, agent, trained, settings, stats, patience)
+        return FlatSender(ctx, agent, settings, stats, elastic)
+    if settings.sharded:
+        leader = plan.groups_of(rank)[WT.value][0] if elastic else None
+        return ShardReceiver(ctx, None if elastic else plan, agent, settings, leader, patience)
+    return FlatReceiver(ctx, agent, settings, elastic)
+
+
+def _route(ctx: CommContext, plan: LayoutPlan, membership: Membership,
+           segment_format: SegmentFormat, settings: HandOffSettings, stats: HandOffStats,
+           weights: WeightChannel) -> SegmentRoute:
+    """Point to point over the membership's epochs, else gathered (or, colocated, kept)."""
+    if isinstance(membership, EpochLeader):
+        return LeaderRoute(ctx, membership, segment_format, settings, stats, weights.version_after)
+    if isinstance(membership, EpochMember):
+        return MemberRoute(ctx, membership, segment_format, stats)
+    source = Source.OWN if plan.colocated else Source.GATHER
+    return GatherRoute(ctx, plan, segment_format, settings, stats, weights.version_after, source)

@@ -1,13 +1,10 @@
-"""The hand-off's contract: :class:`HandOff`, what a round brings (:class:`Round`) and the
-settings every implementation is given (:class:`HandOffSettings`)."""
+"""What every part of the hand-off shares: the settings it is given (:class:`HandOffSettings`),
+what a round brings (:class:`Round`), what it measures (:class:`HandOffStats`) and the staleness
+check every trainer applies to the segments it is handed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-from torch import Tensor
 
 from app.runtime.algorithm import Segment
 from app.runtime.worker import Episode
@@ -25,54 +22,6 @@ class Round:
     shared: dict[str, float] = field(default_factory=dict)
 
 
-class HandOff(Protocol):
-    """One rank's side of the trainer <-> rollout hand-off.
-
-    Per update, every rank calls :meth:`exchange` once and then (unless the run stops)
-    :meth:`sync_weights` once; a trainer calls :meth:`before_optimizer_step` before it changes
-    the weights being sent and :meth:`update_done` after the update; :meth:`stop` once after
-    the last update.
-    """
-
-    kind: str  # "flat", "sharded", "elastic" or "elastic-sharded": the plan's choice (result.json)
-    transfer_s: float  # trainers: seconds spent sending weights
-    wait_total_s: float  # seconds blocked on the other side of the hand-off
-    weight_bytes_sent: int
-    trajectory_bytes_sent: int
-    staleness: dict[int, int]  # version lag -> segments trained on (trainers)
-    on_wait: Callable[[str], None] | None  # told when the run waits for rollout ranks
-
-    def version(self, updates: int) -> int:
-        """The weights version this rank acts with (rollouts) or trains (trainers)."""
-        ...
-
-    def sync_weights(self, first: bool) -> bool:
-        """Trainers send the next weights; rollout ranks take them. False: the run stopped
-        (a rollout rank of an elastic run learns the stop here)."""
-        ...
-
-    def exchange(self, own: Tensor | None, mine: list[Episode], updates: int) -> Round | None:
-        """Hands over this rank's packed segment ``own`` and finished episodes ``mine``; None:
-        the run stopped (an elastic rollout rank, told by its trainer)."""
-        ...
-
-    def before_optimizer_step(self) -> None:
-        """The last send must be complete: the optimizer rewrites the bytes being sent."""
-        ...
-
-    def update_done(self) -> None:
-        """After each update (elastic runs time their joins and leaves from it)."""
-        ...
-
-    def stop(self, updates: int, env_steps: int) -> None:
-        """The run stopped at ``updates``: tell whoever waits for weights."""
-        ...
-
-    def result(self) -> dict[str, Any]:
-        """This side's part of the rank's result.json entry."""
-        ...
-
-
 @dataclass(frozen=True)
 class HandOffSettings:
     """What every hand-off is told by the run's settings (``loop.*``)."""
@@ -86,3 +35,48 @@ class HandOffSettings:
     # How often a lost rollout rank is started again (JobInfo.rollout_restarts); None: one may
     # be started by hand at any time.
     rollout_restarts: int | None = None
+
+
+@dataclass
+class HandOffStats:
+    """One rank's measures of the hand-off, for its result.json entry; every part adds to it."""
+
+    transfer_s: float = 0.0  # trainers: seconds spent sending weights
+    wait_s: float = 0.0  # this update's seconds blocked on the other side of the hand-off
+    wait_total_s: float = 0.0  # every update's
+    # Payload this rank sent to other ranks (weights by a trainer, trajectories by a rollout
+    # rank), so a run can be checked against what the network carried.
+    weight_bytes_sent: int = 0
+    trajectory_bytes_sent: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)  # version lag -> segments trained on
+
+    def close_wait(self) -> float:
+        """This update's waiting time, now counted in the total."""
+        wait, self.wait_s = self.wait_s, 0.0
+        self.wait_total_s += wait
+        return wait
+
+    def trained(self, lags: list[int]) -> None:
+        """Segments of these version lags are trained on."""
+        for lag in lags:
+            self.staleness[lag] = self.staleness.get(lag, 0) + 1
+
+
+class StaleDataError(RuntimeError):
+    """A trainer was handed a segment older than ``loop.max_staleness`` allows."""
+
+
+def check_staleness(
+    versions: list[tuple[int, int]], current: int, max_staleness: int, update: int
+) -> list[int]:
+    """Each segment's version lag behind ``current`` (the weights about to be trained) from its
+    ``(rank, version)``; a lag beyond ``max_staleness`` (or a version from the future) raises,
+    so such data is never trained on."""
+    lags = [current - version for _, version in versions]
+    for (rank, version), lag in zip(versions, lags):
+        if not 0 <= lag <= max_staleness:
+            raise StaleDataError(
+                f"update {update}: rank {rank}'s segment was collected with weights version "
+                f"{version}, {lag} behind version {current} (loop.max_staleness={max_staleness})"
+            )
+    return lags
