@@ -70,7 +70,8 @@ class RankRun:
             rank.collector.close()
         attempt = Attempt(elapsed=elapsed, updates=self.state.update - first_update,
                           steps=self.state.env_steps - first_steps,
-                          transfer_s=self.hand_off.transfer_s, wait_s=self.hand_off.wait_total_s,
+                          transfer_s=self.hand_off.stats.transfer_s,
+                          wait_s=self.hand_off.stats.wait_total_s,
                           reached_at=self.state.reached_at,
                           recent=self.state.recent_return(self.loop.window))
         return self._result(attempt, cpu_s)
@@ -95,7 +96,7 @@ class RankRun:
             state.update += 1
             timeline.mark("first_update")  # the first time counts (app/output/timeline.py)
             if decider is not None and decider.after_update(
-                    version, handed.episodes, losses, handed.shared, self.hand_off.transfer_s):
+                    version, handed.episodes, losses, handed.shared, self.hand_off.stats.transfer_s):
                 break  # the target is reached (loop.stop_at_target)
             going = self._more_steps() and self._sync_weights(first=False)
             if going and decider is not None:
@@ -159,6 +160,7 @@ class RankRun:
     def _result(self, attempt: Attempt, cpu_s: float) -> dict[str, Any]:
         """This rank's entry in result.json."""
         rank, hand_off, elapsed = self.rank, self.hand_off, attempt.elapsed
+        stats = hand_off.stats
         common = {
             "role": rank.job.plan.role(rank.ctx.get_global_rank()), "updates": self.state.update,
             "env_steps": self.state.env_steps,
@@ -166,8 +168,8 @@ class RankRun:
             "env_steps_per_s": round(attempt.steps / elapsed, 1) if elapsed else 0.0,
             "weights_version": hand_off.version(self.state.update),
             "hand_off": hand_off.kind,
-            "trajectory_bytes_sent": hand_off.trajectory_bytes_sent,
-            "wait_fraction": round(hand_off.wait_total_s / elapsed, 4) if elapsed else 0.0,
+            "trajectory_bytes_sent": stats.trajectory_bytes_sent,
+            "wait_fraction": round(stats.wait_total_s / elapsed, 4) if elapsed else 0.0,
             "time_split_s": time_split(rank.split_s, elapsed),
             "cpu_s": round(cpu_s, 3),  # this process's CPU time over the run (all threads)
             "threads": torch.get_num_threads(),
@@ -183,9 +185,9 @@ class RankRun:
         decided = self.decider.result(attempt, type(self.loop).metrics.directions)
         return {
             **common,
-            "weight_bytes_sent": hand_off.weight_bytes_sent,
+            "weight_bytes_sent": stats.weight_bytes_sent,
             "max_staleness": self.loop.max_staleness,
-            **({"staleness_histogram": {str(k): n for k, n in sorted(hand_off.staleness.items())}}
+            **({"staleness_histogram": {str(k): n for k, n in sorted(stats.staleness.items())}}
                if rank.trainer is not None else {}),
             **decided,
             **membership,

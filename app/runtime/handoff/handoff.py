@@ -86,25 +86,3 @@ class HandOff:
             self.stats.transfer_s += spent
         elif sends is not None:
             self.stats.wait_s += spent
-
-    # ---- read by app/runtime/run.py until it reads ``stats`` -----------------------------
-
-    @property
-    def transfer_s(self) -> float:
-        return self.stats.transfer_s
-
-    @property
-    def wait_total_s(self) -> float:
-        return self.stats.wait_total_s
-
-    @property
-    def weight_bytes_sent(self) -> int:
-        return self.stats.weight_bytes_sent
-
-    @property
-    def trajectory_bytes_sent(self) -> int:
-        return self.stats.trajectory_bytes_sent
-
-    @property
-    def staleness(self) -> dict[int, int]:
-        return self.stats.staleness

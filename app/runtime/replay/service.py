@@ -13,8 +13,8 @@ replay ranks:
   priorities and applies the rate limiter (``loop.replay.samples_per_insert`` and
   ``tolerance``, a learner step meaning every trainer's share of a batch) on its own counts,
   in a serving thread (:class:`ReplayServer`), while its main thread follows the run's
-  episodes and stop decision as a rollout rank without envs does
-  (app/runtime/handoff/replay_rank.py);
+  episodes and stop decision as a rollout rank without envs does (its hand-off's route:
+  app/runtime/handoff/route.py);
 - the hand-off to the trainer carries the rest of the segment (its weights version and the
   normalisers' moments, :attr:`ReplayLink.hand_off_format`), not its transitions;
 - a trainer learns through a ``RemoteReplay`` client (app/runtime/replay/client.py), which
@@ -25,7 +25,7 @@ replay ranks:
 
 With elastic rollout ranks (``layout.elastic_rollouts``) the collectors do not write to the
 replay ranks: they hand their whole segments to their trainer over the elastic route
-(app/runtime/handoff/elastic.py), which re-forms around a lost rank and admits a restarted one,
+(app/runtime/handoff/route_p2p.py), which re-forms around a lost rank and admits a restarted one,
 and each trainer writes the segments it received on to the replay ranks (routing's
 ``forwards``, ``RemoteReplay.insert``). The REPLAY group then carries trainers' and replay ranks' traffic
 only, none of which comes and goes: a lost collector loses only what its trainer had not yet
@@ -122,7 +122,7 @@ class ReplayServer:
 
     def wait(self) -> None:
         """Until every trainer and writer said STOP, however long the run takes (a replay rank
-        whose run follows its trainers: app/runtime/handoff/replay_rank.py); re-raises what
+        whose run follows its trainers: app/runtime/handoff/route.py); re-raises what
         stopped the thread. A lost trainer ends the wait too: the server's receive fails
         within the REPLAY group's timeout."""
         while self.thread.is_alive():
