@@ -13,7 +13,7 @@ pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "how-a-rank-runs.md"
 # "Name (folder/file.py)" in the picture: a part and the file that defines it.
-PART = re.compile(r"\b([A-Z][A-Za-z]+|build_rank|run_rank)\s+\((?:runtime/)?([a-z_/]+\.py)\)")
+PART = re.compile(r"\b([A-Z][A-Za-z]+|build_rank|run_rank)\s+\((?:runtime/)?([a-z_0-9/]+\.py)\)")
 
 
 def picture() -> str:
@@ -22,7 +22,7 @@ def picture() -> str:
 
 
 def test_every_file_the_picture_names_exists() -> None:
-    files = set(re.findall(r"[a-z_]+(?:/[a-z_]+)*\.py", picture()))
+    files = set(re.findall(r"[a-z_0-9]+(?:/[a-z_0-9]+)*\.py", picture()))
     assert len(files) >= 12, files  # the picture was found
     runtime = REPO / "app" / "runtime"
     missing = sorted(f for f in files
