@@ -106,7 +106,7 @@ class RankRun:
         rank, loop = self.rank, self.loop
         assert rank.deciders is not None
         rule: StopRule | None = loop.stop_rule() if loop.progress else None
-        trainers = len(rank.job.plan.trainers) if rank.trainer is not None else None
+        trainers = rank.trainer.count if rank.trainer is not None else None
         recorder = Recorder(rank.ctx, rank.job.run_dir, self._name(), rank.algorithm.losses,
                             trainers, rows, (rule, loop.tensorboard))
         if recorder.view is not None:
