@@ -109,6 +109,9 @@ class Algorithm(Generic[S]):
     #: worker adds no :meth:`value` bootstrap to the reward: the update bootstraps a time-limit
     #: cut itself, with the weights it learns with (an off-policy algorithm's replay does).
     final_observations: ClassVar[bool] = False
+    #: ``loop.compile`` (app/runtime/compiling.py), which the loop sets on the algorithm it
+    #: builds: how an update that supports it compiles its step ("off": as written).
+    compile_mode: str = "off"
 
     def __init__(self, settings: S, spaces: Spaces) -> None:
         self.settings = settings
