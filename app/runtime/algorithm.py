@@ -17,7 +17,7 @@ weight sync, normalisation, the stop rule, checkpoints and every record of the r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
@@ -95,6 +95,18 @@ class AlgorithmSettings:
 
 
 S = TypeVar("S", bound=AlgorithmSettings)
+
+
+def adam(params: Iterable[Any], **kwargs: Any) -> torch.optim.Adam:
+    """``torch.optim.Adam(params, **kwargs)``, PyTorch's fused one where every parameter is a
+    plain tensor: one kernel per step instead of a loop over parameters, the same update to
+    rounding (16-18% off PPO's and DQN's learner steps, docs/off-policy.md, "Learner speed").
+    Sharded parameters (DTensors) keep the default."""
+    params = list(params)
+    tensors = [t for group in params
+               for t in (group["params"] if isinstance(group, dict) else [group])]
+    fused = all(type(t) in (torch.Tensor, nn.Parameter) for t in tensors)
+    return torch.optim.Adam(params, fused=fused or None, **kwargs)
 
 
 class Algorithm(Generic[S]):

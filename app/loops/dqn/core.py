@@ -25,7 +25,7 @@ from gymnasium import spaces as gym_spaces
 from torch import Tensor, nn
 
 from app.api import setting
-from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
+from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo, adam
 from app.runtime.compiling import compiled
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.offpolicy import OffPolicyAlgorithm, hard_update
@@ -184,8 +184,7 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
 
     def optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
         # The target network has no gradients: only the online network is stepped.
-        return torch.optim.Adam([p for p in module.parameters() if p.requires_grad],
-                                lr=self.settings.lr)
+        return adam([p for p in module.parameters() if p.requires_grad], lr=self.settings.lr)
 
     def act(self, module: nn.Module, obs: Tensor,
             generator: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:

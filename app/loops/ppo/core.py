@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from app.api import setting
 from app.runtime import Algorithm, AlgorithmSettings, Record, Segment, Spaces, UpdateInfo
+from app.runtime.algorithm import adam
 from app.runtime.compiling import compiled
 from app.runtime.models.actor_critic import ActorCritic, space_problem
 
@@ -136,8 +137,9 @@ def compute_gae(
 
 
 def make_optimizer(policy: nn.Module, settings: PPOSettings) -> torch.optim.Adam:
-    """Adam with CleanRL's eps=1e-5 (the PyTorch default 1e-8 is less stable for PPO)."""
-    return torch.optim.Adam(policy.parameters(), lr=settings.lr, eps=1e-5)
+    """Adam with CleanRL's eps=1e-5 (the PyTorch default 1e-8 is less stable for PPO); fused
+    where the parameters allow (:func:`adam`)."""
+    return adam(policy.parameters(), lr=settings.lr, eps=1e-5)
 
 
 def lr_at(settings: PPOSettings, env_steps: int) -> float:
