@@ -124,6 +124,9 @@ class Algorithm(Generic[S]):
     #: ``loop.compile`` (app/runtime/compiling.py), which the loop sets on the algorithm it
     #: builds: how an update that supports it compiles its step ("off": as written).
     compile_mode: str = "off"
+    #: True: the update compiles its step as :attr:`compile_mode` says (else loop.compile other
+    #: than "off" is refused before launch).
+    compiles: ClassVar[bool] = False
 
     def __init__(self, settings: S, spaces: Spaces) -> None:
         self.settings = settings

@@ -210,6 +210,9 @@ class RLLoop:
             errors.append(f"min_rollouts: must be >= 1, got {self.min_rollouts}")
         if problem := compile_problem(self.compile):
             errors.append(f"compile: {problem}")
+        elif self.compile != "off" and not self.algorithm.compiles:
+            errors.append(f"compile: {self.algorithm.__name__} does not compile its update, "
+                          f"got {self.compile!r} (set off)")
         errors += self._eval_errors()
         if not errors and self.total_env_steps < per_update:
             errors.append(

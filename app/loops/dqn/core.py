@@ -144,6 +144,7 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
     """DQN on the runtime: epsilon-greedy collectors, a learner on the replay."""
 
     losses = ("td_loss", "q_mean", "epsilon")
+    compiles = True
 
     def __init__(self, settings: DQNSettings, spaces: Spaces,
                  replay: ReplaySettings | None = None) -> None:

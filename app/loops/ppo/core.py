@@ -83,6 +83,7 @@ class PPO(Algorithm[PPOSettings]):
 
     records: ClassVar = {"logprobs": Record(), "values": Record()}
     losses: ClassVar = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac")
+    compiles: ClassVar = True
 
     @classmethod
     def space_problem(cls, spaces: Spaces) -> str | None:

@@ -221,6 +221,7 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
     """SAC on the runtime: sampling collectors, a learner on the replay."""
 
     losses = ("q_loss", "actor_loss", "alpha_loss", "alpha", "q_mean", "entropy")
+    compiles = True
 
     def __init__(self, settings: SACSettings, spaces: Spaces,
                  replay: ReplaySettings | None = None) -> None:
