@@ -26,7 +26,11 @@ steps/s, the ratio (ours / CleanRL: wall time, or time to 475 for DQN), our run'
 ``<bench dir>/learner_speed/results.md``: a dated section for ``benchmarks/results/``, with one
 plot of both sides' learning curves per algorithm beside it. The full section takes about
 2.5 hours on two idle cores (PPO ~70 min, SAC ~80 min, DQN ~10 min); it ignores the shared
-10-minute budget and is not part of a plain ``--quick`` run's sections.
+10-minute budget and runs only when named.
+
+``python -m benchmarks.learner_speed --cleanrl PPO_PY [--cleanrl-python PYTHON] [--algorithms
+ppo,sac,dqn] [--seeds 1,2,3] [--ours OVERRIDE ...] [--quick] [--out DIR]`` runs the same for some
+algorithms and seeds, with overrides for our side (``--ours loop.compile=cpp_wrapper``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
@@ -93,9 +98,10 @@ def _offpolicy_args(settings: Settings, name: str, folder: Path, out: Path) -> a
         last=LAST, timeout=3 * 3600.0, out=out)
 
 
-def run_pair(settings: Settings, name: str, seed: int, out: Path
+def run_pair(settings: Settings, name: str, seed: int, out: Path, extra: Sequence[str] = ()
              ) -> tuple[Side, Side, dict[str, float]]:
-    """CleanRL's side, then ours, for one algorithm and seed; and our run's time split."""
+    """CleanRL's side, then ours (with the ``extra`` overrides), for one algorithm and seed;
+    and our run's time split."""
     folder = checkout_scripts(settings)
     assert folder is not None
     ours: Side | cleanrl_dqn.TargetSide
@@ -110,11 +116,12 @@ def run_pair(settings: Settings, name: str, seed: int, out: Path
             cleanrl.env_steps = int(cleanrl.episodes[-1][0])
         # --quick: a smoke, as many env steps as CleanRL's took (at least 2,048).
         budget = [f"loop.total_env_steps={max(cleanrl.env_steps or 0, 2_048)}"]
-        ours = cleanrl_dqn.run_ours(args, seed, out, budget if settings.quick else ())
+        ours = cleanrl_dqn.run_ours(args, seed, out, [*(budget if settings.quick else []),
+                                                       *extra])
     else:
         args = _offpolicy_args(settings, name, folder, out)
         cleanrl = cleanrl_sac.run_cleanrl(args, seed, out)
-        overrides = [*cleanrl_sac.our_overrides(args, seed), *PAIRINGS[name].extra]
+        overrides = [*cleanrl_sac.our_overrides(args, seed), *PAIRINGS[name].extra, *extra]
         ours, _ = cleanrl_side.run_ours("ours", seed, overrides, out / f"ours_s{seed}",
                                         args.timeout)
     return cleanrl, ours, _split(out / f"ours_s{seed}" / "result.json")
@@ -160,12 +167,14 @@ def rows_of(name: str, pairs: list[tuple[Side, Side, dict[str, float]]]) -> list
 
 
 def section_lines(results: dict[str, list[tuple[Side, Side, dict[str, float]]]],
-                  settings: Settings) -> list[str]:
+                  settings: Settings, extra: Sequence[str] = ()) -> list[str]:
     """The dated Markdown section: one row per algorithm, seed and side."""
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     lines = [f"## The learner against CleanRL, {date.today():%Y-%m-%d}", "",
              f"`python -m benchmarks --only learner_speed{' --quick' if settings.quick else ''}`"
-             f" (CleanRL: {checkout_scripts(settings)}); load average at the end {load}.", "",
+             f" (CleanRL: {checkout_scripts(settings)}"
+             f"{'; ours with ' + ' '.join(extra) if extra else ''}); load average at the end "
+             f"{load}.", "",
              "| algorithm | seed | side | wall time | time to 475 | final return | env steps/s "
              "| ours / CleanRL | split: env / act / update / comm | load before / after |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -186,17 +195,26 @@ def section_lines(results: dict[str, list[tuple[Side, Side, dict[str, float]]]],
 
 
 def run(settings: Settings) -> list[Row]:
+    """The section as ``python -m benchmarks --only learner_speed`` runs it: every algorithm,
+    seeds 1-3 (``--quick``: seed 1)."""
+    return compare_all(settings, list(PAIRINGS), QUICK_SEEDS if settings.quick else SEEDS)
+
+
+def compare_all(settings: Settings, algorithms: Sequence[str], seeds: Sequence[int],
+                extra: Sequence[str] = ()) -> list[Row]:
+    """Each of ``algorithms`` side by side for each of ``seeds``: the rows, the dated section
+    and the pictures under ``<out_dir>/learner_speed/``."""
     if checkout_scripts(settings) is None:
         return [Row(NAME, "(section)", status="skipped",
                     note="needs --cleanrl CHECKOUT/cleanrl/ppo.py and --cleanrl-python PYTHON "
                     "(CleanRL's own requirements)")]
     out = settings.out_dir / NAME
     results: dict[str, list[tuple[Side, Side, dict[str, float]]]] = {}
-    for name in PAIRINGS:
-        for seed in QUICK_SEEDS if settings.quick else SEEDS:
+    for name in algorithms:
+        for seed in seeds:
             print(f"learner_speed: {name}, seed {seed}: CleanRL, then ours ...", flush=True)
-            results.setdefault(name, []).append(run_pair(settings, name, seed, out / name))
-    lines = section_lines(results, settings)
+            results.setdefault(name, []).append(run_pair(settings, name, seed, out / name, extra))
+    lines = section_lines(results, settings, extra)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -208,3 +226,34 @@ def run(settings: Settings) -> list[Row]:
     for name, pairs in results.items():
         rows += rows_of(name, pairs)
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.learner_speed``: the section for some algorithms and seeds, with
+    overrides for our side (e.g. ``--ours loop.compile=cpp_wrapper``)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.learner_speed",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cleanrl", type=Path, required=True, metavar="PPO_PY",
+                        help="a script in the cleanrl/ folder of a CleanRL checkout")
+    parser.add_argument("--cleanrl-python", default=sys.executable, metavar="PYTHON")
+    parser.add_argument("--algorithms", default=",".join(PAIRINGS),
+                        help=f"comma-separated, among {', '.join(PAIRINGS)}")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    parser.add_argument("--ours", action="append", default=[], metavar="OVERRIDE",
+                        help="an override for our side (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="the smoke's tiny budgets")
+    parser.add_argument("--out", type=Path, metavar="DIR")
+    args = parser.parse_args(argv)
+    algorithms = [a for a in args.algorithms.split(",") if a]
+    if not algorithms or set(algorithms) - set(PAIRINGS):
+        parser.error(f"--algorithms: choose among {', '.join(PAIRINGS)}")
+    settings = Settings(quick=args.quick,
+                        out_dir=cleanrl_side.output_dir(args.out, "learner-speed"),
+                        cleanrl=args.cleanrl.resolve(), cleanrl_python=args.cleanrl_python)
+    rows = compare_all(settings, algorithms, [int(s) for s in args.seeds.split(",")], args.ours)
+    print(f"results: {settings.out_dir / NAME / 'results.md'}")
+    return 1 if any(r.status != "ok" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -60,3 +60,9 @@ def test_the_quick_dqn_pair_runs_both_sides_and_writes_the_dated_section(
 def test_without_a_checkout_the_section_is_skipped(tmp_path: Path) -> None:
     rows = learner_speed.run(Settings(quick=True, out_dir=tmp_path))
     assert [r.status for r in rows] == ["skipped"] and "--cleanrl" in rows[0].note
+
+
+def test_the_module_refuses_an_unknown_algorithm(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        learner_speed.main(["--cleanrl", str(tmp_path / "ppo.py"), "--algorithms", "td3"])
+    assert exit_info.value.code == 2
