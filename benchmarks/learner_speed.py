@@ -136,9 +136,15 @@ def _split(result_json: Path) -> dict[str, float]:
     return shares(time_split(result).get("all", {}))
 
 
-def _time(side: Side, name: str) -> float | None:
-    """The compared time: time to 475 for DQN, launch to exit otherwise."""
-    return getattr(side, "target_s", None) if name == "dqn" else side.wall_s
+def _to_target(name: str, settings: Settings) -> bool:
+    """Whether the sides compare their time to 475 (DQN's), not launch to exit: not in the
+    ``--quick`` smoke, whose 20 s reach no target."""
+    return name == "dqn" and not settings.quick
+
+
+def _time(side: Side, to_target: bool) -> float | None:
+    """The compared time: time to 475 from launch, or launch to exit."""
+    return getattr(side, "target_s", None) if to_target else side.wall_s
 
 
 def _brief(side: Side) -> dict[str, Any]:
@@ -146,13 +152,14 @@ def _brief(side: Side) -> dict[str, Any]:
     return {k: v for k, v in asdict(side).items() if k != "episodes"}
 
 
-def rows_of(name: str, pairs: list[tuple[Side, Side, dict[str, float]]]) -> list[Row]:
+def rows_of(name: str, pairs: list[tuple[Side, Side, dict[str, float]]], settings: Settings
+            ) -> list[Row]:
     """The section's rows for one algorithm: the time ratio over seeds, then the return."""
-    pairing = PAIRINGS[name]
-    measured = "time to 475" if name == "dqn" else "wall time"
-    row = Row(NAME, f"{name}: {measured}, ours / CleanRL", unit=SECONDS,
-              goal=Goal("<=", pairing.goal), reference_name="CleanRL")
-    row.set_per_seed([_time(o, name) for _, o, _ in pairs], [_time(c, name) for c, _, _ in pairs])
+    to_target = _to_target(name, settings)
+    row = Row(NAME, f"{name}: {'time to 475' if to_target else 'wall time'}, ours / CleanRL",
+              unit=SECONDS, goal=Goal("<=", PAIRINGS[name].goal), reference_name="CleanRL")
+    row.set_per_seed([_time(o, to_target) for _, o, _ in pairs],
+                     [_time(c, to_target) for c, _, _ in pairs])
     problems = [f"seed {s.seed} {s.name}: {s.problem[:150]}" for c, o, _ in pairs for s in (c, o)
                 if s.problem]
     row.note = "; ".join(problems)
@@ -180,7 +187,8 @@ def section_lines(results: dict[str, list[tuple[Side, Side, dict[str, float]]]],
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, pairs in results.items():
         for cleanrl, ours, split in pairs:
-            compared = ratio(_time(ours, name), _time(cleanrl, name))
+            to_target = _to_target(name, settings)
+            compared = ratio(_time(ours, to_target), _time(cleanrl, to_target))
             for side in (cleanrl, ours):
                 parts = (" / ".join(f"{split.get(p, 0.0):.0%}" for p in SPLIT)
                          if side is ours and split else "")
@@ -224,7 +232,7 @@ def compare_all(settings: Settings, algorithms: Sequence[str], seeds: Sequence[i
                           target=475.0 if name == "dqn" else None)
     rows: list[Row] = []
     for name, pairs in results.items():
-        rows += rows_of(name, pairs)
+        rows += rows_of(name, pairs, settings)
     return rows
 
 
