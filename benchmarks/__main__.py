@@ -32,7 +32,10 @@ SECTIONS = (
     "sharding",
     "evaluation",
     "replay_layouts",
+    "learner_speed",
 )
+# Run only when named (--only): hours of side-by-side runs against CleanRL's scripts.
+ONLY_BY_NAME = ("learner_speed",)
 NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation",
                 "replay_layouts")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
@@ -50,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cleanrl", metavar="PPO_PY", type=Path,
         help="CleanRL's ppo.py: rl_throughput then also times it to return 475 (the reference "
-        "of the default run's launch-to-exit goal)",
+        "of the default run's launch-to-exit goal); learner_speed runs its siblings",
     )
     parser.add_argument(
         "--cleanrl-python", metavar="PYTHON",
@@ -69,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def selected(args: argparse.Namespace) -> list[str]:
     if args.only:
         return [name for name in SECTIONS if name in args.only]
-    return [name for name in SECTIONS if not (args.quick and name in NOT_IN_QUICK)]
+    return [name for name in SECTIONS
+            if name not in ONLY_BY_NAME and not (args.quick and name in NOT_IN_QUICK)]
 
 
 def run_section(name: str, settings: Settings) -> tuple[list[Row], float]:

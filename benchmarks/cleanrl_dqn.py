@@ -41,6 +41,7 @@ wall time since launch, both sides, one line per seed).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,11 +138,13 @@ def our_target(summary: dict[str, Any], loop_start_s: float | None,
     return from_launch, float(in_loop), int(steps) if steps is not None else None
 
 
-def run_ours(args: argparse.Namespace, seed: int, out: Path) -> TargetSide:
-    """``python -m app loop=dqn seed=S``, launch to exit, with its time to the target."""
+def run_ours(args: argparse.Namespace, seed: int, out: Path,
+             extra: Sequence[str] = ()) -> TargetSide:
+    """``python -m app loop=dqn seed=S`` (and ``extra`` overrides), launch to exit, with its
+    time to the target."""
     run_dir = out / f"ours_s{seed}"
-    plain, run = cleanrl_side.run_ours("ours", seed, our_overrides(args, seed), run_dir,
-                                       args.timeout)
+    plain, run = cleanrl_side.run_ours("ours", seed, [*our_overrides(args, seed), *extra],
+                                       run_dir, args.timeout)
     side = TargetSide(**vars(plain))
     if run.result is None:
         return side

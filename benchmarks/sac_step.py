@@ -50,11 +50,13 @@ def _batch(generator: torch.Generator) -> Batch:
 class Learner:
     """One trainer's SAC (no DDP), stepping on random batches of Hopper's shapes."""
 
-    def __init__(self) -> None:
+    def __init__(self, compile_mode: str = "off") -> None:
         torch.manual_seed(0)
         spaces = Spaces(observation=gym.spaces.Box(-np.inf, np.inf, (OBS,), np.float32),
                         action=gym.spaces.Box(-1.0, 1.0, (ACT,), np.float32))
         self.sac = SAC(SACSettings(), spaces)
+        self.sac.compile_mode = compile_mode
+        self.cycle = self.sac.settings.policy_frequency  # steps of one full cycle
         self.net = self.sac.build()
         self.generator = torch.Generator().manual_seed(0)
         self.info = UpdateInfo(self.sac.optimizer(self.net), self.generator, 0, 0, 0)
@@ -65,24 +67,30 @@ class Learner:
         self.sac.learner_steps += 1
 
 
-def step_flops(learner: Learner) -> float:
-    """Floating-point operations per learner step, over one full cycle of policy steps."""
-    steps = learner.sac.settings.policy_frequency
+def step_flops(learner: Any) -> float:
+    """Floating-point operations per learner step, over one full ``learner.cycle`` of steps
+    (SAC's: ``policy_frequency``)."""
+    steps = learner.cycle
     with FlopCounterMode(display=False) as counter:
         for _ in range(steps):
             learner.step()
     return counter.get_total_flops() / steps
 
 
-def seconds_per_step(learner: Learner, steps: int) -> float:
-    for _ in range(20):
+def step_times(learner: Any, steps: int, warmup: int = 20) -> list[float]:
+    """The seconds of each of ``steps`` learner steps, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         learner.step()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         learner.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def seconds_per_step(learner: Any, steps: int) -> float:
+    return statistics.median(step_times(learner, steps))
 
 
 def gemm_flops_per_s(reps: int = 400) -> float:

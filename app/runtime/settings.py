@@ -29,6 +29,7 @@ from app.runtime.checkpoints.checkpoint import (
     resume_mismatch,
     run_settings,
 )
+from app.runtime.compiling import compile_problem
 from app.runtime.envs.vector import EnvConfig, check_env_names, ensure_registered, probe_spaces
 from app.runtime.evaluation.video import render_problem
 from app.runtime.models.actor_critic import ModelConfig, is_image
@@ -84,6 +85,11 @@ class RunSettings:
     threads: int = setting(
         1, "intra-op threads per rank (torch.set_num_threads); 0: the node's cores over its "
         "ranks. Small models gain nothing from more; SAC's 256-wide networks do, on idle cores"
+    )
+    # Measured on the learner steps (docs/off-policy.md, "Learner speed"): off by default.
+    compile: str = setting(
+        "off", "the update step as one compiled function (torch.compile, Inductor): off | "
+        "inductor | cpp_wrapper (Inductor's C++ wrapper); the first update compiles"
     )
     min_rollouts: int = setting(
         1, "elastic layouts: live rollout ranks the job needs to go on (they serve every "
@@ -193,6 +199,11 @@ class RunSettings:
             errors.append(f"threads: must be >= 0, got {self.threads}")
         if self.min_rollouts < 1:
             errors.append(f"min_rollouts: must be >= 1, got {self.min_rollouts}")
+        if problem := compile_problem(self.compile):
+            errors.append(f"compile: {problem}")
+        elif self.compile != "off" and not self.algorithm.compiles:
+            errors.append(f"compile: {self.algorithm.__name__} does not compile its update, "
+                          f"got {self.compile!r} (set off)")
         errors += self._eval_errors()
         if not errors and self.total_env_steps < per_update:
             errors.append(
@@ -264,7 +275,12 @@ class RunSettings:
             raise ConfigError(problem)
 
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
-        return self.algorithm(self.hparams, spaces)
+        return self.compiling(self.algorithm(self.hparams, spaces))
+
+    def compiling(self, algorithm: Algorithm[Any]) -> Algorithm[Any]:
+        """``algorithm``, set to compile its update as ``loop.compile`` says."""
+        algorithm.compile_mode = self.compile
+        return algorithm
 
     def build_policy(self, algorithm: Algorithm[Any], spaces: Spaces) -> nn.Module:
         """The module the run trains and acts with: the algorithm's own, or the transformer

@@ -81,6 +81,10 @@ BAD_OVERRIDES = [
     (["loop=ppo", "loop.min_rollouts=3"], "loop.min_rollouts: 3, but the layout has 2 rollout ranks"),
     (["loop=ppo", "loop.verify_weights_every=-2"], "loop.verify_weights_every: must be >= 0, got -2"),
     (["loop=sac", "loop.threads=-1"], "loop.threads: must be >= 0, got -1"),
+    (["loop=sac", "loop.compile=max"],
+     "loop.compile: must be one of off, inductor, cpp_wrapper, got 'max'"),
+    (["loop=vtrace", "loop.compile=inductor"],
+     "loop.compile: VTrace does not compile its update, got 'inductor' (set off)"),
     # Evaluation beside training (docs/evaluate.md).
     (["loop=ppo", "loop.eval_every=-1"], "loop.eval_every: must be >= 0, got -1"),
     (["loop=ppo", "loop.eval_every=5", "loop.eval_episodes=0"],

@@ -12,9 +12,11 @@ network's ``argmax``), with the n-step sum and discount the replay made.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,8 @@ from gymnasium import spaces as gym_spaces
 from torch import Tensor, nn
 
 from app.api import setting
-from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
+from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo, adam
+from app.runtime.compiling import compiled
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.offpolicy import OffPolicyAlgorithm, hard_update
 
@@ -141,6 +144,7 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
     """DQN on the runtime: epsilon-greedy collectors, a learner on the replay."""
 
     losses = ("td_loss", "q_mean", "epsilon")
+    compiles = True
 
     def __init__(self, settings: DQNSettings, spaces: Spaces,
                  replay: ReplaySettings | None = None) -> None:
@@ -181,8 +185,7 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
 
     def optimizer(self, module: nn.Module) -> torch.optim.Optimizer:
         # The target network has no gradients: only the online network is stepped.
-        return torch.optim.Adam([p for p in module.parameters() if p.requires_grad],
-                                lr=self.settings.lr)
+        return adam([p for p in module.parameters() if p.requires_grad], lr=self.settings.lr)
 
     def act(self, module: nn.Module, obs: Tensor,
             generator: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:
@@ -195,15 +198,7 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
     def learn(self, model: nn.Module, module: nn.Module, batch: Batch,
               info: UpdateInfo) -> tuple[dict[str, float], Tensor | None]:
         net: Any = module
-        with torch.no_grad():
-            online_next = model(batch.next_obs) if self.settings.double else None
-            targets = dqn_targets(batch.rewards, batch.discounts,
-                                  net.target_values(batch.next_obs), online_next)
-        q = model(batch.obs).gather(-1, batch.actions.long().reshape(-1, 1)).squeeze(-1)
-        errors = targets - q
-        per_sample = (nn.functional.smooth_l1_loss(q, targets, reduction="none")
-                      if self.settings.huber else errors.pow(2))
-        loss = (batch.weights * per_sample).mean()
+        loss, q, errors = self.td_losses(model, net, batch)
         info.optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), self.settings.max_grad_norm)
@@ -215,6 +210,25 @@ class DQN(OffPolicyAlgorithm[DQNSettings]):
         annealed = self.settings.exploration == "anneal"
         net.epsilon.fill_(epsilon_at(self.settings, info.env_steps) if annealed
                           else self.settings.apex_epsilon)
-        figures = {"td_loss": float(loss.detach()), "q_mean": float(q.mean().detach()),
+        figures = {"td_loss": float(loss.detach()), "q_mean": float(q.mean()),
                    "epsilon": float(net.epsilon)}
-        return figures, errors.detach().abs()
+        return figures, errors.abs()
+
+    @functools.cached_property
+    def td_losses(self) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+        """:meth:`_td_losses` as ``loop.compile`` says."""
+        return compiled(self._td_losses, self.compile_mode, "DQN's step")
+
+    def _td_losses(self, model: nn.Module, net: Any, batch: Batch
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+        """The TD loss to differentiate, Q(s, a) [B] and the TD errors [B] (no gradient)."""
+        with torch.no_grad():
+            online_next = model(batch.next_obs) if self.settings.double else None
+            targets = dqn_targets(batch.rewards, batch.discounts,
+                                  net.target_values(batch.next_obs), online_next)
+        q = model(batch.obs).gather(-1, batch.actions.long().reshape(-1, 1)).squeeze(-1)
+        errors = targets - q
+        per_sample = (nn.functional.smooth_l1_loss(q, targets, reduction="none")
+                      if self.settings.huber else errors.pow(2))
+        loss = (batch.weights * per_sample).mean()
+        return loss, q.detach(), errors.detach()

@@ -6,6 +6,8 @@ behaviour log-probability and value) and the clipped-PPO update. Nothing in here
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -14,6 +16,8 @@ from torch import Tensor, nn
 
 from app.api import setting
 from app.runtime import Algorithm, AlgorithmSettings, Record, Segment, Spaces, UpdateInfo
+from app.runtime.algorithm import adam
+from app.runtime.compiling import compiled
 from app.runtime.models.actor_critic import ActorCritic, space_problem
 
 
@@ -79,6 +83,7 @@ class PPO(Algorithm[PPOSettings]):
 
     records: ClassVar = {"logprobs": Record(), "values": Record()}
     losses: ClassVar = ("pg_loss", "v_loss", "entropy", "approx_kl", "clipfrac")
+    compiles: ClassVar = True
 
     @classmethod
     def space_problem(cls, spaces: Spaces) -> str | None:
@@ -102,7 +107,12 @@ class PPO(Algorithm[PPOSettings]):
                info: UpdateInfo) -> dict[str, float]:
         set_lr(info.optimizer, self.settings, info.env_steps)
         return ppo_update(model, module, info.optimizer, segments, self.settings, info.generator,
-                          decoupled=info.lag > 0)
+                          decoupled=info.lag > 0, loss_fn=self.loss_fn)
+
+    @functools.cached_property
+    def loss_fn(self) -> LossFn:
+        """The minibatch loss as ``loop.compile`` says (compiled on its first call)."""
+        return compiled(minibatch_loss, self.compile_mode, "PPO's minibatch loss")
 
 
 def compute_gae(
@@ -128,8 +138,9 @@ def compute_gae(
 
 
 def make_optimizer(policy: nn.Module, settings: PPOSettings) -> torch.optim.Adam:
-    """Adam with CleanRL's eps=1e-5 (the PyTorch default 1e-8 is less stable for PPO)."""
-    return torch.optim.Adam(policy.parameters(), lr=settings.lr, eps=1e-5)
+    """Adam with CleanRL's eps=1e-5 (the PyTorch default 1e-8 is less stable for PPO); fused
+    where the parameters allow (:func:`adam`)."""
+    return adam(policy.parameters(), lr=settings.lr, eps=1e-5)
 
 
 def lr_at(settings: PPOSettings, env_steps: int) -> float:
@@ -157,6 +168,7 @@ def ppo_update(
     settings: PPOSettings,
     generator: torch.Generator,
     decoupled: bool = False,
+    loss_fn: LossFn | None = None,
 ) -> dict[str, float]:
     """Run ``settings.update_epochs`` x ``num_minibatches`` clipped-PPO steps on ``segments``.
 
@@ -170,34 +182,38 @@ def ppo_update(
     ``model`` is ``policy`` or a DDP wrapper around it: losses go through
     ``model(...)`` so gradient all-reduce hooks fire, while the no-grad value
     bootstrap uses ``policy`` directly. The step count depends only on ``settings``,
-    so all DDP ranks stay in lockstep (hence no KL early stopping).
+    so all DDP ranks stay in lockstep (hence no KL early stopping). ``loss_fn``: the
+    minibatch loss (:func:`minibatch_loss`, compiled with ``loop.compile``).
     """
     if not segments:
         raise ValueError("ppo_update needs at least one segment")
     batch = _batch(policy, segments, settings, decoupled)
     batch_size = batch.obs.shape[0]
     minibatch_size = batch_size // settings.num_minibatches
-    stats = {"pg_loss": 0.0, "v_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0, "clipfrac": 0.0}
+    sums: dict[str, Tensor] = {}
     for _ in range(settings.update_epochs):
         perm = torch.randperm(batch_size, generator=generator)
         for k in range(settings.num_minibatches):
             mb = perm[k * minibatch_size : (k + 1) * minibatch_size]
-            loss, ratio, logratio, parts = _minibatch_loss(model, batch, mb, settings)
-
-            optimizer.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-            optimizer.step()
-
-            with torch.no_grad():
-                # http://joschu.net/blog/kl-approx.html (k3 estimator)
-                stats["approx_kl"] += ((ratio - 1) - logratio).mean().item()
-                stats["clipfrac"] += ((ratio - 1.0).abs() > settings.clip_coef).float().mean().item()
-            for name, part in parts.items():
-                stats[name] += part.item()
-
+            figures = minibatch_step(model, optimizer, batch.take(mb), settings, loss_fn)
+            for name, value in figures.items():
+                sums[name] = sums[name] + value if name in sums else value
     n = settings.update_epochs * settings.num_minibatches
-    return {k: v / n for k, v in stats.items()}
+    # One read of the figures per update, not five per minibatch step.
+    return {k: v / n for k, v in zip(sums, torch.stack(list(sums.values())).tolist(), strict=True)}
+
+
+def minibatch_step(model: nn.Module, optimizer: torch.optim.Optimizer, mb: _Batch,
+                   settings: PPOSettings, loss_fn: LossFn | None = None) -> dict[str, Tensor]:
+    """One clipped-PPO optimizer step on the minibatch ``mb``: the loss (``loss_fn``, e.g.
+    :func:`minibatch_loss` compiled; by default that function as written), its backward, the
+    gradient clip and Adam's step. Returns the step's figures as 0-d tensors."""
+    loss, figures = (loss_fn or minibatch_loss)(model, mb, settings)
+    optimizer.zero_grad()
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+    optimizer.step()
+    return figures
 
 
 @dataclass
@@ -211,6 +227,12 @@ class _Batch:
     advantages: Tensor
     returns: Tensor
     values: Tensor
+
+    def take(self, mb: Tensor) -> _Batch:
+        """The samples at indices ``mb``."""
+        return _Batch(self.obs[mb], self.actions[mb], self.anchor[mb],
+                      None if self.weight is None else self.weight[mb], self.advantages[mb],
+                      self.returns[mb], self.values[mb])
 
 
 def _batch(policy: nn.Module, segments: list[Segment], settings: PPOSettings,
@@ -237,34 +259,40 @@ def _batch(policy: nn.Module, segments: list[Segment], settings: PPOSettings,
                   torch.cat(val_l))
 
 
-def _minibatch_loss(
-    model: nn.Module, batch: _Batch, mb: Tensor, settings: PPOSettings,
-) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
-    """The clipped-PPO loss on the samples ``mb``: (loss, ratio, log-ratio, its parts)."""
-    newlogprob, entropy, newvalue = model(batch.obs[mb], batch.actions[mb])
-    logratio = newlogprob - batch.anchor[mb]
+def minibatch_loss(model: nn.Module, mb: _Batch, settings: PPOSettings
+                   ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clipped-PPO loss on the minibatch ``mb`` and its figures (0-d tensors, detached)."""
+    newlogprob, entropy, newvalue = model(mb.obs, mb.actions)
+    logratio = newlogprob - mb.anchor
     ratio = logratio.exp()
 
-    mb_adv = batch.advantages[mb]
-    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+    mb_adv = (mb.advantages - mb.advantages.mean()) / (mb.advantages.std() + 1e-8)
     pg_losses = torch.max(
         -mb_adv * ratio, -mb_adv * ratio.clamp(1 - settings.clip_coef, 1 + settings.clip_coef)
     )
-    if batch.weight is not None:
-        pg_losses = pg_losses * batch.weight[mb]
+    if mb.weight is not None:
+        pg_losses = pg_losses * mb.weight
     pg_loss = pg_losses.mean()
 
-    returns, values = batch.returns[mb], batch.values[mb]
-    v_unclipped = (newvalue - returns) ** 2
+    v_unclipped = (newvalue - mb.returns) ** 2
     if settings.clip_vloss:
-        v_clipped = values + (newvalue - values).clamp(-settings.clip_coef, settings.clip_coef)
-        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns) ** 2).mean()
+        v_clipped = mb.values + (newvalue - mb.values).clamp(-settings.clip_coef,
+                                                             settings.clip_coef)
+        v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - mb.returns) ** 2).mean()
     else:
         v_loss = 0.5 * v_unclipped.mean()
 
     entropy_loss = entropy.mean()
     loss = pg_loss - settings.ent_coef * entropy_loss + settings.vf_coef * v_loss
-    return loss, ratio, logratio, {"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy_loss}
+    with torch.no_grad():
+        figures = {"pg_loss": pg_loss, "v_loss": v_loss, "entropy": entropy_loss,
+                   # http://joschu.net/blog/kl-approx.html (k3 estimator)
+                   "approx_kl": ((ratio - 1) - logratio).mean(),
+                   "clipfrac": ((ratio - 1.0).abs() > settings.clip_coef).float().mean()}
+    return loss, {k: v.detach() for k, v in figures.items()}
+
+
+LossFn = Callable[[nn.Module, _Batch, PPOSettings], tuple[Tensor, dict[str, Tensor]]]
 
 
 def _steps(x: Tensor) -> Tensor:

@@ -14,8 +14,9 @@ so every trainer's alpha and Adam stay equal.
 from __future__ import annotations
 
 import copy
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 
 from app.api import setting
 from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
+from app.runtime.compiling import compiled
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.offpolicy import OffPolicyAlgorithm, average_over_trainers, soft_update
 
@@ -130,15 +132,17 @@ class Actor(nn.Module):
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
         return self.mean(h), log_std
 
-    def sample(self, obs: Tensor, generator: torch.Generator | None = None
-               ) -> tuple[Tensor, Tensor]:
-        """A reparameterised action [B, A] and its log pi [B]."""
+    def sample(self, obs: Tensor, generator: torch.Generator | None = None,
+               noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """A reparameterised action [B, A] and its log pi [B], from ``noise`` [B, A] (standard
+        normal draws; by default drawn here from ``generator``)."""
         mean, log_std = self.gaussian(obs)
         std = log_std.exp()
         # No argument checks: std = exp(.) > 0 and pre_tanh is real by construction, and the
         # checks cost a learner step several reductions each time.
         normal = torch.distributions.Normal(mean, std, validate_args=False)
-        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+        if noise is None:
+            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
         pre_tanh = mean + std * noise
         action = torch.tanh(pre_tanh) * self.scale + self.bias
         return action, squashed_log_prob(normal, pre_tanh, self.scale)
@@ -165,7 +169,8 @@ class SACModule(nn.Module):
         self.register_buffer("uniform", torch.ones(()))
 
     def forward(self, obs: Tensor, actions: Tensor | None = None,
-                generator: torch.Generator | None = None) -> tuple[Tensor, ...]:
+                generator: torch.Generator | None = None,
+                noise: Tensor | None = None) -> tuple[Tensor, ...]:
         """The learner's two passes, through DDP when there are several trainers (so every
         trainable parameter takes part and gradients are averaged): with ``actions``, the
         Q step's ``(Q1, Q2, tie)``; without, the actor step's ``(log pi, Q1, Q2)`` of a sampled
@@ -173,7 +178,7 @@ class SACModule(nn.Module):
         if actions is not None:
             tie = sum((p.sum() for p in self.actor.parameters()), torch.zeros(()))
             return (*self.q(obs, actions), 0.0 * tie)
-        action, log_pi = self.sample(obs, generator)
+        action, log_pi = self.sample(obs, generator, noise)
         return (log_pi, *self.q(obs, action))
 
     def q(self, obs: Tensor, actions: Tensor, target: bool = False) -> tuple[Tensor, Tensor]:
@@ -181,9 +186,9 @@ class SACModule(nn.Module):
         q1, q2 = (self.q1_target, self.q2_target) if target else (self.q1, self.q2)
         return q1(x).squeeze(-1), q2(x).squeeze(-1)
 
-    def sample(self, obs: Tensor, generator: torch.Generator | None = None
-               ) -> tuple[Tensor, Tensor]:
-        return self.actor.sample(obs.flatten(1).float(), generator)
+    def sample(self, obs: Tensor, generator: torch.Generator | None = None,
+               noise: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return self.actor.sample(obs.flatten(1).float(), generator, noise)
 
     def greedy(self, obs: Tensor) -> Tensor:
         return self.actor.greedy(obs.flatten(1).float())
@@ -216,6 +221,7 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
     """SAC on the runtime: sampling collectors, a learner on the replay."""
 
     losses = ("q_loss", "actor_loss", "alpha_loss", "alpha", "q_mean", "entropy")
+    compiles = True
 
     def __init__(self, settings: SACSettings, spaces: Spaces,
                  replay: ReplaySettings | None = None) -> None:
@@ -278,21 +284,12 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
         the step does not use are dropped after the averaging; one trainer computes only the
         gradients its step uses."""
         net: Any = module
-        alone = model is module
-        if alone:
-            q1, q2 = net.q(batch.obs, batch.actions)
-            tie: Tensor | float = 0.0
-        else:
-            q1, q2, tie = model(batch.obs, batch.actions)
-        with torch.no_grad():
-            next_actions, next_log_pi = net.sample(batch.next_obs, info.generator)
-            next_q1, next_q2 = net.q(batch.next_obs, next_actions, target=True)
-            targets = soft_q_targets(batch.rewards, batch.discounts, next_q1, next_q2,
-                                     next_log_pi, self.log_alpha.detach().exp())
-        q_loss = (batch.weights * ((q1 - targets).pow(2) + (q2 - targets).pow(2))).mean()
+        alpha = self.log_alpha.detach().exp()
+        next_noise = self._noise(batch.next_obs, info.generator)
+        loss, q_loss, q1, q2, targets = self.q_losses(model, net, batch, next_noise, alpha)
         info.optimizer.zero_grad()
-        (q_loss + tie).backward()
-        if not alone:
+        loss.backward()
+        if model is not module:
             _drop_grads(net.actor)  # the Q step moves only the Q-networks
         info.optimizer.step()
         if self.learner_steps % self.settings.policy_frequency == 0:
@@ -307,19 +304,61 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
                        "q_mean": float(torch.minimum(q1, q2).mean()), **self._figures}
         return figures, errors / 2
 
+    def _noise(self, obs: Tensor, generator: torch.Generator) -> Tensor:
+        """The standard normal draws of one reparameterised sample of actions for ``obs``,
+        drawn outside the (compiled) losses, in the order the update takes them."""
+        return torch.randn((obs.shape[0], *self.spaces.action.shape), generator=generator)
+
+    @functools.cached_property
+    def q_losses(self) -> Callable[..., tuple[Tensor, ...]]:
+        """:meth:`_q_losses` as ``loop.compile`` says."""
+        return compiled(self._q_losses, self.compile_mode, "SAC's Q step")
+
+    @functools.cached_property
+    def actor_losses(self) -> Callable[..., tuple[Tensor, ...]]:
+        """:meth:`_actor_losses` as ``loop.compile`` says."""
+        return compiled(self._actor_losses, self.compile_mode, "SAC's actor step")
+
+    @staticmethod
+    def _q_losses(model: nn.Module, net: Any, batch: Batch, next_noise: Tensor, alpha: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """The Q step's loss to differentiate (with DDP's zero ``tie`` to the actor), the loss,
+        Q1 and Q2 at the batch's actions [B] and the soft targets [B] (no gradient). Through
+        DDP (``model`` is not ``net``: several trainers) every pass involves every parameter;
+        one trainer computes only the Q-networks' gradients."""
+        alone = model is net
+        if alone:
+            q1, q2 = net.q(batch.obs, batch.actions)
+            tie: Tensor | float = 0.0
+        else:
+            q1, q2, tie = model(batch.obs, batch.actions)
+        with torch.no_grad():
+            next_actions, next_log_pi = net.sample(batch.next_obs, noise=next_noise)
+            next_q1, next_q2 = net.q(batch.next_obs, next_actions, target=True)
+            targets = soft_q_targets(batch.rewards, batch.discounts, next_q1, next_q2,
+                                     next_log_pi, alpha)
+        q_loss = (batch.weights * ((q1 - targets).pow(2) + (q2 - targets).pow(2))).mean()
+        return q_loss + tie, q_loss.detach(), q1.detach(), q2.detach(), targets
+
+    @staticmethod
+    def _actor_losses(model: nn.Module, obs: Tensor, noise: Tensor, alpha: Tensor
+                      ) -> tuple[Tensor, Tensor]:
+        """The actor step's loss of a sampled action and its log pi [B]."""
+        log_pi, q1, q2 = model(obs, noise=noise)
+        return actor_loss(log_pi, q1, q2, alpha), log_pi
+
     def _policy_step(self, model: nn.Module, net: Any, batch: Batch, info: UpdateInfo) -> None:
         """One actor step (only the actor's parameters move) and, with autotune, one alpha step."""
         alpha = self.log_alpha.detach().exp()
         info.optimizer.zero_grad()
+        noise = self._noise(batch.obs, info.generator)
         alone = model is net
         if alone:  # one trainer: no gradient for the Q-networks' parameters at all
             with _frozen(net.q1, net.q2):
-                log_pi, q1, q2 = net(batch.obs, generator=info.generator)
-                loss = actor_loss(log_pi, q1, q2, alpha)
+                loss, log_pi = self.actor_losses(model, batch.obs, noise, alpha)
                 loss.backward()
         else:
-            log_pi, q1, q2 = model(batch.obs, generator=info.generator)
-            loss = actor_loss(log_pi, q1, q2, alpha)
+            loss, log_pi = self.actor_losses(model, batch.obs, noise, alpha)
             loss.backward()
             _drop_grads(net.q1, net.q2)  # the actor step moves only the actor
         info.optimizer.step()

@@ -207,10 +207,15 @@ def hard_update(target: nn.Module, source: nn.Module) -> None:
 
 
 def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
-    """Polyak averaging: ``target <- tau * source + (1 - tau) * target``."""
-    with torch.no_grad():
-        for t, s in zip(target.parameters(), source.parameters(), strict=True):
-            t.lerp_(s, tau)
+    """Polyak averaging: ``target <- tau * source + (1 - tau) * target``, one ``lerp_`` over
+    all the parameters (the same update as a loop of them, with one call)."""
+    targets: list[torch.Tensor] = list(target.parameters())
+    sources: list[torch.Tensor] = list(source.parameters())
+    if len(targets) != len(sources):
+        raise ValueError(f"soft_update: {len(targets)} target parameters, {len(sources)} source")
+    if targets:
+        with torch.no_grad():
+            torch._foreach_lerp_(targets, sources, tau)
 
 
 @dataclass
@@ -254,4 +259,4 @@ class OffPolicyLoop(RLLoop):
 
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
         algorithm_cls: Any = self.algorithm  # an OffPolicyAlgorithm: it takes the replay too
-        return typing.cast(Algorithm[Any], algorithm_cls(self.hparams, spaces, replay=self.replay))
+        return self.compiling(algorithm_cls(self.hparams, spaces, replay=self.replay))

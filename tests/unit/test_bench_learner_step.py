@@ -1,0 +1,53 @@
+"""``python -m benchmarks.learner_step``: PPO's and DQN's learner steps counted and timed per
+``loop.compile`` mode and lever, and the twin-Q ensemble it measures is SAC's update to rounding
+(docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import learner_step
+
+pytestmark = pytest.mark.unit
+
+
+def _rows(capsys: pytest.CaptureFixture[str], argv: list[str]) -> list[list[str]]:
+    threads = torch.get_num_threads()
+    try:
+        assert learner_step.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in lines[1:]]
+
+
+def test_ppo_and_dqn_steps_are_counted_and_timed(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = _rows(capsys, ["--algorithms", "ppo,dqn", "--threads", "1", "--rounds", "1",
+                          "--steps", "2"])
+    assert [(r[0], r[1], r[2]) for r in rows] == [("ppo", "1", "off"), ("dqn", "1", "off")]
+    # By hand: PPO's minibatch of 128 through two 11-64-64 MLPs, forward and backward, about
+    # 7 MFLOP; DQN's 128 through 4-120-84-2 three times and backward once, about 14 MFLOP.
+    assert 0.005 < float(rows[0][4]) < 0.01 and 0.01 < float(rows[1][4]) < 0.02, rows
+    assert all(float(r[5].removesuffix(" ms")) > 0 for r in rows)
+
+
+def test_a_lever_is_timed_against_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = _rows(capsys, ["--algorithms", "ppo,sac", "--threads", "1", "--rounds", "1",
+                          "--steps", "1", "--lever", "fused_adam"])
+    assert [(r[0], r[2]) for r in rows] == [("ppo", "default"), ("ppo", "fused_adam")]
+
+
+def test_the_twin_q_ensemble_is_sacs_update_to_rounding() -> None:
+    plain = learner_step.LEARNERS["sac"]("off")
+    with learner_step.LEVERS["twin_q_ensemble"][2]():
+        twin = learner_step.LEARNERS["sac"]("off")
+        for _ in range(4):
+            twin.step()
+    for _ in range(4):
+        plain.step()
+    linears = [m for m in plain.net.q1 if isinstance(m, torch.nn.Linear)]
+    for layer, weights in zip(linears, twin.net.q1.weights, strict=True):
+        torch.testing.assert_close(weights[0], layer.weight.T, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(twin.net.actor.mean.weight, plain.net.actor.mean.weight,
+                               rtol=1e-4, atol=1e-6)
