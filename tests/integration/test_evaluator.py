@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from app.loops.ppo import PPOLoop
-from app.runtime.checkpoints.checkpoint import load_checkpoint
+from app.runtime.checkpoints.checkpoint import TrainingState, WholeCheckpoint, load_checkpoint
 from app.runtime.evaluation.episodes import run_episodes
 from app.runtime.evaluation.evaluator import BEST, Evaluation, Evaluations
 from app.runtime.worker import Agent
@@ -57,9 +57,8 @@ def _controller(loop: PPOLoop, gain: float) -> Agent:
     return agent
 
 
-def _record(agent: Agent, update: int) -> dict[str, object]:
-    return dict(policy=agent.net.state_dict(), optimizer={}, update=update, env_steps=update,
-                episodes=[], metrics=[], settings={}, normalizers={})
+def _record(agent: Agent, update: int) -> WholeCheckpoint:
+    return WholeCheckpoint(agent.net.state_dict(), {}, TrainingState(update, env_steps=update))
 
 
 def _evaluate(evaluations: Evaluations, agent: Agent, update: int) -> Evaluation:
