@@ -20,7 +20,7 @@ from app.runtime.algorithm import Algorithm
 from app.runtime.checkpoints.checkpoint import run_settings
 from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.evaluation.evaluator import Evaluations
-from app.runtime.handoff import HandOff, HandOffSettings, build_hand_off
+from app.runtime.handoff import HandOff, HandOffSettings, ReplayHooks, build_hand_off
 from app.runtime.replay.service import ReplayLink, collectors
 from app.runtime.roles.collector import Collector
 from app.runtime.roles.trainer import Trainer
@@ -98,8 +98,10 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
                                min_rollouts=loop.min_rollouts,
                                timeout_s=ctx.timeout.total_seconds(), episode_cap=episode_cap,
                                sharded=sharded, rollout_restarts=job.rollout_restarts)
+    replay = ReplayHooks(write=replay_link.put if replay_link.target is not None else None,
+                         served=replay_link.served if replay_link.server is not None else None)
     hand_off = build_hand_off(ctx, job, agent, replay_link.hand_off_format, trained, settings,
-                              replay_link.served)
+                              replay)
     deciders = None if elastic and not trains else (
         ParallelMode.TRAIN_DATA_PARALLEL if elastic else ParallelMode.GLOBAL)
     parts = Rank(loop, ctx, job, agent, algorithm, hand_off, replay_link, deciders,

@@ -130,7 +130,6 @@ class RankRun:
         rank = self.rank
         own, mine = rank.collector.collect(version) if rank.collector is not None else (None, [])
         tick = time.perf_counter()
-        own = rank.replay_link.put(own)  # to its replay rank (layout.replay)
         handed = self.hand_off.exchange(own, mine, self.state.update)
         rank.split_s["comm"] += time.perf_counter() - tick
         if handed is not None and "epoch" in handed.shared:

@@ -11,9 +11,10 @@ sees only :class:`HandOff`; :func:`build_hand_off` picks its parts from the plan
   layout's (static), or rlcomm.elastic's epochs, re-formed as members leave and join
   (``layout.elastic_rollouts``, the default);
 - the **segment route** (route.py, route_p2p.py): where collected data goes: gathered by each
-  trainer (static), point to point to the member's trainer (elastic), or nowhere on a replay
-  rank (``layout.replay``: the collectors write to it through ReplayLink.put), which follows
-  the episodes (static) or the trainers to the run's end (elastic).
+  trainer (static), point to point to the member's trainer (elastic), and with replay ranks
+  (``layout.replay``) a collector's transitions to its replay rank first (``ToReplay``); a
+  replay rank takes none and follows the episodes (static) or the trainers to the run's end
+  (elastic).
 
 A new combination is a new composition here, not a new class. Checksums
 (``loop.verify_weights_every``), versions and ``loop.max_staleness`` behave alike on every
@@ -29,18 +30,24 @@ from typing import Any
 from torch import nn
 
 from app.api import JobInfo
-from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round
+from app.runtime.handoff.base import HandOffSettings, HandOffStats, ReplayHooks, Round
 from app.runtime.handoff.handoff import HandOff
 from app.runtime.handoff.membership import Membership, StaticMembership
 from app.runtime.handoff.membership_epochs import EpochLeader, EpochMember, Quorum, epoch_timeout
-from app.runtime.handoff.route import FollowTrainersRoute, GatherRoute, SegmentRoute, Source
+from app.runtime.handoff.route import (
+    FollowTrainersRoute,
+    GatherRoute,
+    SegmentRoute,
+    Source,
+    ToReplay,
+)
 from app.runtime.handoff.route_p2p import LeaderRoute, MemberRoute
 from app.runtime.handoff.weights import FlatReceiver, FlatSender, NoWeights, WeightChannel
 from app.runtime.handoff.weights_sharded import ShardReceiver, ShardSender
 from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 
-__all__ = ["HandOff", "HandOffSettings", "HandOffStats", "Round", "build_hand_off",
+__all__ = ["HandOff", "HandOffSettings", "HandOffStats", "ReplayHooks", "Round", "build_hand_off",
            "static_hand_off"]
 
 WT, TDP = ParallelMode.WEIGHT_TRANSFER, ParallelMode.TRAIN_DATA_PARALLEL
@@ -48,15 +55,15 @@ WT, TDP = ParallelMode.WEIGHT_TRANSFER, ParallelMode.TRAIN_DATA_PARALLEL
 
 def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_format: SegmentFormat,
                    trained: Any, settings: HandOffSettings,
-                   served: Callable[[], None] | None = None) -> HandOff:
+                   replay: ReplayHooks | None = None) -> HandOff:
     """The hand-off the plan calls for; ``trained``: a trainer's TrainedModule (None on rollout
-    ranks), whose shards a sharded channel sends; ``served``: on a replay rank, returns once
-    its server has served the run (ReplayLink.served). Before any wrapping of ``agent``: a flat
-    channel binds the agent's tensors to its send buffer, a receiver to its own."""
+    ranks), whose shards a sharded channel sends; ``replay``: where this rank meets replay
+    ranks, if it does. Before any wrapping of ``agent``: a flat channel binds the agent's
+    tensors to its send buffer, a receiver to its own."""
     plan = job.plan
     elastic = not plan.colocated and plan.elastic_rollouts
     return _compose(ctx, plan, agent, segment_format, trained, settings, elastic,
-                    dict(job.hosts), job.joining, served)
+                    dict(job.hosts), job.joining, replay or ReplayHooks())
 
 
 def static_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
@@ -64,24 +71,27 @@ def static_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
                     settings: HandOffSettings) -> HandOff:
     """A static layout's hand-off over ``plan``'s groups, whatever its ``elastic_rollouts``
     says (tests and benchmarks of the flat and sharded channels)."""
-    return _compose(ctx, plan, agent, segment_format, trained, settings, False, {}, False, None)
+    return _compose(ctx, plan, agent, segment_format, trained, settings, False, {}, False,
+                    ReplayHooks())
 
 
 def _compose(ctx: CommContext, plan: LayoutPlan, agent: nn.Module, segment_format: SegmentFormat,
              trained: Any, settings: HandOffSettings, elastic: bool, hosts: dict[int, str],
-             joining: bool, served: Callable[[], None] | None) -> HandOff:
+             joining: bool, replay: ReplayHooks) -> HandOff:
     """The parts for this rank (``elastic``: rollout ranks may leave and join; ``hosts``: rank
     -> host as the job knows them; ``joining``: this process replaces a lost rollout rank)."""
     rank = ctx.get_global_rank()
     patience = epoch_timeout(ctx, settings.timeout_s) if elastic else None
     stats = HandOffStats()
     if rank in plan.replay:  # it serves the replay (app/runtime/replay/service.py)
-        route = _replay_route(ctx, plan, segment_format, settings, stats, elastic, served)
+        route = _replay_route(ctx, plan, segment_format, settings, stats, elastic, replay.served)
         return HandOff("replay", NoWeights(counts_updates=not elastic), StaticMembership(),
                        route, stats)
     membership = _membership(ctx, plan, settings, patience, hosts, joining)
     weights = _weights(ctx, plan, agent, trained, settings, stats, patience)
     route = _route(ctx, plan, membership, segment_format, settings, stats, weights)
+    if replay.write is not None:  # a collector that writes its transitions to a replay rank
+        route = ToReplay(replay.write, route)
     kind = "sharded" if settings.sharded and not plan.colocated else "flat"
     if elastic:
         kind = "elastic-sharded" if settings.sharded else "elastic"

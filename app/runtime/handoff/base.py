@@ -4,7 +4,10 @@ check every trainer applies to the segments it is handed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from torch import Tensor
 
 from app.runtime.algorithm import Segment
 from app.runtime.worker import Episode
@@ -35,6 +38,17 @@ class HandOffSettings:
     # How often a lost rollout rank is started again (JobInfo.rollout_restarts); None: one may
     # be started by hand at any time.
     rollout_restarts: int | None = None
+
+
+@dataclass(frozen=True)
+class ReplayHooks:
+    """Where replay ranks (``layout.replay``) meet the hand-off, as app/runtime/replay/service.py's
+    ReplayLink provides them: a collector's ``write`` of its packed segment to its replay rank
+    (returning what the hand-off still carries of it), and a replay rank's ``served``, which
+    returns once its server has served the run. None: this rank has no such part."""
+
+    write: Callable[[Tensor], Tensor] | None = None
+    served: Callable[[], None] | None = None
 
 
 @dataclass

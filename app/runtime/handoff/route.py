@@ -5,9 +5,8 @@ over WEIGHT_TRANSFER (bytes of a fixed segment format, tagged with the weights v
 collected with: app/runtime/segments.py), and over GLOBAL every rank learns every finished
 episode, so all stop at the same update; colocated (no rollout ranks) a trainer trains on its
 own segment. A replay rank (``layout.replay``) takes no segment: its collectors write their
-transitions to it themselves (app/runtime/replay/service.py's ReplayLink.put, before the
-hand-off; the segment then carries only the version and the moments), and it follows the
-episodes (:class:`GatherRoute` with ``Source.NONE``) or, with elastic rollout ranks, the
+transitions to it themselves (:class:`ToReplay` around their route; the segment then carries
+only the version and the moments), and it follows the episodes (:class:`GatherRoute` with ``Source.NONE``) or, with elastic rollout ranks, the
 trainers to the run's end (:class:`FollowTrainersRoute`). Elastic rollout ranks send point to
 point to their own trainer: app/runtime/handoff/route_p2p.py.
 """
@@ -55,6 +54,35 @@ class SegmentRoute(Protocol):
     def result(self) -> dict[str, Any]:
         """This side's part of the rank's result.json entry."""
         ...
+
+
+class ToReplay:
+    """A collector's route on a layout with replay ranks: its transitions are written to its
+    replay rank (``write``: ReplayLink.put), and what the hand-off still carries of the segment
+    (its weights version and the normalisers' moments) goes on along ``route``."""
+
+    def __init__(self, write: Callable[[torch.Tensor], torch.Tensor],
+                 route: SegmentRoute) -> None:
+        self.write, self.route = write, route
+
+    def exchange(self, own: torch.Tensor | None, mine: list[Episode],
+                 updates: int) -> Round | None:
+        return self.route.exchange(self.write(own) if own is not None else None, mine, updates)
+
+    def begin(self, members: list[int]) -> None:
+        self.route.begin(members)
+
+    def agree(self, changing: bool) -> bool:
+        return self.route.agree(changing)
+
+    def end(self, moved: bool, epoch: int) -> None:
+        self.route.end(moved, epoch)
+
+    def renew(self, epoch: int, members: list[int]) -> None:
+        self.route.renew(epoch, members)
+
+    def result(self) -> dict[str, Any]:
+        return self.route.result()
 
 
 class Source(enum.Enum):

@@ -220,11 +220,11 @@ class ReplayLink:
                                        replay_seed(seed, rank))
             self.server.start()
 
-    def put(self, packed: Tensor | None) -> Tensor | None:
-        """A collector's packed segment, to its replay rank; what the hand-off carries of it
-        (:attr:`hand_off_format`)."""
-        if self.target is None or packed is None:
-            return packed
+    def put(self, packed: Tensor) -> Tensor:
+        """A collector's packed segment, to its replay rank (:attr:`target`); what the hand-off
+        carries of it (:attr:`hand_off_format`). Its hand-off's route calls it
+        (app/runtime/handoff/route.py's ToReplay)."""
+        assert self.target is not None, "only a collector with a replay rank writes to one"
         tell(INSERT, self.target, self.group)
         send(packed, self.target, self.group, PAYLOAD_TAG)
         views = self.segment_format.unpack(packed)
