@@ -9,35 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from gymnasium import spaces as gym_spaces
 
 from app.loops.dqn import DQN, DQNSettings
-from app.runtime import Spaces, UpdateInfo
-from app.runtime.algorithm import Segment
+from app.runtime import UpdateInfo
 from app.runtime.checkpoints.checkpoint import (
     TrainingState,
     newest_valid_checkpoint,
     save_checkpoint,
 )
-from app.runtime.replay.buffer import ReplaySettings
+from tests.helpers.dqn_data import REPLAY, SPACES, segment
 
 pytestmark = pytest.mark.unit
-
-SPACES = Spaces(gym_spaces.Box(-1, 1, (4,)), gym_spaces.Discrete(2))
-REPLAY = ReplaySettings(capacity=64, batch_size=8, min_size=16, samples_per_insert=1.0,
-                        tolerance=8.0)
-
-
-def _segment(steps: int = 4, envs: int = 4) -> Segment:
-    return Segment(obs=torch.randn(steps, envs, 4), actions=torch.randint(2, (steps, envs)),
-                   rewards=torch.ones(steps, envs), dones=torch.zeros(steps, envs),
-                   next_obs=torch.randn(envs, 4), next_done=torch.zeros(envs))
-
 
 def _update(algorithm: DQN, module: torch.nn.Module, opt: torch.optim.Optimizer,
             update: int) -> dict[str, float]:
     info = UpdateInfo(opt, torch.Generator().manual_seed(update), 16 * (update + 1), update, 0)
-    return algorithm.update(module, module, [_segment()], info)
+    return algorithm.update(module, module, [segment()], info)
 
 
 def test_the_replay_counters_round_trip_and_a_resume_refills(tmp_path: Path) -> None:

@@ -12,27 +12,16 @@ from typing import Any
 
 import pytest
 import torch
-from gymnasium import spaces as gym_spaces
 
 from app.loops.dqn import DQN, DQNSettings
-from app.runtime import Spaces, UpdateInfo
-from app.runtime.algorithm import Algorithm, AlgorithmSettings, Segment
+from app.runtime import UpdateInfo
+from app.runtime.algorithm import Algorithm, AlgorithmSettings
 from app.runtime.replay.buffer import ReplaySettings
 from app.runtime.replay.client import LocalReplay
 from app.runtime.seeds import env_seed, replay_seed
+from tests.helpers.dqn_data import REPLAY, SPACES, segment
 
 pytestmark = pytest.mark.unit
-
-SPACES = Spaces(gym_spaces.Box(-1, 1, (4,)), gym_spaces.Discrete(2))
-REPLAY = ReplaySettings(capacity=64, batch_size=8, min_size=16, samples_per_insert=1.0,
-                        tolerance=8.0)
-
-
-def _segment(steps: int = 4, envs: int = 4) -> Segment:
-    return Segment(obs=torch.randn(steps, envs, 4), actions=torch.randint(2, (steps, envs)),
-                   rewards=torch.ones(steps, envs), dones=torch.zeros(steps, envs),
-                   next_obs=torch.randn(envs, 4), next_done=torch.zeros(envs))
-
 
 def test_a_replay_rank_samples_with_the_seed_it_always_had() -> None:
     assert replay_seed(7, 3) == 7 * 10_000 + 3 == env_seed(7, 3)
@@ -48,7 +37,7 @@ def test_the_algorithm_learns_from_the_client_it_was_handed() -> None:
     for update in range(3):
         info = UpdateInfo(opt, torch.Generator().manual_seed(update), 16 * (update + 1),
                           update, 0)
-        row = algorithm.update(module, module, [_segment()], info)
+        row = algorithm.update(module, module, [segment()], info)
     assert client.inserts == 48 and row["replay_inserts"] == 48
     assert client.samples == 8 * algorithm.learner_steps > 0
     with pytest.raises(RuntimeError, match="already uses a replay"):
@@ -64,7 +53,7 @@ def test_an_algorithm_without_a_replay_declares_none_and_takes_none() -> None:
 
 def test_a_local_shards_limiter_is_built_once_for_its_share_of_min_size() -> None:
     replay = LocalReplay(REPLAY, {}, gamma=0.99)
-    replay.insert(_segment())  # 16 transitions: the whole run's min_size
+    replay.insert(segment())  # 16 transitions: the whole run's min_size
     with pytest.raises(RuntimeError, match="built at the first update"):
         replay.steps_allowed()
     replay.share_among(2)  # one of 2 trainers' shards: it waits for 8
@@ -116,7 +105,7 @@ def test_the_remote_client_asks_each_replay_rank_and_counts_their_totals(
     assert remote.steps_allowed() == 2  # the fewest any replay rank allows
     assert ranks.told == [(ALLOW, 2), (ALLOW, 3)]
     assert (remote.inserts, remote.samples, remote.size) == (1210, 584, 185)
-    assert remote.insert(_segment()) == 0  # the collectors wrote it to the replay ranks
+    assert remote.insert(segment()) == 0  # the collectors wrote it to the replay ranks
     # The rule counts the replay ranks' totals, which started with this attempt.
     rule = totals_limiter(settings, replays=2, trainers=2)
     assert remote.steps_to_admit(16, 100) == rule.steps_to_admit(210, 84, 16, 100)
