@@ -100,6 +100,8 @@ class JobInfo:
     # How often the app's local launcher starts a lost rollout rank again; None: a replacement
     # may be started by hand (torchrun, srun, RANK/WORLD_SIZE), so one can always come.
     rollout_restarts: int | None = None
+    # The same for a lost trainer (layout.elastic_trainers, launcher.trainer_restarts).
+    trainer_restarts: int | None = None
 
 
 Direction = Literal["min", "max"]  # lower or higher is better
@@ -144,6 +146,9 @@ class Loop(Protocol):
     #: Whether its rollout ranks may be elastic (``layout.elastic_rollouts``): only a loop that
     #: follows membership may say True, or its collectives would wait for a lost rank forever.
     elastic_rollouts: ClassVar[bool] = False
+    #: Whether its trainers may be elastic (``layout.elastic_trainers``): a loop that re-runs
+    #: an update a lost trainer broke, on the survivors (the RL runtime's).
+    elastic_trainers: ClassVar[bool] = False
     #: Whether ``layout.replay`` may hold its replay: True (it learns from one), False (it does
     #: not: replay ranks are refused), or None (the default: replay ranks are ranks like others).
     replay_ranks_supported: ClassVar[bool | None] = None
@@ -208,6 +213,10 @@ class LoopHooks:
     @property
     def elastic_rollouts(self) -> bool:
         return bool(self._value("elastic_rollouts"))
+
+    @property
+    def elastic_trainers(self) -> bool:
+        return bool(self._value("elastic_trainers"))
 
     @property
     def replay_ranks_supported(self) -> bool | None:

@@ -6,12 +6,18 @@ Rank arguments (``src``, ``dst``) are GLOBAL ranks, as in ``torch.distributed``;
 position inside the group use ``ctx.get_ranks_in_group(mode)[group_rank]`` (and
 ``.index(global_rank)`` for the way back). ``src``/``dst`` default to the group's leader: the first
 rank the layout declared (e.g. the trainer of a WEIGHT_TRANSFER group).
+
+A membership epoch's group (rlcomm.elastic, :meth:`CommContext.register_epoch_group`) is a gloo
+backend outside torch's world maps: its calls go to the backend itself, by group rank. Where the
+context recovers a mode's group (:meth:`CommContext.set_recovery`), a call whose group failed
+waits for the next group and runs again on it, from the same input.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +25,9 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 
 from .context import CommContext
-from .modes import Mode
+from .elastic import graveyard
+from .errors import GroupBrokenError
+from .modes import Mode, mode_name
 
 ReduceOp = dist.ReduceOp
 
@@ -29,13 +37,65 @@ def leader(ctx: CommContext, mode: Mode) -> int:
     return ctx.get_declared_ranks(mode)[0]
 
 
+def _run(ctx: CommContext, mode: Mode, call: Callable[[Any], None],
+         keep: torch.Tensor | None = None) -> None:
+    """``call(group)`` on this rank's group of ``mode``; where the context recovers that mode,
+    a failed call runs again on the next group, ``keep`` (what it writes in place) restored."""
+    recover = ctx.recovers(mode)
+    kept = keep.clone() if keep is not None and recover else None
+    while True:
+        try:
+            call(ctx.get_group(mode))
+            return
+        except RuntimeError as err:
+            if not recover or not ctx.recover(mode, err):
+                raise
+            if kept is not None and keep is not None:
+                keep.copy_(kept)
+
+
+POLL_S = 0.2  # how often a call waiting on an epoch group that can be declared broken looks
+
+
+def _await(ctx: CommContext, mode: Mode, work: Any) -> None:
+    """Waits for ``work`` on an epoch group; gives up (GroupBrokenError) once a member declared
+    the group broken (CommContext.register_epoch_group's ``broken``)."""
+    broken = ctx.breaker(mode)
+    if broken is None:
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(datetime.timedelta(seconds=POLL_S))
+            return
+        except RuntimeError as err:
+            if "Operation timed out!" not in str(err):  # gloo's own error, not the poll's
+                raise
+            if broken():
+                graveyard.append(work)  # gloo cannot abort it: it lives as the process does
+                raise GroupBrokenError(f"{mode_name(mode)}: a member declared the group "
+                                       "broken") from None
+
+
+def _position(ctx: CommContext, mode: Mode, rank: int) -> int:
+    return ctx.get_ranks_in_group(mode).index(rank)
+
+
 def all_reduce(
     ctx: CommContext, mode: Mode, tensor: torch.Tensor, op: Any = ReduceOp.SUM
 ) -> torch.Tensor:
     """In-place all_reduce over this rank's ``mode`` group; returns ``tensor``."""
-    group = ctx.get_group(mode)
-    with ctx.recorder.call(mode, "all_reduce", tensor):
-        dist.all_reduce(tensor, op=op, group=group)
+
+    def call(group: Any) -> None:
+        with ctx.recorder.call(mode, "all_reduce", tensor):
+            if ctx.is_elastic(mode):
+                options = dist.AllreduceOptions()
+                options.reduceOp = op
+                _await(ctx, mode, group.allreduce([tensor], options))
+            else:
+                dist.all_reduce(tensor, op=op, group=group)
+
+    _run(ctx, mode, call, keep=tensor)
     return tensor
 
 
@@ -58,9 +118,17 @@ def broadcast(
 ) -> torch.Tensor:
     """Broadcast ``tensor`` in place from global rank ``src`` (default: the group leader)."""
     src = leader(ctx, mode) if src is None else src
-    group = ctx.get_group(mode)
-    with ctx.recorder.call(mode, "broadcast", tensor, src):
-        dist.broadcast(tensor, src=src, group=group)
+
+    def call(group: Any) -> None:
+        with ctx.recorder.call(mode, "broadcast", tensor, src):
+            if ctx.is_elastic(mode):
+                options = dist.BroadcastOptions()
+                options.rootRank = _position(ctx, mode, src)
+                _await(ctx, mode, group.broadcast([tensor], options))
+            else:
+                dist.broadcast(tensor, src=src, group=group)
+
+    _run(ctx, mode, call, keep=tensor)
     return tensor
 
 
@@ -78,12 +146,21 @@ def broadcast_object_list(
 
 def all_gather(ctx: CommContext, mode: Mode, tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate every member's ``tensor`` along dim 0, in group-rank order."""
-    size = ctx.get_world_size(mode)
-    out = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (size,))
-    group = ctx.get_group(mode)
-    with ctx.recorder.call(mode, "all_gather", tensor):
-        dist.all_gather_single(out, tensor.contiguous(), group=group)
-    return out
+    gathered: list[torch.Tensor] = []
+
+    def call(group: Any) -> None:
+        size = ctx.get_world_size(mode)  # the group's now: a recovered one may be smaller
+        shape = (size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (size,)
+        out = tensor.new_empty(shape)
+        with ctx.recorder.call(mode, "all_gather", tensor):
+            if ctx.is_elastic(mode):
+                _await(ctx, mode, group.allgather([list(out.chunk(size))], [tensor.contiguous()]))
+            else:
+                dist.all_gather_single(out, tensor.contiguous(), group=group)
+        gathered[:] = [out]
+
+    _run(ctx, mode, call)
+    return gathered[0]
 
 
 def gather(
@@ -92,11 +169,22 @@ def gather(
     """Collect every member's ``tensor`` on global rank ``dst`` (group-rank order); None elsewhere."""
     dst = leader(ctx, mode) if dst is None else dst
     is_dst = ctx.get_global_rank() == dst
-    out = [torch.empty_like(tensor) for _ in range(ctx.get_world_size(mode))] if is_dst else None
-    group = ctx.get_group(mode)
-    with ctx.recorder.call(mode, "gather", tensor, dst):
-        dist.gather(tensor, gather_list=out, dst=dst, group=group)
-    return out
+    gathered: list[list[torch.Tensor] | None] = [None]
+
+    def call(group: Any) -> None:
+        size = ctx.get_world_size(mode)
+        out = [torch.empty_like(tensor) for _ in range(size)] if is_dst else None
+        with ctx.recorder.call(mode, "gather", tensor, dst):
+            if ctx.is_elastic(mode):
+                options = dist.GatherOptions()
+                options.rootRank = _position(ctx, mode, dst)
+                _await(ctx, mode, group.gather([out] if out is not None else [], [tensor], options))
+            else:
+                dist.gather(tensor, gather_list=out, dst=dst, group=group)
+        gathered[0] = out
+
+    _run(ctx, mode, call)
+    return gathered[0]
 
 
 def scatter(
@@ -117,9 +205,14 @@ def scatter(
 
 
 def barrier(ctx: CommContext, mode: Mode) -> None:
-    group = ctx.get_group(mode)
-    with ctx.recorder.call(mode, "barrier"):
-        dist.barrier(group=group)
+    def call(group: Any) -> None:
+        with ctx.recorder.call(mode, "barrier"):
+            if ctx.is_elastic(mode):
+                _await(ctx, mode, group.barrier(dist.BarrierOptions()))
+            else:
+                dist.barrier(group=group)
+
+    _run(ctx, mode, call)
 
 
 def all_to_all(

@@ -26,6 +26,7 @@ import os
 import socket
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -35,6 +36,7 @@ from torch import distributed as dist
 from rlcomm.errors import MembershipError
 from rlcomm.net.gloo_words import describe_loss
 
+TRAINER_SPACE = "trainers/"  # the trainers' own epochs (elastic trainers), under their lead
 SEGMENT_TAG = 1  # point-to-point tag of member -> leader data (weights use rlcomm.weights' own)
 
 # What a lost member leaves behind: its epoch's group and the works still posted on it. gloo
@@ -65,8 +67,8 @@ class Join:
     pid: int
 
 
-def _prefix(leader: int) -> str:
-    return f"elastic/{leader}/"
+def _prefix(leader: int, space: str = "") -> str:
+    return f"elastic/{leader}/{space}"
 
 
 def build_epoch_group(
@@ -76,7 +78,7 @@ def build_epoch_group(
     """This rank's group of ``epoch`` (``members``, leader first, in group-rank order), over the
     epoch's own store prefix; validated: every member must hold the same epoch and list.
     ``space``: another series of groups the same leader leads (its own epochs, prefixes)."""
-    prefix = dist.PrefixStore(f"{_prefix(leader)}{space}epoch{epoch}/", store)
+    prefix = dist.PrefixStore(f"{_prefix(leader, space)}epoch{epoch}/", store)
     position = members.index(rank)
     digest = _digest(members)
     seen = torch.zeros(len(members), 3, dtype=torch.int64)  # each member fills its own row
@@ -107,24 +109,31 @@ def _digest(members: list[int]) -> int:
 
 
 class Membership:
-    """The leader's side: who is in its group, and the store records of every change."""
+    """The leader's side: who is in its group, and the store records of every change.
+    ``space``: a series of groups of its own that the same leader leads (keys and prefixes
+    under ``elastic/<leader>/<space>``); ``members``: the first epoch's, if not the planned."""
 
-    def __init__(self, store: dist.Store, leader: int, planned: list[int], epoch: int = 0) -> None:
-        self.store, self.leader = store, leader
+    def __init__(self, store: dist.Store, leader: int, planned: list[int], epoch: int = 0,
+                 space: str = "", members: list[int] | None = None) -> None:
+        self.store, self.leader, self.space = store, leader, space
         self.planned = list(planned)  # the layout's group: who may join
-        self.members = [r for r in planned if r != leader]
+        self.members = [r for r in (planned if members is None else members) if r != leader]
         self.epoch = epoch
         # Every join request of this job's store counts: one may come before this exists.
         self._joins_seen = 0
-        store.set(_prefix(leader) + f"epoch/{epoch}", json.dumps([leader, *self.members]))
-        store.set(_prefix(leader) + "latest", str(epoch))
+        first = json.dumps([leader, *self.members])
+        store.set(_prefix(leader, space) + f"epoch/{epoch}", first)
+        # Fixed as it starts: a member of a lost predecessor that reads it is told it is out
+        # (acknowledge: None) and asks to join.
+        store.set(_prefix(leader, space) + f"final/{epoch}", first)
+        store.set(_prefix(leader, space) + "latest", str(epoch))
 
     def pending_joins(self) -> list[Join]:
         """Join requests that arrived since the last call (one store round trip when none)."""
-        count = int(self.store.add(_prefix(self.leader) + "joins", 0))
+        count = int(self.store.add(_prefix(self.leader, self.space) + "joins", 0))
         found = []
         for n in range(self._joins_seen, count):
-            record = json.loads(self.store.get(_prefix(self.leader) + f"join/{n}"))
+            record = json.loads(self.store.get(_prefix(self.leader, self.space) + f"join/{n}"))
             if record["rank"] in self.planned and record["rank"] != self.leader:
                 found.append(Join(int(record["rank"]), str(record["host"]), int(record["pid"])))
         self._joins_seen = count
@@ -136,58 +145,63 @@ class Membership:
         (:func:`acknowledge`) and :meth:`confirm` settles who is in."""
         self.epoch += 1
         self.members = list(members)
-        record = _prefix(self.leader) + f"epoch/{self.epoch}"
+        record = _prefix(self.leader, self.space) + f"epoch/{self.epoch}"
         self.store.set(record, json.dumps([self.leader, *self.members]))
-        self.store.set(_prefix(self.leader) + "latest", str(self.epoch))
+        self.store.set(_prefix(self.leader, self.space) + "latest", str(self.epoch))
         for join in joins:
-            self.store.set(_prefix(self.leader) + f"admit/{join.rank}/{join.pid}", str(self.epoch))
+            self.store.set(_prefix(self.leader, self.space) + f"admit/{join.rank}/{join.pid}", str(self.epoch))
         return self.epoch
 
-    def confirm(self, timeout_s: float, poll_s: float = 0.005) -> list[int]:
+    def confirm(self, timeout_s: float, poll_s: float = 0.005,
+                gone: Callable[[list[int]], list[int]] | None = None) -> list[int]:
         """Waits up to ``timeout_s`` for every proposed member's acknowledgement, then fixes the
         epoch's members to those that gave it (``final/<e>``); returns the ones that did not
-        (gone since, or cut off: the group would wait for them in vain)."""
-        keys = {r: _prefix(self.leader) + f"ack/{self.epoch}/{r}" for r in self.members}
+        (gone since, or cut off: the group would wait for them in vain). ``gone(waiting)``:
+        those of the members still waited for known to be gone (no need to wait longer)."""
+        keys = {r: _prefix(self.leader, self.space) + f"ack/{self.epoch}/{r}" for r in self.members}
         deadline = time.monotonic() + timeout_s
-        while not all(self.store.check([k]) for k in keys.values()):
-            if time.monotonic() > deadline:
+        while True:
+            waiting = [r for r, k in keys.items() if not self.store.check([k])]
+            if not waiting or time.monotonic() > deadline:
+                break
+            if gone is not None and set(gone(waiting)) == set(waiting):
                 break
             time.sleep(poll_s)
         missing = [r for r, k in keys.items() if not self.store.check([k])]
         self.members = [r for r in self.members if r not in missing]
-        self.store.set(_prefix(self.leader) + f"final/{self.epoch}",
+        self.store.set(_prefix(self.leader, self.space) + f"final/{self.epoch}",
                        json.dumps([self.leader, *self.members]))
         return missing
 
     def group(self, rank: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
         return build_epoch_group(self.store, self.leader, self.epoch,
-                                 [self.leader, *self.members], rank, timeout)
+                                 [self.leader, *self.members], rank, timeout, self.space)
 
 
 def acknowledge(store: dist.Store, leader: int, epoch: int, rank: int,
-                timeout: datetime.timedelta) -> list[int] | None:
+                timeout: datetime.timedelta, space: str = "") -> list[int] | None:
     """A member's answer to a proposed epoch: it acknowledges and waits for the leader to fix
     the members; returns them (leader first), or None if it was left out (too late)."""
-    store.set(_prefix(leader) + f"ack/{epoch}/{rank}", "1")
-    final = _prefix(leader) + f"final/{epoch}"
+    store.set(_prefix(leader, space) + f"ack/{epoch}/{rank}", "1")
+    final = _prefix(leader, space) + f"final/{epoch}"
     store.wait([final], timeout)
     members = [int(r) for r in json.loads(store.get(final))]
     return members if rank in members else None
 
 
-def request_join(store: dist.Store, leader: int, rank: int) -> Join:
+def request_join(store: dist.Store, leader: int, rank: int, space: str = "") -> Join:
     """A new process asks ``leader`` to admit it as ``rank`` at its next update boundary."""
     join = Join(rank, socket.gethostname(), os.getpid())
-    n = int(store.add(_prefix(leader) + "joins", 1)) - 1
-    store.set(_prefix(leader) + f"join/{n}", json.dumps(join.__dict__))
+    n = int(store.add(_prefix(leader, space) + "joins", 1)) - 1
+    store.set(_prefix(leader, space) + f"join/{n}", json.dumps(join.__dict__))
     return join
 
 
 def await_admission(store: dist.Store, leader: int, join: Join, timeout_s: float,
-                    poll_s: float = 0.05) -> tuple[int, list[int]]:
+                    poll_s: float = 0.05, space: str = "") -> tuple[int, list[int]]:
     """Waits until ``leader`` admits ``join``; returns its epoch and the proposed members
     (leader first), which it then :func:`acknowledge` s."""
-    key = _prefix(leader) + f"admit/{join.rank}/{join.pid}"
+    key = _prefix(leader, space) + f"admit/{join.rank}/{join.pid}"
     deadline = time.monotonic() + timeout_s
     while not store.check([key]):
         if time.monotonic() > deadline:
@@ -196,15 +210,26 @@ def await_admission(store: dist.Store, leader: int, join: Join, timeout_s: float
             )
         time.sleep(poll_s)
     epoch = int(store.get(key))
-    return epoch, epoch_members(store, leader, epoch)
+    return epoch, epoch_members(store, leader, epoch, space)
 
 
-def epoch_members(store: dist.Store, leader: int, epoch: int) -> list[int]:
-    return [int(r) for r in json.loads(store.get(_prefix(leader) + f"epoch/{epoch}"))]
+def epoch_members(store: dist.Store, leader: int, epoch: int, space: str = "") -> list[int]:
+    return [int(r) for r in json.loads(store.get(_prefix(leader, space) + f"epoch/{epoch}"))]
 
 
-def latest_epoch(store: dist.Store, leader: int) -> int:
-    return int(store.get(_prefix(leader) + "latest"))
+def close_membership(store: dist.Store, leader: int, members: list[int], space: str) -> None:
+    """The run ended with ``members`` (leader first) in ``leader``'s ``space``."""
+    store.set(_prefix(leader, space) + "closed", json.dumps(members))
+
+
+def closing_members(store: dist.Store, leader: int, space: str) -> list[int] | None:
+    """The members :func:`close_membership` left, or None before it."""
+    key = _prefix(leader, space) + "closed"
+    return [int(r) for r in json.loads(store.get(key))] if store.check([key]) else None
+
+
+def latest_epoch(store: dist.Store, leader: int, space: str = "") -> int:
+    return int(store.get(_prefix(leader, space) + "latest"))
 
 
 def send_to_leader(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:

@@ -43,6 +43,10 @@ class MembershipError(RlcommError):
     """A membership epoch cannot be formed: members disagree, or a joiner was not admitted."""
 
 
+class GroupBrokenError(MembershipError, RuntimeError):
+    """A member declared this rank's epoch group broken while a call waited on it."""
+
+
 class MembersLostError(MembershipError):
     """A leader's live members stayed below the minimum for the whole wait: the consequence of
     the losses it names, which are the run's cause where they left a record of their own."""

@@ -95,6 +95,10 @@ class LauncherConfig:
         0, "restart a lost rollout rank (elastic layouts) this many times; it rejoins without "
         "restarting anyone"
     )
+    trainer_restarts: int = setting(
+        0, "restart a lost trainer (layout.elastic_trainers) this many times; it heals from a "
+        "live trainer and rejoins without restarting anyone"
+    )
 
 
 @dataclass

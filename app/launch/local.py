@@ -215,14 +215,15 @@ def _local_rank(job: AppConfig, plan: LayoutPlan, run_dir: str,
                 launcher_env: dict[str, str]) -> None:
     forkserver.adopt_launcher_environment(launcher_env)
     rank = int(os.environ.get("RANK", "-1"))
-    if plan.elastic_rollouts and rank in plan.rollouts:
-        # A lost rollout rank must not end this process: the agent would stop every rank.
+    if plan.is_elastic_rank(rank):
+        # A lost elastic rank must not end this process: the agent would stop every rank.
         if slots.can_fork():
             tie_to_launcher(launched_here=True)  # the slot as a rank is: its child is tied to it
-            restarts = job.launcher.rollout_restarts
+            setting = "rollout_restarts" if rank in plan.rollouts else "trainer_restarts"
             slots.supervise(rank,
                             lambda _incarnation: _run_rank_here(job, plan, run_dir),
-                            restarts, Path(run_dir), _launcher_log())
+                            getattr(job.launcher, setting), Path(run_dir), _launcher_log(),
+                            f"launcher.{setting}")
             return
         _launcher_log().warning("rank %d: its process runs other threads and cannot fork a "
                                 "rank it survives; losing this rank fails the run", rank)

@@ -65,10 +65,9 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppCo
         raise ConfigError(problem)
     if cfg.launcher.max_restarts < 0:
         raise ConfigError(f"launcher.max_restarts: must be >= 0, got {cfg.launcher.max_restarts}")
-    if cfg.launcher.rollout_restarts < 0:
-        raise ConfigError(
-            f"launcher.rollout_restarts: must be >= 0, got {cfg.launcher.rollout_restarts}"
-        )
+    for key in ("rollout_restarts", "trainer_restarts"):
+        if cfg.launcher[key] < 0:
+            raise ConfigError(f"launcher.{key}: must be >= 0, got {cfg.launcher[key]}")
     for key in ("monitor_interval", "shutdown_timeout"):
         seconds = cfg.launcher[key]
         if not (seconds > 0 and math.isfinite(seconds)):
@@ -84,7 +83,41 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppCo
     elastic = (plan.elastic_rollouts and LoopHooks(loop).elastic_rollouts
                and _backend(cfg) != "nccl")
     _check_replay_ranks(plan, loop)
-    return dataclasses.replace(plan, elastic_rollouts=elastic), typed_job(cfg, loop)
+    trainers = _elastic_trainers(cfg, plan, loop, elastic)
+    return (dataclasses.replace(plan, elastic_rollouts=elastic, elastic_trainers=trainers),
+            typed_job(cfg, loop))
+
+
+def _elastic_trainers(cfg: DictConfig, plan: LayoutPlan, loop: Any, elastic_rollouts: bool) -> bool:
+    """Whether a lost trainer leaves the others going (``layout.elastic_trainers``; null: where
+    it can be). Asked for where it cannot be, or ``launcher.trainer_restarts`` without it: one
+    line naming the setting."""
+    asked, restarts = cfg.layout.get("elastic_trainers"), int(cfg.launcher.trainer_restarts)
+    why = _why_trainers_stay_static(plan, loop, elastic_rollouts)
+    if asked is True and why is not None:
+        raise ConfigError(f"layout.elastic_trainers: true, but {why}")
+    on = asked is not False and why is None
+    if restarts and not on:
+        reason = "layout.elastic_trainers=false" if asked is False else why
+        raise ConfigError(f"launcher.trainer_restarts: {restarts} restarts a lost trainer, but "
+                          f"trainers are static here ({reason})")
+    if restarts and len(plan.trainers) < 2:
+        raise ConfigError(f"launcher.trainer_restarts: {restarts}, but the one trainer is the "
+                          "lead, whose loss ends the run (launcher.max_restarts restarts it)")
+    return on and len(plan.trainers) > 1
+
+
+def _why_trainers_stay_static(plan: LayoutPlan, loop: Any, elastic_rollouts: bool) -> str | None:
+    if not LoopHooks(loop).elastic_trainers:
+        return f"{type(loop).__name__} is not a loop whose trainers follow membership (the RL runtime's)"
+    if not elastic_rollouts or plan.colocated:
+        return ("a lost trainer's rollout ranks move to the others: it needs rollout ranks of "
+                "their own with layout.elastic_rollouts on (and gloo)")
+    _data, sequence, tensor = plan.grid_sizes
+    if getattr(loop, "data_parallel", "ddp") != "ddp" or sequence > 1 or tensor > 1:
+        return ("sharded trainers (loop.data_parallel=fsdp, tensor or sequence parallel) cannot "
+                "rebuild a lost shard from its own grid")
+    return None
 
 
 def _check_replay_ranks(plan: LayoutPlan, loop: Any) -> None:

@@ -30,7 +30,7 @@ from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
-from rlcomm.elastic import mark_running
+from rlcomm.elastic import TRAINER_SPACE, closing_members, mark_running
 from rlcomm.errors import MembersLostError, PeerLostError
 from rlcomm.net.gloo_words import gist
 from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
@@ -130,7 +130,7 @@ def _init(cfg: AppConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
         hang_timeout=cfg.comm.hang_timeout,
         debug=cfg.comm.debug,
         record=cfg.comm.record,
-        elastic_member=plan.elastic_rollouts and env.rank in plan.rollouts,
+        elastic_member=plan.is_elastic_rank(env.rank),
     )
     return ctx
 
@@ -174,6 +174,8 @@ def _run_loop(
         return loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
                                  env=env, hosts=dict(enumerate(hosts.names)),
                                  rollout_restarts=(cfg.launcher.rollout_restarts
+                                                   if launched_here else None),
+                                 trainer_restarts=(cfg.launcher.trainer_restarts
                                                    if launched_here else None)))
     except MembersLostError:
         raise  # its own line names who was lost
@@ -202,6 +204,7 @@ def _gather_reports(
         "rank": rank,
         "role": plan.role(rank),
         "host": hosts.names[rank],
+        "pid": os.getpid(),
         "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},
         "result": result,
         "timeline": timeline.marks(),
@@ -263,6 +266,16 @@ def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any
     if changes:
         summary["summary"]["rollout_ranks"] = {"left": len(summary["leaves"]),
                                                "joined": len(summary["joins"])}
+    trainers = sorted((c for r in reports for c in (r.get("result") or {}).get(
+        "trainer_changes", [])), key=lambda c: c["time"])
+    if any("trainer_changes" in (r.get("result") or {}) for r in reports):
+        summary["trainer_joins"] = [c for c in trainers if c["event"] == "join"]
+        summary["trainer_leaves"] = [c for c in trainers if c["event"] == "leave"]
+    if trainers:
+        summary["summary"]["trainers"] = {
+            "left": len(summary["trainer_leaves"]), "joined": len(summary["trainer_joins"]),
+            "transitions_lost": sum(c.get("lost_transitions") or 0
+                                    for c in summary["trainer_leaves"])}
 
 
 def _join_running_job(
@@ -276,6 +289,7 @@ def _join_running_job(
     result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
                                env=env, joining=True))
     report = {"rank": env.rank, "role": plan.role(env.rank), "host": socket.gethostname(),
+              "pid": os.getpid(),
               "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},
               "result": result, "timeline": timeline.marks()}
     _reports_through_store(ctx, plan, report, float(cfg.comm.timeout))
@@ -294,8 +308,10 @@ def _reports_through_store(
     if report["rank"] != 0:
         return None
     deadline = time.monotonic() + timeout_s
-    wanted = [*plan.trainers, *plan.replay]
-    for trainer in plan.trainers:
+    # With elastic trainers, those the lead closed the run with (app/runtime/trainers/).
+    trainers = closing_members(store, plan.trainers[0], TRAINER_SPACE) or list(plan.trainers)
+    wanted = [*trainers, *plan.replay]
+    for trainer in trainers:
         store.wait([f"elastic/{trainer}/final"], datetime.timedelta(seconds=timeout_s))
         wanted += json.loads(store.get(f"elastic/{trainer}/final"))["members"]
     reports = []

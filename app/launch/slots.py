@@ -1,5 +1,6 @@
-"""A slot: the process the elastic agent starts for an elastic rollout rank, which survives its
-rank (``launcher.rollout_restarts``).
+"""A slot: the process the elastic agent starts for an elastic rank (a rollout rank, or a trainer
+other than the lead), which survives its rank (``launcher.rollout_restarts``,
+``launcher.trainer_restarts``: ``setting``).
 
 torch's elastic agent stops every rank (and fails the run, or restarts all of them) as soon as
 one of its worker processes exits non-zero. With elastic rollouts (``plan.elastic_rollouts``) a
@@ -66,7 +67,7 @@ def can_fork() -> bool:
 
 
 def supervise(rank: int, run_child: Callable[[int], None], restarts: int, run_dir: Path,
-              log: logging.Logger) -> None:
+              log: logging.Logger, setting: str = "launcher.rollout_restarts") -> None:
     """Runs ``run_child(k)`` in a forked child, the rank's k-th start (0 first), and starts it
     again while it is lost and restarts are left. Returns once the rank finished: its child
     exited 0, or it was lost for good and the run finished without it (``result.json``).
@@ -104,7 +105,7 @@ def supervise(rank: int, run_child: Callable[[int], None], restarts: int, run_di
                 _say(log, rank_log, f"{what}; starting it again "
                                     f"(restart {incarnation} of {restarts})")
                 continue
-            _say(log, rank_log, f"{what}; not restarted (launcher.rollout_restarts={restarts})")
+            _say(log, rank_log, f"{what}; not restarted ({setting}={restarts})")
             if not _wait_for_end(result):
                 _end(0)
             return

@@ -68,6 +68,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     if changes:  # an elastic run whose rollout ranks came and went (result.json: leaves, joins)
         lines.append(f"rollout ranks: {changes['left']} left, {changes['joined']} joined "
                      "(result.json: leaves, joins)")
+    trainers = summary.get("trainers")
+    if trainers:  # elastic trainers lost and healed (result.json: trainer_leaves, trainer_joins)
+        lost = trainers.get("transitions_lost")
+        lines.append(f"trainers: {trainers['left']} left, {trainers['joined']} joined"
+                     f"{f', {lost:,} replay transitions lost with them' if lost else ''} "
+                     "(result.json: trainer_leaves, trainer_joins)")
     width = max(len(name) for name in summary["files"])
     lines += [f"{name:<{width}}  {_shown(path)}" for name, path in summary["files"].items()]
     return "\n".join([*lines, RULE])

@@ -10,6 +10,7 @@ they depend on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from app.runtime.checkpoints.checkpoint import run_settings
 from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.evaluation.evaluator import Evaluations
 from app.runtime.handoff import HandOff, HandOffSettings, ReplayHooks, build_hand_off
+from app.runtime.handoff.membership_epochs import EpochLeader, epoch_timeout
 from app.runtime.replay.service import ReplayLink, collectors
 from app.runtime.roles.collector import Collector
 from app.runtime.roles.trainer import Trainer
@@ -29,8 +31,9 @@ from app.runtime.segments import with_episodes
 from app.runtime.settings import RunSettings
 from app.runtime.sharding import TrainedModule, is_sharded
 from app.runtime.state import RunState
+from app.runtime.trainers.group import TrainerGroup
 from app.runtime.worker import Agent, RolloutWorker, build_segment_format
-from rlcomm import CommContext, ParallelMode
+from rlcomm import CommContext, LayoutPlan, ParallelMode
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Rank:
     trainer: Trainer | None = None
     checkpointer: Checkpointer | None = None
     evaluations: Evaluations | None = None
+    trainers: TrainerGroup | None = None  # where a lost trainer leaves the others going
     state: RunState = field(default_factory=RunState)
     # Measured seconds of this attempt: collecting (env stepping and the policy's forward split
     # out), the update, and communication (time_split_s in the result), which the roles add to.
@@ -106,11 +110,28 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
         ParallelMode.TRAIN_DATA_PARALLEL if elastic else ParallelMode.GLOBAL)
     parts = Rank(loop, ctx, job, agent, algorithm, hand_off, replay_link, deciders,
                  collector=collector, split_s=split_s)
+    if trains and plan.elastic_trainers:  # the trainers' own membership (app/runtime/trainers/)
+        assert isinstance(hand_off.membership, EpochLeader), "elastic trainers lead rollout ranks"
+        parts.trainers = TrainerGroup(ctx, list(plan.trainers), dict(job.hosts),
+                                      epoch_timeout(ctx, settings.timeout_s),
+                                      hand_off.membership.adopt, joining=job.joining,
+                                      holds=_own_replay_size(algorithm, plan))
+        parts.trainers.begin()
     if trains:
-        trained = trained or TrainedModule(ctx, plan, agent.net, loop.data_parallel)
+        trained = trained or TrainedModule(ctx, plan, agent.net, loop.data_parallel,
+                                           elastic=plan.elastic_trainers)
         parts.trainer = Trainer(ctx, plan, algorithm, agent, trained, job.seed, split_s)
         parts.checkpointer = Checkpointer(ctx, job.run_dir, loop.checkpoint_every, parts.trainer,
                                           run_settings(loop, spaces))
     if loop.eval_every and deciders is not None:  # beside training, in the lead trainer's process
         parts.evaluations = Evaluations(loop, ctx, min(plan.trainers), deciders, job.run_dir)
     return parts
+
+
+def _own_replay_size(algorithm: Algorithm[Any], plan: LayoutPlan) -> Callable[[], int] | None:
+    """How many transitions an off-policy trainer's own replay shard holds (lost with it, and
+    counted); None where it has none (on-policy, or replay ranks hold the replay)."""
+    if algorithm.replay_settings() is None or plan.replay:
+        return None
+    learner: Any = algorithm  # an OffPolicyAlgorithm, which this module cannot import (a circle)
+    return lambda: int(learner.replay.size)

@@ -25,6 +25,7 @@ from app.runtime.records.recorder import Recorder
 from app.runtime.records.rows import Attempt, time_split
 from app.runtime.roles.decider import Decider
 from app.runtime.settings import RunSettings
+from app.runtime.trainers.healing import heal, settle
 from rlcomm import CommContext
 
 
@@ -59,6 +60,8 @@ class RankRun:
         timeout_s = rank.ctx.timeout.total_seconds()
         if self.decider is not None:
             self.decider.finish(timeout_s)
+        if rank.trainers is not None:
+            rank.trainers.stop()
         self.hand_off.stop(self.state.update, self.state.env_steps)
         rank.replay_link.close()  # layout.replay's ranks serve until every rank said STOP
         if self.decider is not None:
@@ -83,6 +86,9 @@ class RankRun:
         per_segment = self.loop.hparams.num_envs * self.loop.hparams.num_steps
         going = self._more_steps() and self._sync_weights(first=True)
         while going:
+            epoch = rank.trainers.epoch if rank.trainers is not None else 0
+            if rank.trainers is not None:
+                rank.trainers.update = state.update
             version = self.hand_off.version(state.update)
             handed = self._collect(version)
             if handed is None:  # told by its trainer: the run stopped
@@ -94,11 +100,14 @@ class RankRun:
             losses = self._train(handed.segments) if rank.trainer is not None else {}
             self.hand_off.update_done()
             state.update += 1
+            if rank.trainers is not None:
+                self._trainers_changed(epoch)
             timeline.mark("first_update")  # the first time counts (app/output/timeline.py)
             if decider is not None and decider.after_update(
                     version, handed.episodes, losses, handed.shared, self.hand_off.stats.transfer_s):
                 break  # the target is reached (loop.stop_at_target)
-            going = self._more_steps() and self._sync_weights(first=False)
+            going = self._more_steps() and self._admit_trainers() and \
+                self._sync_weights(first=False)
             if going and decider is not None:
                 decider.evaluate(self.hand_off.version(state.update), rank.agent)
 
@@ -113,6 +122,26 @@ class RankRun:
             self.hand_off.on_wait = recorder.waiting
         return Decider(loop, self.state, rank.deciders, recorder, rank.checkpointer,
                        rank.evaluations, started)
+
+    def _trainers_changed(self, epoch: int) -> None:
+        """After an update: if a trainer was lost during it, the survivors agree on the state
+        (app/runtime/trainers/healing.py's ``settle``)."""
+        rank = self.rank
+        assert rank.trainers is not None and rank.checkpointer is not None
+        rank.trainers.update_done()
+        if rank.trainers.epoch != epoch:
+            settle(rank.ctx, rank.checkpointer, self.state, rank.trainers.lead)
+
+    def _admit_trainers(self) -> bool:
+        """At the update boundary: trainers that asked to join are admitted and healed from the
+        lead (app/runtime/trainers/)."""
+        rank = self.rank
+        if rank.trainers is not None:
+            assert rank.checkpointer is not None
+            checkpointer, lead = rank.checkpointer, rank.trainers.lead
+            rank.trainers.boundary(
+                lambda joined: heal(rank.ctx, checkpointer, self.state, lead, joined))
+        return True
 
     def _more_steps(self) -> bool:
         """Whether the run goes on (a follower: until its trainer stops it)."""
@@ -150,6 +179,11 @@ class RankRun:
         if rank.deciders is None:
             note_resume(rank.ctx, rank.job, self.loop.resume)
             return []
+        if rank.trainers is not None and rank.trainers.joining:  # from a live trainer instead
+            assert rank.checkpointer is not None
+            heal(rank.ctx, rank.checkpointer, self.state, rank.trainers.lead,
+                 [rank.ctx.get_global_rank()])
+            return []
         return resume(rank.ctx, rank.job, self.loop.resume, rank.deciders, rank.checkpointer,
                       rank.agent, self.state)
 
@@ -175,6 +209,7 @@ class RankRun:
             "param_checksum": float(sum(p.detach().double().sum()
                                         for p in rank.agent.net.parameters())),
             **rank.replay_link.result(),
+            **(rank.trainers.result() if rank.trainers is not None else {}),
         }
         membership = hand_off.result()
         if self.decider is None:  # the job's counts come from its trainer: its own beside them

@@ -115,6 +115,8 @@ class RunSettings:
     algorithm: ClassVar[type[Algorithm[Any]]]
     # Follows membership epochs: its rollout ranks may leave and join (layout.elastic_rollouts).
     elastic_rollouts: ClassVar[bool] = True
+    # Re-runs an update a lost trainer broke, on the survivors (layout.elastic_trainers).
+    elastic_trainers: ClassVar[bool] = True
     hparams: Any = None  # the algorithm's settings (an AlgorithmSettings dataclass)
 
     # What the run reports in result["metrics"] (app/runtime/records/), for sweeps to rank by:

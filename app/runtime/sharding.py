@@ -73,7 +73,7 @@ class TrainedModule:
     its optimizer steps (``parameters()``), over the acting module ``net``."""
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, net: nn.Module,
-                 data_parallel: str) -> None:
+                 data_parallel: str, elastic: bool = False) -> None:
         if data_parallel not in DATA_PARALLEL_KINDS:
             raise ValueError(f"data_parallel: must be one of {DATA_PARALLEL_KINDS}, got "
                              f"{data_parallel!r}")
@@ -82,9 +82,12 @@ class TrainedModule:
         self.sharded = is_sharded(plan, data_parallel)
         self.model: nn.Module
         if not self.sharded:
-            # DDP's group: the trainers (the same ranks as a planned DATA_PARALLEL grid).
-            self.model = DistributedDataParallel(net, process_group=ctx.get_group(TDP))
             self.trained: nn.Module = net
+            # DDP's group: the trainers (the same ranks as a planned DATA_PARALLEL grid). Elastic
+            # trainers re-form theirs: their gradients are averaged over the live trainers by
+            # app/runtime/trainers/gradients.py instead, on the acting module itself.
+            self.model = net if elastic else DistributedDataParallel(
+                net, process_group=ctx.get_group(TDP))
             return
         self.trained = copy.deepcopy(net)
         data_mesh, tensor_mesh = _meshes(ctx, plan, self.grid)

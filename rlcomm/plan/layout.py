@@ -72,6 +72,9 @@ class LayoutPlan:
     # Rollout ranks may leave and join while the run goes on (rlcomm.elastic): every group that
     # contains one is elastic (:attr:`elastic_modes`); trainers and their groups stay static.
     elastic_rollouts: bool = False
+    # Trainers other than the lead may be lost while the others go on (app/runtime/trainers/):
+    # TRAIN_DATA_PARALLEL is re-formed per membership epoch of the trainers. Set by validation.
+    elastic_trainers: bool = False
     # Ranks that hold an off-policy loop's replay (layout.replay): collectors write to them and
     # trainers sample from them, point to point over the REPLAY group (every rank).
     replay: tuple[int, ...] = ()
@@ -86,6 +89,14 @@ class LayoutPlan:
         with_rollouts = [spec.mode for spec in self.groups
                          if any(r in self._rollout_set for ranks in spec.rank_lists for r in ranks)]
         return (ParallelMode.GLOBAL.value, *with_rollouts)
+
+    def is_elastic_rank(self, rank: int) -> bool:
+        """Whether ``rank`` may be lost while the run goes on, and replaced by a new process
+        that joins it: an elastic rollout rank, or an elastic trainer other than the lead (the
+        first trainer, which holds the run's records and decisions)."""
+        if rank in self._rollout_set:
+            return self.elastic_rollouts
+        return self.elastic_trainers and rank in self._trainer_set and rank != self.trainers[0]
 
     @property
     def colocated(self) -> bool:

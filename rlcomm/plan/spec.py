@@ -70,3 +70,12 @@ class LayoutSpec:
             "WEIGHT_TRANSFER); false: static groups, a lost rollout rank ends the run"
         ),
     )
+    elastic_trainers: bool | None = field(
+        default=None,
+        metadata=_doc(
+            "a lost trainer (not the lead, rank 0) leaves the others training: they form the "
+            "next TRAIN_DATA_PARALLEL group and take its rollout ranks; null: on where it can "
+            "be (the RL runtime, elastic rollout ranks, unsharded trainers); false: a lost "
+            "trainer ends the run"
+        ),
+    )

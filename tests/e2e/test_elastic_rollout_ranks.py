@@ -15,8 +15,6 @@ from __future__ import annotations
 import csv
 import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -25,8 +23,7 @@ from typing import Any
 
 import pytest
 
-from rlcomm.testing import free_port
-from tests.helpers.apprun import AppProcess, app_env, assert_no_survivors, read_result
+from tests.helpers.apprun import AppProcess, end_all, read_result, start_by_hand
 
 pytestmark = pytest.mark.e2e
 
@@ -166,35 +163,6 @@ def test_below_min_rollouts_with_no_joiner_possible_the_run_ends_at_once_naming_
         r"rank 1 on \S+ \(connection closed\) \(log: \S+rank0\.log\)", app.last_line), \
         app.describe()
     app.assert_all_ended()
-
-
-def start_by_hand(
-    tmp_path: Path, marker: str, *app_args: str
-) -> tuple[Path, Callable[[int, str], subprocess.Popen[str]]]:
-    """Ranks of layout=1t1r started one by one (the env join mode, as srun or a hand-made
-    script would): the run dir they agree on, and ``start(rank, name)``, which starts one with
-    its output in ``<name>.out``."""
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "RLCOMM_RUN_ID": f"byhand-{marker[:8]}"}
-    args = [sys.executable, "-m", "app", "layout=1t1r", "loop.target_return=1e9",
-            "loop.progress=false", *app_args]
-
-    def start(rank: int, name: str) -> subprocess.Popen[str]:
-        out = (tmp_path / f"{name}.out").open("w")
-        return subprocess.Popen(args, cwd=tmp_path, text=True, stdout=out,
-                                stderr=subprocess.STDOUT,
-                                env=app_env(marker, {**base, "RANK": str(rank)}))
-
-    return tmp_path / "outputs" / "runs" / base["RLCOMM_RUN_ID"], start
-
-
-def end_all(procs: list[subprocess.Popen[str]], marker: str) -> None:
-    """Kills what is still running and checks nothing of the run survives."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    assert_no_survivors(marker)
 
 
 def test_below_min_rollouts_with_a_join_possible_the_trainer_waits_then_ends_naming_who_was_lost(

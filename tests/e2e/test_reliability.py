@@ -149,14 +149,17 @@ def test_a_rank_that_never_joins_fails_the_others_naming_it(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("rank", "layout"), [(1, "layout.elastic_rollouts=true"),
+@pytest.mark.parametrize(("rank", "layout"), [(0, "layout.elastic_rollouts=true"),
+                                              (1, "layout.elastic_trainers=false"),
                                               (2, "layout.elastic_rollouts=false")],
-                         ids=["a trainer", "a rollout rank of static groups"])
+                         ids=["the lead trainer", "a static trainer",
+                              "a rollout rank of static groups"])
 def test_sigkill_of_one_rank_stops_the_whole_run(
     start_app: Callable[..., AppProcess], rank: int, layout: str
 ) -> None:
-    """A trainer's death ends the run; so does a rollout rank's where the groups are static
-    (an elastic rollout rank is dropped instead: tests/e2e/test_elastic_rollout_ranks.py)."""
+    """The lead trainer's death ends the run, and so does any trainer's where trainers are
+    static, or a rollout rank's where the groups are (an elastic rank is dropped instead:
+    tests/e2e/test_elastic_rollout_ranks.py, tests/e2e/test_elastic_trainers.py)."""
     app = start_app("killed", *PPO_FOREVER, layout)
     app.wait_until_training()
     ranks = app.ranks()
@@ -233,7 +236,7 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
     # time is what the restarted run must report.
     settings = (*PPO_SMALL, f"loop.total_env_steps={updates * STEPS_PER_UPDATE}",
                 "loop.checkpoint_every=2", "launcher.max_restarts=1", "loop.target_return=10",
-                "loop.stop_at_target=false")
+                "loop.stop_at_target=false", "layout.elastic_trainers=false")
 
     clean = start_app("uninterrupted", *settings)
     assert clean.wait() == 0, clean.describe()
@@ -248,7 +251,8 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
     app.wait_until("a first checkpoint", lambda: any(checkpoints.glob("ckpt_*.pt")))
     first = app.ranks()
     assert sorted(first) == [0, 1, 2, 3], first
-    first[1].send_signal(signal.SIGKILL)  # a trainer, once: every rank restarts
+    # A trainer, once: with static trainers (the restart path) every rank restarts.
+    first[1].send_signal(signal.SIGKILL)
     assert app.wait() == 0, app.describe()
 
     result = read_result(app.run_dir)

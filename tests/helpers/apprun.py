@@ -268,3 +268,34 @@ class AppProcess:
             os.killpg(self.pid, signal.SIGKILL)
             self.proc.wait(30)
         assert_no_survivors(self.marker)
+
+
+def start_by_hand(
+    tmp_path: Path, marker: str, *app_args: str, layout: str = "1t1r", world_size: int = 2,
+) -> tuple[Path, Callable[[int, str], subprocess.Popen[str]]]:
+    """Ranks of ``layout`` started one by one (the env join mode, as srun or a hand-made
+    script would): the run dir they agree on, and ``start(rank, name)``, which starts one with
+    its output in ``<name>.out``."""
+    from rlcomm.testing import free_port
+
+    base = {"WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), "RLCOMM_RUN_ID": f"byhand-{marker[:8]}"}
+    args = [sys.executable, "-m", "app", f"layout={layout}", "loop.target_return=1e9",
+            "loop.progress=false", *app_args]
+
+    def start(rank: int, name: str) -> subprocess.Popen[str]:
+        out = (tmp_path / f"{name}.out").open("w")
+        return subprocess.Popen(args, cwd=tmp_path, text=True, stdout=out,
+                                stderr=subprocess.STDOUT,
+                                env=app_env(marker, {**base, "RANK": str(rank)}))
+
+    return tmp_path / "outputs" / "runs" / base["RLCOMM_RUN_ID"], start
+
+
+def end_all(procs: list[subprocess.Popen[str]], marker: str) -> None:
+    """Kills what is still running and checks nothing of the run survives."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert_no_survivors(marker)

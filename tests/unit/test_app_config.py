@@ -53,6 +53,29 @@ BAD_OVERRIDES = [
     (["comm.backend=mpi"], "comm.backend"),
     (["launcher.max_restarts=-1"], "launcher.max_restarts: must be >= 0, got -1"),
     (["launcher.rollout_restarts=-1"], "launcher.rollout_restarts: must be >= 0, got -1"),
+    # Elastic trainers (docs/failures.md): where they cannot be, one line naming the setting.
+    (["launcher.trainer_restarts=-1"], "launcher.trainer_restarts: must be >= 0, got -1"),
+    (["loop=ppo", "layout.elastic_trainers=abc"], "layout.elastic_trainers"),
+    (["loop=commcheck", "layout.elastic_trainers=true"],
+     "layout.elastic_trainers: true, but CommCheck is not a loop whose trainers follow "
+     "membership (the RL runtime's)"),
+    (["loop=ppo", "layout=single", "layout.elastic_trainers=true"],
+     "layout.elastic_trainers: true, but a lost trainer's rollout ranks move to the others: it "
+     "needs rollout ranks of their own with layout.elastic_rollouts on (and gloo)"),
+    (["loop=ppo", "layout.elastic_rollouts=false", "layout.elastic_trainers=true"],
+     "layout.elastic_trainers: true, but a lost trainer's rollout ranks move to the others"),
+    (["loop=ppo", "loop.data_parallel=fsdp", "layout.elastic_trainers=true"],
+     "layout.elastic_trainers: true, but sharded trainers (loop.data_parallel=fsdp, tensor or "
+     "sequence parallel) cannot rebuild a lost shard from its own grid"),
+    (["loop=ppo", "layout.elastic_trainers=false", "launcher.trainer_restarts=1"],
+     "launcher.trainer_restarts: 1 restarts a lost trainer, but trainers are static here "
+     "(layout.elastic_trainers=false)"),
+    (["loop=ppo", "loop.data_parallel=fsdp", "launcher.trainer_restarts=2"],
+     "launcher.trainer_restarts: 2 restarts a lost trainer, but trainers are static here "
+     "(sharded trainers"),
+    (["loop=ppo", "layout=1t3r", "launcher.trainer_restarts=1"],
+     "launcher.trainer_restarts: 1, but the one trainer is the lead, whose loss ends the run "
+     "(launcher.max_restarts restarts it)"),
     (["launcher.monitor_interval=0"],
      "launcher.monitor_interval: must be a positive number of seconds, got 0.0"),
     (["launcher.shutdown_timeout=-1"],
@@ -194,6 +217,30 @@ def test_which_layouts_have_elastic_rollout_ranks(
     plan = validate(cfg)
     assert (plan.elastic_rollouts and bool(plan.rollouts)) == elastic
     assert set(plan.elastic_modes) == set(modes)
+
+
+@pytest.mark.parametrize(("overrides", "elastic"), [
+    ([], True),
+    (["loop=vtrace"], True),
+    (["loop=dqn", "layout=2t2r"], True),
+    (["layout.elastic_trainers=false"], False),
+    (["layout.elastic_rollouts=false"], False),  # a lost trainer's rollout ranks move
+    (["loop=commcheck"], False),  # not a loop that redoes an update
+    (["layout=single"], False),  # colocated: no rollout ranks to move
+    (["layout=1t3r"], False),  # the one trainer is the lead
+    (["loop.data_parallel=fsdp"], False),  # a lost shard cannot be rebuilt
+], ids=["default", "vtrace", "dqn", "switched off", "static rollouts", "commcheck", "colocated",
+        "one trainer", "fsdp"])
+def test_which_layouts_have_elastic_trainers(overrides: list[str], elastic: bool) -> None:
+    import app.__main__  # noqa: F401  (registers the schemas and resolvers)
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    plan = validate(cfg)
+    assert plan.elastic_trainers == elastic
+    # The lead is never elastic: its loss ends the run (launcher.max_restarts restarts it).
+    assert not plan.is_elastic_rank(plan.trainers[0])
+    assert all(plan.is_elastic_rank(t) == elastic for t in plan.trainers[1:])
 
 
 def test_the_spaces_validation_probed_reach_a_rank_that_builds_no_env(

@@ -394,20 +394,14 @@ def named_write_error(err: OSError, final: Path, partial: Path, folder: Path) ->
     return err
 
 
-def save_checkpoint(
-    run_dir: Path,
+def checkpoint_content(
     policy: torch.nn.Module | Mapping[str, torch.Tensor],
     optimizer: torch.optim.Optimizer | Mapping[str, Any],
     state: TrainingState,
-    name: str | None = None,
     extra: Mapping[str, Any] | None = None,
-) -> Path:
-    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum, ``state`` and
-    ``extra`` entries (``state.algorithm`` only when non-empty). Written aside (``.tmp``),
-    synced, renamed; a failed write removes it and re-raises, an OSError noting the last
-    complete checkpoint. ``policy`` and ``optimizer``: the modules, or their whole state dicts
-    (a sharded trainer's, gathered)."""
-    folder = run_dir / CHECKPOINT_DIR
+) -> dict[str, Any]:
+    """What a flat checkpoint holds, with its checksum: written by :func:`save_checkpoint`,
+    and sent whole to a joining trainer (app/runtime/trainers/healing.py)."""
     if isinstance(policy, torch.nn.Module):
         policy = policy.state_dict()
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -433,6 +427,24 @@ def save_checkpoint(
     if state.algorithm:
         written["algorithm"] = dict(state.algorithm)
     written["checksum"] = content_checksum(written)
+    return written
+
+
+def save_checkpoint(
+    run_dir: Path,
+    policy: torch.nn.Module | Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | Mapping[str, Any],
+    state: TrainingState,
+    name: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum, ``state`` and
+    ``extra`` entries (``state.algorithm`` only when non-empty). Written aside (``.tmp``),
+    synced, renamed; a failed write removes it and re-raises, an OSError noting the last
+    complete checkpoint. ``policy`` and ``optimizer``: the modules, or their whole state dicts
+    (a sharded trainer's, gathered)."""
+    folder = run_dir / CHECKPOINT_DIR
+    written = checkpoint_content(policy, optimizer, state, extra)
     final = folder / (name or f"ckpt_{state.update:06d}.pt")
     partial = final.with_suffix(".tmp")
     try:

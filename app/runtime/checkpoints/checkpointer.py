@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from app.runtime.checkpoints.checkpoint import (
     Resumable,
     TrainingState,
     WholeCheckpoint,
+    checkpoint_content,
     resume_source,
     save_checkpoint,
 )
@@ -77,10 +79,22 @@ class Checkpointer:
         if picked.sharded:
             load_sharded_checkpoint(picked.path, trained, optimizer,
                                     self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL))
+            if "algorithm" in picked.state:
+                self.trainer.algorithm.load_state_dict(picked.state["algorithm"])
         else:
-            trained.load(picked.state["policy"], picked.state["optimizer"], optimizer)
-        if "algorithm" in picked.state:
-            self.trainer.algorithm.load_state_dict(picked.state["algorithm"])
+            self.load_content(picked.state)
+
+    def content(self, state: RunState) -> dict[str, Any]:
+        """This flat trainer's whole state as a checkpoint holds it (without the metrics
+        rows), with its checksum: what a joining trainer heals from."""
+        policy, optimizer = self.trainer.trained.state_dicts(self.trainer.optimizer)
+        return checkpoint_content(policy, optimizer, self._training_state(state, []))
+
+    def load_content(self, content: Mapping[str, Any]) -> None:
+        """A flat checkpoint's policy, optimizer and algorithm state into this trainer."""
+        self.trainer.trained.load(content["policy"], content["optimizer"], self.trainer.optimizer)
+        if "algorithm" in content:
+            self.trainer.algorithm.load_state_dict(content["algorithm"])
 
     def _training_state(self, state: RunState, rows: list[dict[str, float]]) -> TrainingState:
         agent: Agent = self.trainer.agent
@@ -113,21 +127,32 @@ def resume(ctx: CommContext, job: JobInfo, source: str | None, over: ParallelMod
     elif not picked.sharded:  # a rollout rank: a sharded one's weights come with the first
         agent.net.load_state_dict(picked.state["policy"])  # transfer, as they do anyway
     saved = picked.state
-    for name, value in saved.get("normalizers", {}).items():
-        agent.state_dict()[name].copy_(value)  # in place: the tensors are bound
-    state.update, state.env_steps = saved["update"], saved["env_steps"]
-    state.episodes = [(float(r), int(n)) for r, n in saved["episodes"]]
+    restore_counters(saved, agent, state)
     if saved.get("epoch") is not None:  # a new epoch from whoever is there
         state.epoch_base = int(saved["epoch"]) + 1
-    torch.set_rng_state(saved["torch_rng"])
     log.info("resumed from %s at update %d (%d env steps)", picked.path, state.update,
              state.env_steps)
     if not picked.path.resolve().is_relative_to(job.run_dir.resolve()):
         return []
+    restore_history(saved, state)
+    return list(saved["metrics"])
+
+
+def restore_counters(saved: Mapping[str, Any], agent: Agent, state: RunState) -> None:
+    """A checkpoint's normalisers' statistics, counters, episodes and RNG into this rank."""
+    for name, value in saved.get("normalizers", {}).items():
+        agent.state_dict()[name].copy_(value)  # in place: the tensors are bound
+    state.update, state.env_steps = saved["update"], saved["env_steps"]
+    state.episodes = [(float(r), int(n)) for r, n in saved["episodes"]]
+    torch.set_rng_state(saved["torch_rng"])
+
+
+def restore_history(saved: Mapping[str, Any], state: RunState) -> None:
+    """The run's history as of a checkpoint: the seconds trained, and when and at how many
+    env steps the target was first reached."""
     state.train_s_before = float(saved.get("train_s", 0.0))
     reached = saved.get("reached_at")
     state.reached_at = (float(reached[0]), int(reached[1])) if reached is not None else None
-    return list(saved["metrics"])
 
 
 def note_resume(ctx: CommContext, job: JobInfo, source: str | None) -> None:

@@ -116,9 +116,10 @@ def _membership(ctx: CommContext, plan: LayoutPlan, settings: HandOffSettings,
     rank = ctx.get_global_rank()
     if patience is None:
         return StaticMembership()
-    if rank in plan.trainers:
+    if rank in plan.trainers:  # joining: it replaces a lost trainer
         quorum = Quorum(settings.min_rollouts, settings.rollout_restarts)
-        return EpochLeader(ctx, WT, TDP, quorum, hosts, patience)
+        planned = list(plan.groups_of(rank)[WT.value])
+        return EpochLeader(ctx, WT, TDP, quorum, hosts, patience, planned, replacing=joining)
     leader = plan.groups_of(rank)[WT.value][0]
     return EpochMember(ctx, WT, leader, settings.timeout_s, joining, patience)
 

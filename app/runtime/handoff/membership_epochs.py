@@ -47,6 +47,8 @@ from rlcomm.weights import TransfersEnded
 
 log = logging.getLogger(__name__)
 REPLACED = "replaced by a new process"
+# The leader that takes over a rollout rank whose trainer was lost (app/runtime/trainers/).
+ADOPT = "elastic/adopt/{rank}"
 
 
 def epoch_timeout(ctx: CommContext, timeout_s: float) -> datetime.timedelta:
@@ -86,6 +88,8 @@ class Change:
     next_update_s: float | None = None
     first_segment_lag: int | None = None
     first_trained_s: float | None = None
+    # A lost trainer's: the transitions of its own replay shard, lost with it (off-policy).
+    lost_transitions: int | None = None
 
     def record(self) -> dict[str, Any]:
         record = {"event": self.event, "rank": self.rank, "host": self.host,
@@ -93,6 +97,8 @@ class Change:
                   "time": round(self.time, 3)}
         if self.event == "leave":
             record["next_update_s"] = _rounded(self.next_update_s)
+            if self.lost_transitions is not None:
+                record["lost_transitions"] = self.lost_transitions
         else:
             record["first_segment_lag"] = self.first_segment_lag
             record["first_trained_s"] = _rounded(self.first_trained_s)
@@ -108,12 +114,17 @@ class EpochLeader:
     ``leaders``: the group of every leader of the job (they share counts and wait together)."""
 
     def __init__(self, ctx: CommContext, mode: ParallelMode, leaders: ParallelMode,
-                 quorum: Quorum, hosts: dict[int, str], patience: datetime.timedelta) -> None:
+                 quorum: Quorum, hosts: dict[int, str], patience: datetime.timedelta,
+                 planned: list[int], replacing: bool = False) -> None:
         self.ctx, self.mode, self.leaders, self.quorum = ctx, mode, leaders, quorum
         self.rank = ctx.get_global_rank()
         self.patience, self.patience_s = patience, patience.total_seconds()
         self.hosts = dict(hosts)  # rank -> host, as last known
-        self.records = EpochRecords(ctx.store, self.rank, ctx.get_declared_ranks(mode))
+        # ``replacing``: this process replaces a lost leader, whose members went to the other
+        # leaders: it starts with none, on an epoch after its predecessor's.
+        first = latest_epoch(ctx.store, self.rank) + 1 if replacing else 0
+        self.records = EpochRecords(ctx.store, self.rank, planned, epoch=first,
+                                    members=[] if replacing else None)
         self.changes: list[Change] = []
         self.dropped: dict[int, str] = {}  # lost since the current epoch formed
         self.counts: list[int] = []  # each leader's live members this update
@@ -202,6 +213,10 @@ class EpochLeader:
         self.changes.append(Change("leave", rank, host, reason, self.epoch, self.update))
         log.warning("rank %d (%s) left rank %d's group (%s); %d %s go on", rank, host,
                     self.rank, reason, len(self.live), self.quorum.members)
+
+    def adopt(self, ranks: list[int]) -> None:
+        """``ranks``, members of a lost leader, may join this group (they ask to)."""
+        self.records.planned += [r for r in ranks if r not in self.records.planned]
 
     def first_segment(self, rank: int, lag: int) -> None:
         """A joiner's first data arrived, of this version lag."""
@@ -343,9 +358,23 @@ class EpochMember:
         return True
 
     def recover(self, err: BaseException) -> bool:
-        """A transfer on this rank's group failed: follows its leader to its next epoch
-        (True), or learns the run stopped (False); re-raises if neither."""
-        return self._after_failure(err) and self._follow()
+        """A transfer on this rank's group failed: follows its leader to its next epoch, or
+        joins the leader that took it over when its own was lost (True), or learns the run
+        stopped (False); re-raises if none of these."""
+        outcome = self._after_failure(err)
+        if isinstance(outcome, int) and not isinstance(outcome, bool):
+            return self._move_to(outcome)
+        return outcome and self._follow()
+
+    def _move_to(self, leader: int) -> bool:
+        """Its leader was lost and ``leader`` took this rank over: asks it to admit this rank."""
+        log.warning("rank %d: its trainer, rank %d, was lost; rank %d takes it over", self.rank,
+                    self.leader, leader)
+        self._end(moved=True)
+        self.leader = leader
+        self.epochs_followed += 1
+        self._join()
+        return True
 
     def _end(self, moved: bool) -> None:
         for follower in self.followers:
@@ -405,18 +434,23 @@ class EpochMember:
                     self.rank, os.getpid(), newer)
         return True
 
-    def _after_failure(self, err: BaseException) -> bool:
+    def _after_failure(self, err: BaseException) -> bool | int:
         """gloo closes every connection of a group when one transfer on it times out, so a
         leader's wait for a member whose link went down ends its group with the survivors
         too, before it can tell them "moved" (and a survivor's own wait times out as the
         leader's does). Waits (up to ``comm.timeout``) for the leader to form a newer epoch
-        (True: follow it) or to stop (False); re-raises if it does neither (it is lost)."""
+        (True: follow it) or to stop (False), or, where the leader was a trainer lost with
+        elastic trainers, for the trainer that takes this rank over (its rank: join it);
+        re-raises if none of these comes (it is lost)."""
         deadline = time.monotonic() + self.timeout_s
         store, prefix = self.ctx.store, f"elastic/{self.leader}/"
+        adopted = ADOPT.format(rank=self.rank)
         try:
             while latest_epoch(store, self.leader) <= self.epoch:
                 if store.check([prefix + "final"]):  # the run stopped meanwhile
                     return self._stopped()
+                if store.check([adopted]) and int(store.get(adopted)) != self.leader:
+                    return int(store.get(adopted))
                 if time.monotonic() > deadline:
                     raise err
                 time.sleep(0.05)

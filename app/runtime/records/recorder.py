@@ -53,15 +53,17 @@ class Recorder:
     def record(self, record: UpdateRecord) -> dict[str, float]:
         """The update's row, kept (and written through on rank 0)."""
         before = self.rows[-1]["transfer_s_total"] if self.rows else 0.0
+        live = float("nan")
         if self.trainers is not None:
             reduced = collectives.all_reduce_dict(
                 self.ctx, ParallelMode.TRAIN_DATA_PARALLEL,
-                {"transfer_s": record.transfer_s, **record.losses})
-            losses = {k: reduced[k] / self.trainers for k in self.loss_names}
+                {"transfer_s": record.transfer_s, "trainers": 1.0, **record.losses})
+            live = reduced["trainers"]  # the trainers live now (elastic trainers: fewer)
+            losses = {k: reduced[k] / live for k in self.loss_names}
             total = reduced["transfer_s"]
         else:
             losses, total = dict.fromkeys(self.loss_names, float("nan")), before
-        row = update_row(record, losses, total, before)
+        row = {**update_row(record, losses, total, before), "trainers": live}
         self.rows.append(row)
         if self.metrics_file is not None:
             self.metrics_file.append(row)

@@ -23,7 +23,7 @@ from rlcomm import CommContext, ParallelMode, collectives
 # a row without it, is written as it is.
 COUNT_COLUMNS = frozenset({
     "update", "env_steps", "episodes", "weights_version",
-    "segments", "members", "epoch", "staleness",
+    "segments", "members", "epoch", "staleness", "trainers",
     "eval_version", "eval_env_steps",
     "replay_size", "replay_inserts", "replay_samples", "learner_steps", "learner_wait",
 })

@@ -11,6 +11,7 @@ from app.runtime.algorithm import Algorithm, Segment, UpdateInfo
 from app.runtime.seeds import minibatch_seed
 from app.runtime.sharding import TrainedModule, TrainerGrid, replica_rank, share_replica_segments
 from app.runtime.state import RunState
+from app.runtime.trainers.gradients import AveragedGradients
 from app.runtime.worker import Agent
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 
@@ -26,6 +27,8 @@ class Trainer:
                  split_s: dict[str, float]) -> None:
         self.ctx, self.algorithm, self.agent, self.trained = ctx, algorithm, agent, trained
         self.optimizer = algorithm.optimizer(trained.trained)
+        # Elastic trainers (app/runtime/trainers/): averaged over the live ones.
+        self.averaged = AveragedGradients(ctx, self.optimizer) if plan.elastic_trainers else None
         self.count = len(plan.trainers)
         self.grid = TrainerGrid.of(plan)
         # The ranks of one block train one replica on the same batch, in the same minibatch

@@ -1,0 +1,193 @@
+"""A trainer lost mid-run: elastic trainers against the restart path, side by side.
+
+For each env (CartPole on the default 2t2r, Hopper with ``+experiment=hopper``), two runs back to
+back, each with trainer rank 1 (the process named ``rlcomm-rank1``) SIGKILLed ``KILL_AFTER_S``
+seconds after its first update:
+
+- **elastic**: ``launcher.trainer_restarts=1`` (the survivors go on; a new process heals from
+  the lead trainer and rejoins);
+- **restart**: ``layout.elastic_trainers=false launcher.max_restarts=1`` (every rank restarts
+  from the newest checkpoint).
+
+This process watches metrics.csv and notes when each row appeared, so both paths are timed on
+one clock whatever the run's own attempts count. From those times and the run's records:
+
+- env steps/s in the ``WINDOW_S`` seconds before the kill, and in the ``WINDOW_S`` seconds after it;
+- from the kill to the next update (a row of a new update);
+- from the kill to the heal (elastic: the trainer's join in result.json; restart: the first new
+  update of the restarted ranks);
+- env steps/s in the ``WINDOW_S`` seconds after the heal, as a share of the rate before the kill;
+- the updates computed twice (elastic: none, the update in flight goes on over the survivors;
+  restart: from the checkpoint it resumed from to the last update before the kill).
+
+Goals (issue 47): the next update within 2 s of the kill, no update computed twice but the one
+in flight, and the rate after the heal back at >= 0.9x the rate before. Run it alone, and give the
+load average with every figure.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from app.launch.environment import without_launcher_variables
+
+from .core import NUMBER, PER_SECOND, SECONDS, Goal, Row, Settings, Stat
+from .procs import REPO_ROOT
+
+NAME = "trainer_loss"
+KILL_AFTER_S = 40.0
+WINDOW_S = 30.0
+RUN_S = KILL_AFTER_S + 3 * WINDOW_S  # how long a run trains (its step budget, from its rate)
+ENVS = {
+    "CartPole": ("loop.target_return=1e9", "loop.progress=false"),
+    "Hopper": ("+experiment=hopper", "loop.target_return=1e9", "loop.progress=false"),
+}
+PATHS = {
+    "elastic": ("launcher.trainer_restarts=1",),
+    "restart": ("layout.elastic_trainers=false", "launcher.max_restarts=1"),
+}
+RATE = {"CartPole": 25_000, "Hopper": 4_500}  # env steps/s here, roughly: the step budget
+
+
+@dataclass
+class Watched:
+    """One run: when each update's row appeared, its env steps, and the kill."""
+
+    rows: dict[int, tuple[float, int]] = field(default_factory=dict)  # update -> (time, steps)
+    killed_at: float | None = None
+    log0: str = ""
+    result: dict[str, Any] | None = None
+
+
+def _watch(argv: list[str], run_dir: Path) -> Watched:
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=without_launcher_variables(os.environ),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    watched, metrics = Watched(), run_dir / "metrics.csv"
+    first: float | None = None
+    deadline = time.monotonic() + RUN_S * 4 + 120
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            now = time.time()
+            for row in _rows(metrics):  # a restart's redone updates keep their first time
+                watched.rows.setdefault(int(float(row["update"])),
+                                        (now, int(float(row["env_steps"]))))
+            if watched.rows and first is None:
+                first = now
+            if first is not None and watched.killed_at is None and now - first > KILL_AFTER_S:
+                watched.killed_at = _kill(proc.pid, 1)
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log = run_dir / "logs" / "rank0.log"
+    watched.log0 = log.read_text() if log.exists() else ""
+    result = run_dir / "result.json"
+    if result.exists():
+        watched.result = json.loads(result.read_text())
+    return watched
+
+
+def _rows(metrics: Path) -> list[dict[str, str]]:
+    if not metrics.exists():
+        return []
+    with metrics.open() as handle:
+        return [row for row in csv.DictReader(handle) if row.get("env_steps")]
+
+
+def _kill(launcher: int, rank: int) -> float | None:
+    for child in psutil.Process(launcher).children(recursive=True):
+        try:
+            if child.name() == f"rlcomm-rank{rank}":
+                child.kill()
+                return time.time()
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def _rate(watched: Watched, start: float, end: float) -> float | None:
+    """Env steps/s between ``start`` and ``end`` (the job's counter, as rows appeared)."""
+    inside = sorted((t, s) for t, s in watched.rows.values() if start <= t <= end)
+    if len(inside) < 2:
+        return None
+    (t0, s0), (t1, s1) = inside[0], inside[-1]
+    return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+
+
+def _measures(path: str, watched: Watched) -> dict[str, float | None]:
+    kill = watched.killed_at
+    assert kill is not None
+    before = _rate(watched, kill - WINDOW_S, kill)
+    last_before = max((u for u, (t, _) in watched.rows.items() if t <= kill), default=0)
+    after_rows = sorted(t for u, (t, _) in watched.rows.items() if t > kill and u > last_before)
+    next_update = after_rows[0] - kill if after_rows else None
+    if path == "elastic":
+        joins = (watched.result or {}).get("trainer_joins") or []
+        heal = joins[0]["time"] - kill if joins else None
+        twice = 0.0  # the update in flight goes on over the survivors (trainers/gradients.py)
+    else:
+        heal = next_update
+        resumed = re.findall(r"resumed from \S+ at update (\d+)", watched.log0)
+        twice = float(last_before - int(resumed[-1])) if resumed else None
+    healed_at = kill + heal if heal is not None else None
+    return {
+        "rate before": before,
+        "rate after kill": _rate(watched, kill, kill + WINDOW_S),
+        "kill -> next update": next_update,
+        "kill -> healed": heal,
+        "rate after heal / before": (
+            (_rate(watched, healed_at, healed_at + WINDOW_S) or 0.0) / before
+            if healed_at is not None and before else None),
+        "updates computed twice": twice,
+    }
+
+
+UNITS = {"rate before": PER_SECOND, "rate after kill": PER_SECOND,
+         "kill -> next update": SECONDS, "kill -> healed": SECONDS,
+         "rate after heal / before": NUMBER, "updates computed twice": NUMBER}
+GOALS = {"kill -> next update": Goal("<=", 2.0, on="value"),
+         "rate after heal / before": Goal(">=", 0.9, on="value"),
+         "updates computed twice": Goal("<=", 0.0, on="value")}
+
+
+def run(settings: Settings) -> list[Row]:
+    rows: list[Row] = []
+    for env, overrides in ENVS.items():
+        budget = int(RATE[env] * RUN_S)
+        found: dict[str, dict[str, float | None]] = {}
+        for path, flags in PATHS.items():
+            run_dir = settings.out_dir / NAME / f"{env}_{path}"
+            argv = [sys.executable, "-m", "app", *overrides, *flags,
+                    f"loop.total_env_steps={budget}", f"hydra.run.dir={run_dir}"]
+            watched = _watch(argv, run_dir)
+            if watched.killed_at is not None and watched.rows:
+                found[path] = _measures(path, watched)
+        for measure, unit in UNITS.items():
+            row = Row(NAME, f"{env}: {measure}", unit=unit, reference_name="restart path",
+                      goal=GOALS.get(measure))
+            mine = found.get("elastic", {}).get(measure)
+            theirs = found.get("restart", {}).get(measure)
+            if mine is None:
+                row.status = "failed"
+            else:
+                row.rlcomm = Stat.single(mine)
+            if theirs is not None:
+                row.reference = Stat.single(theirs)
+            row.note = (f"trainer rank 1 SIGKILLed {KILL_AFTER_S:g} s after the first update; "
+                        f"windows of {WINDOW_S:g} s; elastic: launcher.trainer_restarts=1")
+            rows.append(row)
+    return rows
