@@ -18,7 +18,9 @@ one clock whatever the run's own attempts count. From those times and the run's 
   update of the restarted ranks);
 - env steps/s in the ``WINDOW_S`` seconds after the heal, as a share of the rate before the kill;
 - the updates computed twice (elastic: none, the update in flight goes on over the survivors;
-  restart: from the checkpoint it resumed from to the last update before the kill).
+  restart: from the checkpoint it resumed from to the last update before the kill);
+- the learning curves of both paths and of an uninterrupted run of the same settings, on one
+  plot per env (``<out>/trainer_loss/<env>_learning_curves.png``).
 
 Goals (issue 47): the next update within 2 s of the kill, no update computed twice but the one
 in flight, and the rate after the heal back at >= 0.9x the rate before. Run it alone, and give the
@@ -57,6 +59,7 @@ ENVS = {
 PATHS = {
     "elastic": ("launcher.trainer_restarts=1",),
     "restart": ("layout.elastic_trainers=false", "launcher.max_restarts=1"),
+    "uninterrupted": (),  # the learning curve's reference: no kill
 }
 RATE = {"CartPole": 25_000, "Hopper": 4_500}  # env steps/s here, roughly: the step budget
 
@@ -65,13 +68,14 @@ RATE = {"CartPole": 25_000, "Hopper": 4_500}  # env steps/s here, roughly: the s
 class Watched:
     """One run: when each update's row appeared, its env steps, and the kill."""
 
-    rows: dict[int, tuple[float, int]] = field(default_factory=dict)  # update -> (time, steps)
+    # update -> (time its row appeared, env steps, the stop rule's mean return)
+    rows: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     killed_at: float | None = None
     log0: str = ""
     result: dict[str, Any] | None = None
 
 
-def _watch(argv: list[str], run_dir: Path) -> Watched:
+def _watch(argv: list[str], run_dir: Path, kill: bool) -> Watched:
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=without_launcher_variables(os.environ),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -82,11 +86,12 @@ def _watch(argv: list[str], run_dir: Path) -> Watched:
         while proc.poll() is None and time.monotonic() < deadline:
             now = time.time()
             for row in _rows(metrics):  # a restart's redone updates keep their first time
-                watched.rows.setdefault(int(float(row["update"])),
-                                        (now, int(float(row["env_steps"]))))
+                watched.rows.setdefault(int(float(row["update"])), (
+                    now, int(float(row["env_steps"])), float(row["return_window"] or "nan")))
             if watched.rows and first is None:
                 first = now
-            if first is not None and watched.killed_at is None and now - first > KILL_AFTER_S:
+            if kill and first is not None and watched.killed_at is None and \
+                    now - first > KILL_AFTER_S:
                 watched.killed_at = _kill(proc.pid, 1)
             time.sleep(0.02)
     finally:
@@ -121,7 +126,7 @@ def _kill(launcher: int, rank: int) -> float | None:
 
 def _rate(watched: Watched, start: float, end: float) -> float | None:
     """Env steps/s between ``start`` and ``end`` (the job's counter, as rows appeared)."""
-    inside = sorted((t, s) for t, s in watched.rows.values() if start <= t <= end)
+    inside = sorted((t, s) for t, s, _ in watched.rows.values() if start <= t <= end)
     if len(inside) < 2:
         return None
     (t0, s0), (t1, s1) = inside[0], inside[-1]
@@ -132,9 +137,10 @@ def _measures(path: str, watched: Watched) -> dict[str, float | None]:
     kill = watched.killed_at
     assert kill is not None
     before = _rate(watched, kill - WINDOW_S, kill)
-    last_before = max((u for u, (t, _) in watched.rows.items() if t <= kill), default=0)
-    after_rows = sorted(t for u, (t, _) in watched.rows.items() if t > kill and u > last_before)
+    last_before = max((u for u, (t, _, _) in watched.rows.items() if t <= kill), default=0)
+    after_rows = sorted(t for u, (t, _, _) in watched.rows.items() if t > kill and u > last_before)
     next_update = after_rows[0] - kill if after_rows else None
+    twice: float | None
     if path == "elastic":
         joins = (watched.result or {}).get("trainer_joins") or []
         heal = joins[0]["time"] - kill if joins else None
@@ -164,18 +170,45 @@ GOALS = {"kill -> next update": Goal("<=", 2.0, on="value"),
          "updates computed twice": Goal("<=", 0.0, on="value")}
 
 
+def plot(runs: dict[str, Watched], env: str, path: Path) -> None:
+    """The stop rule's mean return against env steps, one line per path, the kill marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for name, watched in runs.items():
+        points = sorted((s, r) for _, s, r in watched.rows.values())
+        axes.plot([s for s, _ in points], [r for _, r in points], label=name)
+        if watched.killed_at is not None:
+            before = [s for t, s, _ in watched.rows.values() if t <= watched.killed_at]
+            if before:
+                axes.axvline(max(before), linestyle=":", color=axes.lines[-1].get_color())
+    axes.set_xlabel("env steps")
+    axes.set_ylabel("mean return (the stop rule's window)")
+    axes.set_title(f"{env}: trainer rank 1 SIGKILLed (dotted), against no loss")
+    axes.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def run(settings: Settings) -> list[Row]:
     rows: list[Row] = []
     for env, overrides in ENVS.items():
         budget = int(RATE[env] * RUN_S)
         found: dict[str, dict[str, float | None]] = {}
+        runs: dict[str, Watched] = {}
         for path, flags in PATHS.items():
             run_dir = settings.out_dir / NAME / f"{env}_{path}"
             argv = [sys.executable, "-m", "app", *overrides, *flags,
                     f"loop.total_env_steps={budget}", f"hydra.run.dir={run_dir}"]
-            watched = _watch(argv, run_dir)
+            watched = runs[path] = _watch(argv, run_dir, kill=path != "uninterrupted")
             if watched.killed_at is not None and watched.rows:
                 found[path] = _measures(path, watched)
+        plot(runs, env, settings.out_dir / NAME / f"{env}_learning_curves.png")
         for measure, unit in UNITS.items():
             row = Row(NAME, f"{env}: {measure}", unit=unit, reference_name="restart path",
                       goal=GOALS.get(measure))
