@@ -21,12 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from app.launch.environment import without_launcher_variables
 
 from .core import PER_SECOND, SECONDS, Goal, Row, Settings, Stat, ratios
-from .procs import REPO_ROOT
+from .procs import REPO_ROOT, kill_rank
 
 NAME = "elastic"
 SEEDS = (0, 1, 2)
@@ -86,13 +84,9 @@ def _kill_rank_when(run_dir: Path, proc: subprocess.Popen[str], rank: int,
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) > update:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                try:
-                    if child.name() == f"rlcomm-rank{rank}":
-                        child.kill()
-                        return time.time()
-                except psutil.NoSuchProcess:
-                    continue
+            killed = kill_rank(proc.pid, rank)
+            if killed is not None:
+                return killed
         time.sleep(0.02)
     return None
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -100,3 +101,16 @@ def timed_command(
         ) from None
     seconds = time.perf_counter() - start
     return seconds, subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+
+def kill_rank(launcher: int, rank: int) -> float | None:
+    """SIGKILLs the process named ``rlcomm-rank<rank>`` under the process ``launcher`` (a
+    rank's own process, not its slot); when (time.time()), or None if there is none."""
+    for child in psutil.Process(launcher).children(recursive=True):
+        try:
+            if child.name() == f"rlcomm-rank{rank}":
+                child.kill()
+                return time.time()
+        except psutil.NoSuchProcess:
+            continue
+    return None

@@ -41,12 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from app.launch.environment import without_launcher_variables
 
 from .core import NUMBER, PER_SECOND, SECONDS, Goal, Row, Settings, Stat
-from .procs import REPO_ROOT
+from .procs import REPO_ROOT, kill_rank
 
 NAME = "trainer_loss"
 KILL_AFTER_S = 40.0
@@ -92,7 +90,7 @@ def _watch(argv: list[str], run_dir: Path, kill: bool) -> Watched:
                 first = now
             if kill and first is not None and watched.killed_at is None and \
                     now - first > KILL_AFTER_S:
-                watched.killed_at = _kill(proc.pid, 1)
+                watched.killed_at = kill_rank(proc.pid, 1)
             time.sleep(0.02)
     finally:
         if proc.poll() is None:
@@ -111,17 +109,6 @@ def _rows(metrics: Path) -> list[dict[str, str]]:
         return []
     with metrics.open() as handle:
         return [row for row in csv.DictReader(handle) if row.get("env_steps")]
-
-
-def _kill(launcher: int, rank: int) -> float | None:
-    for child in psutil.Process(launcher).children(recursive=True):
-        try:
-            if child.name() == f"rlcomm-rank{rank}":
-                child.kill()
-                return time.time()
-        except psutil.NoSuchProcess:
-            continue
-    return None
 
 
 def _rate(watched: Watched, start: float, end: float) -> float | None:

@@ -9,7 +9,7 @@ rank the layout declared (e.g. the trainer of a WEIGHT_TRANSFER group).
 
 A membership epoch's group (rlcomm.elastic, :meth:`CommContext.register_epoch_group`) is a gloo
 backend outside torch's world maps: its calls go to the backend itself, by group rank. Where the
-context recovers a mode's group (:meth:`CommContext.set_recovery`), a call whose group failed
+context recovers a mode's group (``CommContext.recovery``, rlcomm/recovery.py), a call whose group failed
 waits for the next group and runs again on it, from the same input.
 """
 
@@ -41,14 +41,14 @@ def _run(ctx: CommContext, mode: Mode, call: Callable[[Any], None],
          keep: torch.Tensor | None = None) -> None:
     """``call(group)`` on this rank's group of ``mode``; where the context recovers that mode,
     a failed call runs again on the next group, ``keep`` (what it writes in place) restored."""
-    recover = ctx.recovers(mode)
+    recover = ctx.recovery.recovers(mode)
     kept = keep.clone() if keep is not None and recover else None
     while True:
         try:
             call(ctx.get_group(mode))
             return
         except RuntimeError as err:
-            if not recover or not ctx.recover(mode, err):
+            if not recover or not ctx.recovery.recover(mode, err):
                 raise
             if kept is not None and keep is not None:
                 keep.copy_(kept)
@@ -59,8 +59,8 @@ POLL_S = 0.2  # how often a call waiting on an epoch group that can be declared 
 
 def _await(ctx: CommContext, mode: Mode, work: Any) -> None:
     """Waits for ``work`` on an epoch group; gives up (GroupBrokenError) once a member declared
-    the group broken (CommContext.register_epoch_group's ``broken``)."""
-    broken = ctx.breaker(mode)
+    the group broken (``CommContext.recovery``)."""
+    broken = ctx.recovery.broken(mode)
     if broken is None:
         work.wait()
         return

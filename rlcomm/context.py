@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from .errors import (
 )
 from .group_initializer import get_initializer, group_description
 from .modes import CommMode, Mode, ParallelMode, mode_name
+from .recovery import Broken, Recoveries
 from .utils import SingletonMeta, format_ranks
 
 if TYPE_CHECKING:
@@ -102,10 +103,7 @@ class CommContext(metaclass=SingletonMeta):
         # abort a group, and freeing one while a transfer on it is still posted (a lost member's)
         # frees memory that transfer goes on using.
         self._retired_groups: list[ProcessGroup] = []
-        # mode -> what re-forms its group when a call on it failed (set_recovery)
-        self._recoveries: dict[str, Callable[[BaseException], bool]] = {}
-        # mode -> whether its epoch group was declared broken (register_epoch_group)
-        self._breakers: dict[str, Callable[[], bool]] = {}
+        self.recovery = Recoveries()  # per mode: what re-forms a failed group (elastic ones)
         self.recorder = FlightRecorder()
         self.watchdog: Watchdog | None = None
 
@@ -429,7 +427,7 @@ class CommContext(metaclass=SingletonMeta):
         return self._store is not None and not self.is_initialized()
 
     def register_epoch_group(self, mode: Mode, group: ProcessGroup, ranks: list[int],
-                             broken: Callable[[], bool] | None = None) -> None:
+                             broken: Broken | None = None) -> None:
         """Make ``group``, a membership epoch's (``ranks``: leader first, in group-rank order,
         validated by rlcomm.elastic.build_epoch_group), this rank's group of ``mode``, replacing
         the one before, which is kept alive, never freed. Its collectives take group ranks (it
@@ -437,10 +435,7 @@ class CommContext(metaclass=SingletonMeta):
         (a call of rlcomm.collectives waiting on it then gives up: gloo sees a lost member only
         on the connections to it, so the others could wait out the group's timeout)."""
         key = mode_name(mode)
-        if broken is None:
-            self._breakers.pop(key, None)
-        else:
-            self._breakers[key] = broken
+        self.recovery.watch(mode, broken)
         rank = self.get_global_rank()
         if key in self._elastic:
             self._retired_groups.append(self._groups[key])
@@ -454,28 +449,6 @@ class CommContext(metaclass=SingletonMeta):
     def is_elastic(self, comm_mode: Mode) -> bool:
         """Whether this rank's group of ``comm_mode`` has members that come and go."""
         return mode_name(comm_mode) in self._elastic
-
-    def set_recovery(self, comm_mode: Mode,
-                     recover: Callable[[BaseException], bool] | None) -> None:
-        """``recover(err)``: called when a call of rlcomm.collectives on ``comm_mode``'s group
-        failed with ``err``; it registers the next group of the mode (True: the call runs again
-        on it) or returns False (the error stands). None: none."""
-        if recover is None:
-            self._recoveries.pop(mode_name(comm_mode), None)
-        else:
-            self._recoveries[mode_name(comm_mode)] = recover
-
-    def breaker(self, comm_mode: Mode) -> Callable[[], bool] | None:
-        """Whether a member declared this rank's group of ``comm_mode`` broken, if it can tell."""
-        return self._breakers.get(mode_name(comm_mode))
-
-    def recovers(self, comm_mode: Mode) -> bool:
-        return mode_name(comm_mode) in self._recoveries
-
-    def recover(self, comm_mode: Mode, err: BaseException) -> bool:
-        """The mode's recovery after ``err`` (:meth:`set_recovery`); False where it has none."""
-        recover = self._recoveries.get(mode_name(comm_mode))
-        return recover is not None and recover(err)
 
     def describe(self) -> dict[str, GroupInfo]:
         """This rank's registry as data: mode -> local rank, group size, ranks."""

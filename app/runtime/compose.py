@@ -110,13 +110,8 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
         ParallelMode.TRAIN_DATA_PARALLEL if elastic else ParallelMode.GLOBAL)
     parts = Rank(loop, ctx, job, agent, algorithm, hand_off, replay_link, deciders,
                  collector=collector, split_s=split_s)
-    if trains and plan.elastic_trainers:  # the trainers' own membership (app/runtime/trainers/)
-        assert isinstance(hand_off.membership, EpochLeader), "elastic trainers lead rollout ranks"
-        parts.trainers = TrainerGroup(ctx, list(plan.trainers), dict(job.hosts),
-                                      epoch_timeout(ctx, settings.timeout_s),
-                                      hand_off.membership.adopt, joining=job.joining,
-                                      holds=_own_replay_size(algorithm, plan))
-        parts.trainers.begin()
+    if trains and plan.elastic_trainers:
+        parts.trainers = _trainer_group(parts, settings.timeout_s)
     if trains:
         trained = trained or TrainedModule(ctx, plan, agent.net, loop.data_parallel,
                                            elastic=plan.elastic_trainers)
@@ -126,6 +121,19 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     if loop.eval_every and deciders is not None:  # beside training, in the lead trainer's process
         parts.evaluations = Evaluations(loop, ctx, min(plan.trainers), deciders, job.run_dir)
     return parts
+
+
+def _trainer_group(parts: Rank, timeout_s: float) -> TrainerGroup:
+    """The trainers' own membership (app/runtime/trainers/), formed (or, joining, asked for):
+    a lost trainer's rollout ranks go to this trainer's group of them."""
+    membership, plan = parts.hand_off.membership, parts.job.plan
+    assert isinstance(membership, EpochLeader), "elastic trainers lead their rollout ranks"
+    group = TrainerGroup(parts.ctx, list(plan.trainers), dict(parts.job.hosts),
+                         epoch_timeout(parts.ctx, timeout_s), membership.adopt,
+                         joining=parts.job.joining,
+                         holds=_own_replay_size(parts.algorithm, plan))
+    group.begin()
+    return group
 
 
 def _own_replay_size(algorithm: Algorithm[Any], plan: LayoutPlan) -> Callable[[], int] | None:

@@ -12,7 +12,6 @@ tests/integration/test_elastic_groups.py.
 
 from __future__ import annotations
 
-import csv
 import re
 import signal
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.apprun import AppProcess, end_all, read_result, start_by_hand
+from tests.helpers.apprun import AppProcess, end_all, read_result, rows_so_far, start_by_hand
 
 pytestmark = pytest.mark.e2e
 
@@ -33,21 +32,13 @@ SOLVES = ("layout=1t3r", "seed=1", "loop.progress=false", "loop.total_env_steps=
 KILL_AFTER_UPDATES = 10
 
 
-def rows(run_dir: Path) -> list[dict[str, str]]:
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    with path.open() as handle:
-        return list(csv.DictReader(handle))
-
-
 def members_by_update(run_dir: Path) -> list[int]:
-    return [int(float(row["members"])) for row in rows(run_dir)]
+    return [int(float(row["members"])) for row in rows_so_far(run_dir)]
 
 
 def kill_rank_after(app: AppProcess, rank: int, updates: int) -> float:
     """SIGKILLs the rank's process (not its slot) once metrics.csv has ``updates`` rows."""
-    app.wait_until(f"{updates} updates", lambda: len(rows(app.run_dir)) >= updates)
+    app.wait_until(f"{updates} updates", lambda: len(rows_so_far(app.run_dir)) >= updates)
     process = app.ranks()[rank]
     assert process.name() == f"rlcomm-rank{rank}", process.name()
     process.send_signal(signal.SIGKILL)
@@ -81,7 +72,7 @@ def test_a_killed_rollout_rank_is_dropped_and_the_run_solves_with_the_others(
     assert result["joins"] == []
     assert trainer(result)["segments_discarded"] >= 1  # what it had in flight, counted
     # The trainer kept its process and state: one uninterrupted count of updates.
-    updates = [int(float(row["update"])) for row in rows(app.run_dir)]
+    updates = [int(float(row["update"])) for row in rows_so_far(app.run_dir)]
     assert updates == list(range(1, len(updates) + 1))
     assert "resumed from" not in app.log(0)
     assert re.search(r"^\[launcher\] rank 3 \(pid \d+\) was killed by SIGKILL; not restarted "
@@ -102,7 +93,7 @@ def test_a_restarted_rollout_rank_rejoins_with_the_current_weights(
     # timing): the weights the rejoined rank acts with are checked below, by version and lag.
     members = members_by_update(app.run_dir)
     assert collapse(members) in ([3, 2, 3], [3]), members  # 2 only if it took an update
-    epochs = [int(float(row["epoch"])) for row in rows(app.run_dir)]
+    epochs = [int(float(row["epoch"])) for row in rows_so_far(app.run_dir)]
     assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] >= 1, epochs
     (join,) = result["joins"]
     assert join["rank"] == 3 and join["reason"] == "admitted"
@@ -180,7 +171,7 @@ def test_below_min_rollouts_with_a_join_possible_the_trainer_waits_then_ends_nam
     procs = [start(0, "rank0"), start(1, "rank1")]
     try:
         deadline = time.monotonic() + 120
-        while len(rows(run_dir)) < 5:
+        while len(rows_so_far(run_dir)) < 5:
             assert time.monotonic() < deadline and procs[0].poll() is None, outs[0].read_text()
             time.sleep(0.05)
         procs[1].kill()
@@ -204,7 +195,7 @@ def test_a_checkpoint_records_the_epoch_and_a_resumed_run_starts_a_new_one(
     first = start_app("first", "layout=1t1r", "loop.target_return=1e9", "loop.progress=false",
                       "loop.total_env_steps=20480", "loop.checkpoint_every=5")
     assert first.wait() == 0, first.describe()
-    assert {int(float(r["epoch"])) for r in rows(first.run_dir)} == {0}
+    assert {int(float(r["epoch"])) for r in rows_so_far(first.run_dir)} == {0}
     import torch
 
     (newest,) = sorted((first.run_dir / "checkpoints").glob("ckpt_*.pt"))[-1:]
@@ -212,7 +203,7 @@ def test_a_checkpoint_records_the_epoch_and_a_resumed_run_starts_a_new_one(
     resumed = start_app("resumed", "layout=1t1r", "loop.target_return=1e9", "loop.progress=false",
                         "loop.total_env_steps=30720", f"loop.resume={first.run_dir}")
     assert resumed.wait() == 0, resumed.describe()
-    epochs = {int(float(r["epoch"])) for r in rows(resumed.run_dir)}
+    epochs = {int(float(r["epoch"])) for r in rows_so_far(resumed.run_dir)}
     assert epochs == {1}, epochs
     resumed.assert_all_ended()
 
@@ -229,7 +220,7 @@ def test_a_rank_started_by_hand_joins_the_running_job_and_replaces_the_live_proc
     procs = [start(0, "rank0"), start(1, "rank1")]
     try:
         deadline = time.monotonic() + 120
-        while len(rows(run_dir)) < 10:
+        while len(rows_so_far(run_dir)) < 10:
             assert time.monotonic() < deadline and procs[0].poll() is None, \
                 (tmp_path / "rank0.out").read_text()
             time.sleep(0.05)
@@ -249,5 +240,5 @@ def test_a_rank_started_by_hand_joins_the_running_job_and_replaces_the_live_proc
     newcomer = next(r for r in result["ranks"] if r["rank"] == 1)["result"]
     assert newcomer["joined"] is True
     assert trainer(result)["env_steps"] == 61440  # the whole budget, nothing redone
-    assert [int(float(r["update"])) for r in rows(run_dir)] == list(
+    assert [int(float(r["update"])) for r in rows_so_far(run_dir)] == list(
         range(1, trainer(result)["updates"] + 1))

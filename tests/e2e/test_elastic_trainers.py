@@ -12,7 +12,6 @@ redone) is in tests/integration/test_trainer_group.py.
 
 from __future__ import annotations
 
-import csv
 import re
 import signal
 import time
@@ -24,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.helpers.apprun import AppProcess, end_all, read_result, start_by_hand
+from tests.helpers.apprun import AppProcess, end_all, read_result, rows_so_far, start_by_hand
 
 pytestmark = pytest.mark.e2e
 
@@ -33,22 +32,14 @@ SOLVES = ("loop.progress=false", "loop.total_env_steps=1000000", "comm.timeout=6
 KILL_AFTER_UPDATES = 8
 
 
-def rows(run_dir: Path) -> list[dict[str, str]]:
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    with path.open() as handle:
-        return list(csv.DictReader(handle))
-
-
 def column(run_dir: Path, name: str) -> list[int]:
-    return [int(float(row[name])) for row in rows(run_dir)]
+    return [int(float(row[name])) for row in rows_so_far(run_dir)]
 
 
 def signal_rank_after(app: AppProcess, rank: int, updates: int, signum: int) -> psutil.Process:
     """Sends ``signum`` to the rank's process (not its slot) once metrics.csv has ``updates``
     rows; the process."""
-    app.wait_until(f"{updates} updates", lambda: len(rows(app.run_dir)) >= updates)
+    app.wait_until(f"{updates} updates", lambda: len(rows_so_far(app.run_dir)) >= updates)
     process = app.ranks()[rank]
     assert process.name() == f"rlcomm-rank{rank}", process.name()
     process.send_signal(signum)
@@ -70,7 +61,7 @@ def test_a_killed_trainer_is_dropped_and_the_others_go_on_without_a_restart(
     app = start_app("trainer-killed", *SOLVES)
     killed = signal_rank_after(app, 1, KILL_AFTER_UPDATES, signal.SIGKILL)
     before = pids(app)
-    at_kill = len(rows(app.run_dir))
+    at_kill = len(rows_so_far(app.run_dir))
     assert app.wait() == 0, app.describe()
     result = read_result(app.run_dir)
     assert result["summary"]["solved"], app.describe()
@@ -180,10 +171,11 @@ def test_an_off_policy_trainer_is_lost_with_its_replay_shard_counted(
     assert leave["lost_transitions"] > 0, leave
     assert result["summary"]["trainers"]["transitions_lost"] == leave["lost_transitions"]
     assert f"{leave['lost_transitions']:,} replay transitions lost with them" in app.stdout
-    last = rows(app.run_dir)[-1]
+    written = rows_so_far(app.run_dir)
+    last = written[-1]
     assert int(float(last["trainers"])) == 1 and int(float(last["env_steps"])) >= 40960
     # The survivor's shard went on filling, from both rollout ranks.
-    assert float(last["replay_inserts"]) > float(rows(app.run_dir)[KILL_AFTER_UPDATES]["replay_inserts"])
+    assert float(last["replay_inserts"]) > float(written[KILL_AFTER_UPDATES]["replay_inserts"])
     app.assert_all_ended()
 
 
@@ -199,7 +191,7 @@ def test_a_trainer_started_again_by_hand_joins_the_running_job_and_heals(
     procs = [start(rank, f"rank{rank}") for rank in range(4)]
     try:
         deadline = time.monotonic() + 120
-        while len(rows(run_dir)) < KILL_AFTER_UPDATES:
+        while len(rows_so_far(run_dir)) < KILL_AFTER_UPDATES:
             assert time.monotonic() < deadline and procs[0].poll() is None, \
                 (tmp_path / "rank0.out").read_text()
             time.sleep(0.05)

@@ -151,6 +151,15 @@ def metrics(run_dir: Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(handle)]
 
 
+def rows_so_far(run_dir: Path) -> list[dict[str, str]]:
+    """``metrics.csv`` as far as a run in progress has written it ([] before its first row)."""
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        return []
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
 def run_ppo(run_dir: Path, *overrides: str) -> dict[str, Any]:
     """A PPO run (no progress bar) in ``run_dir`` that must succeed; its ``result.json``."""
     proc = run_app("loop.progress=false", f"hydra.run.dir={run_dir}", *overrides)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -33,7 +34,8 @@ from app.api import JobInfo
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, ReplayHooks, Round
 from app.runtime.handoff.handoff import HandOff
 from app.runtime.handoff.membership import Membership, StaticMembership
-from app.runtime.handoff.membership_epochs import EpochLeader, EpochMember, Quorum, epoch_timeout
+from app.runtime.handoff.membership_epochs import EpochLeader, EpochMember, epoch_timeout
+from app.runtime.handoff.quorum import Quorum
 from app.runtime.handoff.route import (
     FollowTrainersRoute,
     GatherRoute,
@@ -61,9 +63,10 @@ def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_for
     ranks, if it does. Before any wrapping of ``agent``: a flat channel binds the agent's
     tensors to its send buffer, a receiver to its own."""
     plan = job.plan
-    elastic = not plan.colocated and plan.elastic_rollouts
+    elastic = Elasticity(not plan.colocated and plan.elastic_rollouts, dict(job.hosts),
+                         job.joining)
     return _compose(ctx, plan, agent, segment_format, trained, settings, elastic,
-                    dict(job.hosts), job.joining, replay or ReplayHooks())
+                    replay or ReplayHooks())
 
 
 def static_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
@@ -71,15 +74,25 @@ def static_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
                     settings: HandOffSettings) -> HandOff:
     """A static layout's hand-off over ``plan``'s groups, whatever its ``elastic_rollouts``
     says (tests and benchmarks of the flat and sharded channels)."""
-    return _compose(ctx, plan, agent, segment_format, trained, settings, False, {}, False,
+    return _compose(ctx, plan, agent, segment_format, trained, settings, Elasticity(False),
                     ReplayHooks())
 
 
+@dataclass(frozen=True)
+class Elasticity:
+    """Whether rollout ranks may leave and join (``on``), rank -> host as the job knows them,
+    and whether this process replaces a lost rank (``joining``)."""
+
+    on: bool
+    hosts: dict[int, str] = field(default_factory=dict)
+    joining: bool = False
+
+
 def _compose(ctx: CommContext, plan: LayoutPlan, agent: nn.Module, segment_format: SegmentFormat,
-             trained: Any, settings: HandOffSettings, elastic: bool, hosts: dict[int, str],
-             joining: bool, replay: ReplayHooks) -> HandOff:
-    """The parts for this rank (``elastic``: rollout ranks may leave and join; ``hosts``: rank
-    -> host as the job knows them; ``joining``: this process replaces a lost rollout rank)."""
+             trained: Any, settings: HandOffSettings, elasticity: Elasticity,
+             replay: ReplayHooks) -> HandOff:
+    """The parts for this rank."""
+    elastic, hosts, joining = elasticity.on, elasticity.hosts, elasticity.joining
     rank = ctx.get_global_rank()
     patience = epoch_timeout(ctx, settings.timeout_s) if elastic else None
     stats = HandOffStats()

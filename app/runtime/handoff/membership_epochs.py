@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from app.runtime.handoff.membership import Follower, Transfer
+from app.runtime.handoff.quorum import Quorum, QuorumWait, rejoinable
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.diagnostics.watchdog import default_hang_timeout
 from rlcomm.elastic import (
@@ -42,7 +43,6 @@ from rlcomm.elastic import (
     request_join,
 )
 from rlcomm.elastic import Membership as EpochRecords
-from rlcomm.errors import MembersLostError
 from rlcomm.weights import TransfersEnded
 
 log = logging.getLogger(__name__)
@@ -57,19 +57,6 @@ def epoch_timeout(ctx: CommContext, timeout_s: float) -> datetime.timedelta:
     hang = ctx.watchdog.hang_timeout if ctx.watchdog is not None else \
         default_hang_timeout(timeout_s)
     return datetime.timedelta(seconds=patience_s(timeout_s, hang))
-
-
-@dataclass(frozen=True)
-class Quorum:
-    """How many live members the job needs, how often a lost one is started again (None: by
-    hand, at any time), and the names the messages give them."""
-
-    min_members: int
-    restarts: int | None
-    members: str = "rollout ranks"
-    leaders: str = "trainers"
-    min_setting: str = "loop.min_rollouts"
-    restarts_setting: str = "launcher.rollout_restarts"
 
 
 @dataclass
@@ -238,15 +225,14 @@ class EpochLeader:
         this update; ``receive_more``: after admitting joiners, how many more it heard from).
         Every leader takes part (so none waits alone in a collective of theirs, where it would
         be diagnosed as hung): those with joiners admit them, the others wait with them."""
-        deadline: float | None = None
+        wait = QuorumWait(self.quorum, self.patience_s, self.rank, self.on_wait)
         while True:
             counts, joinable = self._job_counts(received)
             live = sum(counts)
             if live >= self.quorum.min_members:
                 self.counts = counts
                 return
-            lost = self._lost()
-            deadline = self._waiting(deadline, live, lost, joinable)
+            wait.check(live, self._lost(), joinable)
             joins = self.records.pending_joins()
             if self._agree(bool(joins)):
                 self.change(joins)
@@ -259,24 +245,6 @@ class EpochLeader:
                          for c in self.changes if c.event == "leave") or \
             f"by the other {self.quorum.leaders}' groups"
 
-    def _waiting(self, deadline: float | None, live: int, lost: str, joinable: bool) -> float:
-        """The deadline of the wait for joiners; raises when none can come, or past it."""
-        q = self.quorum
-        short = f"{live} live {q.members} of {q.min_setting}={q.min_members}"
-        if not joinable:
-            raise MembersLostError(f"{short}, and none can join ({q.restarts_setting}="
-                                   f"{q.restarts}); lost: {lost}")
-        if deadline is None:
-            text = (f"waiting up to {self.patience_s:g} s for {q.members} to join: "
-                    f"{live} live of {q.min_setting}={q.min_members}; lost: {lost}")
-            log.warning("rank %d %s", self.rank, text)
-            if self.on_wait is not None:
-                self.on_wait(text)
-            return time.monotonic() + self.patience_s
-        if time.monotonic() > deadline:
-            raise MembersLostError(f"{short} for {self.patience_s:g} s; lost: {lost}")
-        return deadline
-
     def _job_counts(self, received: int) -> tuple[list[int], bool]:
         """Each leader's live members this update, and whether a lost one can still come
         back to any leader (a restart left, or a join by hand)."""
@@ -285,16 +253,8 @@ class EpochLeader:
         return [int(n) for n in everyone[:, 0].tolist()], bool(everyone[:, 1].max() > 0)
 
     def _can_rejoin(self) -> bool:
-        """Whether a rank this leader lost can be replaced: always by hand (torchrun, srun);
-        under the local launcher while the quorum's restarts are left for it."""
-        losses: dict[int, int] = {}
-        for change in self.changes:
-            if change.event == "leave" and change.reason != REPLACED:
-                losses[change.rank] = losses.get(change.rank, 0) + 1
-        gone = [rank for rank in losses if rank not in self.live]
-        if self.quorum.restarts is None:
-            return bool(gone)
-        return any(losses[rank] <= self.quorum.restarts for rank in gone)
+        losses = [c.rank for c in self.changes if c.event == "leave" and c.reason != REPLACED]
+        return rejoinable(losses, self.live, self.quorum)
 
     def stop(self, updates: int, env_steps: int) -> None:
         """The job's counts go in the store (the members report them, and rank 0 collects the

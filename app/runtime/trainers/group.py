@@ -5,7 +5,7 @@ The lead trainer (the plan's first: it holds the run's records and decisions) le
 trainers are members. Epoch 0 is the planned trainers, built as an epoch group (rlcomm.elastic)
 whose timeout is the patience. Every collective over TRAIN_DATA_PARALLEL goes through
 rlcomm.collectives, which on a failure calls :meth:`TrainerGroup.recover` (the context's
-recovery for the mode) and runs the call again on the group it forms:
+recovery for the mode, ``ctx.recovery``) and runs the call again on the group it forms:
 
 - the lead proposes the next epoch with every member; a live member, whose call on the old
   group failed too, acknowledges it; one that neither acknowledges nor beats its heartbeat
@@ -132,7 +132,7 @@ class TrainerGroup:
             self._join()
         else:
             self._register(0, self.planned)
-        self.ctx.set_recovery(TDP, self.recover)
+        self.ctx.recovery.set(TDP, self.recover)
 
     def _register(self, epoch: int, members: list[int]) -> None:
         group = build_epoch_group(self.ctx.store, self.lead, epoch, members, self.rank,
@@ -332,7 +332,7 @@ class TrainerGroup:
             self.heartbeat.stop()
         if self.leads:
             close_membership(self.ctx.store, self.lead, self.members, SPACE)
-        self.ctx.set_recovery(TDP, None)
+        self.ctx.recovery.set(TDP, None)
 
     def result(self) -> dict[str, Any]:
         """The trainers' epoch and who left and joined them (the lead's record)."""
