@@ -22,7 +22,7 @@ weight sync, normalisation, the stop rule, checkpoints and every record of the r
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 import torch
@@ -47,6 +47,25 @@ class UpdateInfo:
     env_steps: int  # env steps collected so far, all collectors together (for annealing)
     update: int  # updates done before this one
     lag: int  # the oldest segment's version lag (0 in lockstep)
+    peers: Peers = field(default_factory=lambda: Peers())  # the trainers it is made with
+
+
+class Peers:
+    """The trainers an update is made with: one here; the runtime's
+    (app/runtime/roles/trainer.py) are the live trainers, which elastic trainers re-form.
+    Gradients through ``model`` are averaged over them already; what an algorithm steps outside
+    it, or must agree on, goes through these."""
+
+    def size(self) -> int:
+        return 1
+
+    def fewest(self, count: int) -> int:
+        """The smallest ``count`` among the trainers (e.g. the learner steps every one takes)."""
+        return count
+
+    def average(self, tensor: Tensor) -> None:
+        """``tensor`` averaged over the trainers, in place (e.g. a gradient stepped outside
+        ``model``)."""
 
 
 @dataclass

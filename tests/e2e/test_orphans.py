@@ -89,13 +89,12 @@ def test_a_sigkilled_launcher_takes_every_rank_and_the_resource_tracker_with_it(
         servers = [p for p in app.processes()[1:] if p.name() == "rlcomm-forksrv"
                    and p.ppid() == app.pid]
         assert len(servers) == 1, _describe(app.processes())
-        # An elastic rollout rank (2, 3) is the child of its slot, which the forkserver forked
-        # (app/launch/slots.py).
+        # An elastic rank (the rollout ranks 2, 3 and trainer 1, not the lead) is the child of
+        # its slot, which the forkserver forked (app/launch/slots.py).
         parents = {rank: psutil.Process(proc.ppid()) for rank, proc in ranks.items()}
-        assert {rank: p.pid for rank, p in parents.items() if rank < 2} == \
-            dict.fromkeys([0, 1], servers[0].pid)
-        assert {rank: (p.name(), p.ppid()) for rank, p in parents.items() if rank >= 2} == {
-            rank: (f"rlcomm-slot{rank}", servers[0].pid) for rank in (2, 3)}
+        assert parents[0].pid == servers[0].pid
+        assert {rank: (p.name(), p.ppid()) for rank, p in parents.items() if rank >= 1} == {
+            rank: (f"rlcomm-slot{rank}", servers[0].pid) for rank in (1, 2, 3)}
         trackers = [p for p in app.processes()[1:] if "resource_tracker" in " ".join(p.cmdline())]
         assert len(trackers) == 1 and trackers[0].ppid() == app.pid, _describe(app.processes())
         if freeze:

@@ -54,7 +54,10 @@ def _note_pid(run_dir: Path, incarnation: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     tie_to_launcher(launched_here=True)  # as run_rank does: the slot is accepted as its parent
     env = os.environ.get(INCARNATION_VARIABLE, "")
-    (run_dir / f"child{incarnation}.pid").write_text(f"{os.getpid()} {env}")
+    # Written aside and renamed: the test reads it as soon as it appears.
+    partial = run_dir / f"child{incarnation}.pid.tmp"
+    partial.write_text(f"{os.getpid()} {env}")
+    partial.rename(run_dir / f"child{incarnation}.pid")
 
 
 def _child_pids(run_dir: Path) -> list[int]:

@@ -225,6 +225,20 @@ def _composable_replicate() -> None:
     assert "mesh" in inspect.signature(replicate).parameters
 
 
+def _queue_callback() -> None:
+    from torch.autograd import Variable
+
+    weight = torch.ones(2, requires_grad=True)
+    ran: list[list[float]] = []
+
+    def queue(param: torch.Tensor) -> None:  # at the end of the pass: the gradient is whole
+        Variable._execution_engine.queue_callback(lambda: ran.append(param.grad.tolist()))
+
+    weight.register_post_accumulate_grad_hook(queue)
+    (weight * torch.tensor([3.0, 4.0])).sum().backward()
+    assert ran == [[3.0, 4.0]], ran
+
+
 PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("torch.testing._internal.distributed.fake_pg.FakeStore", "rlcomm/net/rendezvous.py, benchmarks/scale.py: the fake backend", _fake_store),
     ("torch._foreach_copy_", "rlcomm/weights/buffers.py: packing many tensors in one call", _foreach_copy),
@@ -243,6 +257,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("multiprocessing.forkserver.main imports the preload", "app/launch/private.py: in_forkserver_preload", _forkserver_main),
     ("multiprocessing.forkserver's state and main", "app/launch/private.py: fork_forkserver", _forkserver_state),
     ("torch.distributed._composable.replicate_with_fsdp.replicate", "app/runtime/sharding.py: DDP over a tensor-parallel policy", _composable_replicate),
+    ("torch.autograd.Variable._execution_engine.queue_callback", "app/runtime/trainers/gradients.py: gradients averaged at a backward pass's end", _queue_callback),
 ]
 
 

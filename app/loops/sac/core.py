@@ -29,7 +29,7 @@ from app.api import setting
 from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
 from app.runtime.compiling import compiled
 from app.runtime.replay.buffer import Batch, ReplaySettings
-from app.runtime.replay.offpolicy import OffPolicyAlgorithm, average_over_trainers, soft_update
+from app.runtime.replay.offpolicy import OffPolicyAlgorithm, soft_update
 
 # CleanRL's bounds on the actor's log standard deviation.
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -372,7 +372,7 @@ class SAC(OffPolicyAlgorithm[SACSettings]):
             a_loss.backward()
             # Every trainer's batch counts, and every trainer's alpha and Adam stay equal.
             assert self.log_alpha.grad is not None
-            average_over_trainers(model, self.log_alpha.grad)
+            info.peers.average(self.log_alpha.grad)
             self.alpha_optimizer.step()
             net.log_alpha.copy_(self.log_alpha.detach())
             figures["alpha_loss"] = float(a_loss.detach())

@@ -76,9 +76,10 @@ class Checkpointer:
         """The picked checkpoint's policy, optimizer and algorithm state into this trainer;
         a sharded one is resharded into this grid (every trainer calls it)."""
         trained, optimizer = self.trainer.trained, self.trainer.optimizer
-        if picked.sharded:
-            load_sharded_checkpoint(picked.path, trained, optimizer,
-                                    self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL))
+        if picked.sharded:  # an unsharded trainer reads whole tensors, on its own
+            group = self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL) if trained.sharded \
+                else None
+            load_sharded_checkpoint(picked.path, trained, optimizer, group)
             if "algorithm" in picked.state:
                 self.trainer.algorithm.load_state_dict(picked.state["algorithm"])
         else:

@@ -165,15 +165,19 @@ def _write_state_and_rename(state: dict[str, Any], folder: Path, final: Path,
 
 
 def load_sharded_checkpoint(path: Path, trained: TrainedModule, optimizer: torch.optim.Optimizer,
-                            group: ProcessGroup) -> None:
+                            group: ProcessGroup | None) -> None:
     """A sharded checkpoint's policy and optimizer into this trainer, whatever grid wrote it:
     DCP reads each trainer's own part of each tensor for this grid's shards (or whole tensors
-    under DDP). Every trainer of ``group`` calls it; ``path`` was verified when picked."""
+    under DDP). Every trainer of ``group`` calls it; None: an unsharded trainer, which reads
+    its whole tensors on its own. ``path`` was verified when picked."""
     import torch.distributed.checkpoint as dcp
 
     state = trained.sharded_state(optimizer)  # this grid's own tensors, filled in place
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group,
+                     no_dist=group is None)
     except dcp.CheckpointException as err:  # a BaseException: as an error of this rank instead
         raise RuntimeError(f"loop.resume: reading {path}: {_first_failure(err)}") from None
     trained.load_sharded_state(state, optimizer)

@@ -27,9 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 
 from app.api import ConfigError, LoopMetrics, setting
 from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
@@ -118,17 +116,18 @@ class OffPolicyAlgorithm(Algorithm[S]):
         for segment in segments:
             replay.insert(segment)
         in_replay = time.perf_counter() - tick
-        if isinstance(replay, LocalReplay):  # its share of min_size among the DDP group's
-            replay.share_among(_trainers(model))
+        peers = info.peers
+        if isinstance(replay, LocalReplay):  # its share of min_size among the trainers'
+            replay.share_among(peers.size())
         allowed = replay.steps_allowed()
-        steps = agreed_steps(model, allowed)
+        steps = peers.fewest(allowed)  # every trainer takes as many steps (each averages)
         # This round's transitions: inserted here, or written by the collectors to the replay
         # ranks (layout.replay), whose counts the allowance just refreshed. The next round
         # brings as many: the collectors wait until the learner has taken the steps that admit
         # them.
         arrived = replay.inserts - before
         blocking = replay.steps_to_admit(arrived, steps)
-        learner = model if _trainers(model) > 1 else module
+        learner = model if peers.size() > 1 else module
         figures: dict[str, float] = {}
         collector_wait_s, learning = 0.0, time.perf_counter()
         for step in range(steps):
@@ -167,36 +166,6 @@ class OffPolicyAlgorithm(Algorithm[S]):
         ``min_size`` before the learner steps again."""
         self.replay.load_state_dict(state["replay"])
         self.learner_steps = int(state["learner_steps"])
-
-
-def _trainers(model: nn.Module) -> int:
-    """How many trainers ``model``'s DDP group holds (1 without one)."""
-    if not isinstance(model, DistributedDataParallel) or not dist.is_initialized():
-        return 1
-    return int(dist.get_world_size(model.process_group))
-
-
-def agreed_steps(model: nn.Module, steps: int) -> int:
-    """The fewest learner steps any trainer may take: every DDP rank runs as many backward
-    passes (one trainer without a group: its own)."""
-    if _trainers(model) == 1:
-        return steps
-    assert isinstance(model, DistributedDataParallel)
-    count = torch.tensor([steps], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=model.process_group)
-    return int(count.item())
-
-
-def average_over_trainers(model: nn.Module, tensor: Tensor) -> None:
-    """Average ``tensor`` in place over ``model``'s DDP group (one trainer: nothing to do): the
-    gradient of what a learner steps outside DDP (SAC's log alpha), so that every trainer takes
-    the same step from every trainer's batch."""
-    trainers = _trainers(model)
-    if trainers == 1:
-        return
-    assert isinstance(model, DistributedDataParallel)
-    dist.all_reduce(tensor, group=model.process_group)
-    tensor.div_(trainers)
 
 
 def hard_update(target: nn.Module, source: nn.Module) -> None:

@@ -7,13 +7,15 @@ from typing import Any
 
 import torch
 
-from app.runtime.algorithm import Algorithm, Segment, UpdateInfo
+from app.runtime.algorithm import Algorithm, Peers, Segment, UpdateInfo
 from app.runtime.seeds import minibatch_seed
 from app.runtime.sharding import TrainedModule, TrainerGrid, replica_rank, share_replica_segments
 from app.runtime.state import RunState
 from app.runtime.trainers.gradients import AveragedGradients
 from app.runtime.worker import Agent
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
+
+TDP = ParallelMode.TRAIN_DATA_PARALLEL
 
 
 class Trainer:
@@ -29,6 +31,7 @@ class Trainer:
         self.optimizer = algorithm.optimizer(trained.trained)
         # Elastic trainers (app/runtime/trainers/): averaged over the live ones.
         self.averaged = AveragedGradients(ctx, self.optimizer) if plan.elastic_trainers else None
+        self.peers = TrainerPeers(ctx) if len(plan.trainers) > 1 else Peers()
         self.count = len(plan.trainers)
         self.grid = TrainerGrid.of(plan)
         # The ranks of one block train one replica on the same batch, in the same minibatch
@@ -49,7 +52,8 @@ class Trainer:
         # Minibatch order is a function of (seed, replica, update): a resumed run shuffles as
         # the uninterrupted one would, with no generator state to carry.
         self.generator.manual_seed(minibatch_seed(self.seed, self.replica_rank, state.update))
-        info = UpdateInfo(self.optimizer, self.generator, state.env_steps, state.update, lag)
+        info = UpdateInfo(self.optimizer, self.generator, state.env_steps, state.update, lag,
+                          self.peers)
         tick = time.perf_counter()
         losses = self.algorithm.update(self.trained.model, self.agent.net, segments, info)
         self.trained.publish()  # a sharded trainer's new weights, whole, into the agent
@@ -71,3 +75,22 @@ class Trainer:
                                               combined.unsqueeze(0))
             for moments in everyone:  # the same order on every trainer: identical statistics
                 norm.merge(moments)
+
+
+class TrainerPeers(Peers):
+    """The live trainers, over TRAIN_DATA_PARALLEL (the planned trainers, or elastic trainers'
+    current epoch)."""
+
+    def __init__(self, ctx: CommContext) -> None:
+        self.ctx = ctx
+
+    def size(self) -> int:
+        return self.ctx.get_world_size(TDP)
+
+    def fewest(self, count: int) -> int:
+        fewest = torch.tensor([count], dtype=torch.int64)
+        return int(collectives.all_reduce(self.ctx, TDP, fewest, torch.distributed.ReduceOp.MIN))
+
+    def average(self, tensor: torch.Tensor) -> None:
+        collectives.all_reduce(self.ctx, TDP, tensor)
+        tensor.div_(self.size())
