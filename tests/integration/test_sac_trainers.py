@@ -1,5 +1,6 @@
 """SAC on two DDP trainers (real gloo ranks): the entropy coefficient learns from both
-trainers' batches. log alpha's gradient is averaged over them, so both trainers hold the same
+trainers' batches. log alpha's gradient is averaged over them (through the peers the runtime
+hands the update, ``UpdateInfo.peers``: here the two ranks' world), so both trainers hold the same
 alpha and the same Adam state, and that state is the one the mean of their local gradients
 gives (docs/off-policy.md)."""
 
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.loops.sac import SAC, SACSettings
 from app.runtime import Spaces, UpdateInfo
+from app.runtime.algorithm import Peers
 from app.runtime.replay.buffer import Batch
 from rlcomm.testing import run_ranks
 
@@ -32,6 +34,22 @@ def _batch(seed: int, n: int = 32) -> Batch:
                  indices=torch.arange(n), extras={})
 
 
+class WorldPeers(Peers):
+    """The trainers as the runtime's peers are, over the default group."""
+
+    def size(self) -> int:
+        return dist.get_world_size()
+
+    def fewest(self, count: int) -> int:
+        fewest = torch.tensor([count])
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+        return int(fewest)
+
+    def average(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+        tensor.div_(self.size())
+
+
 def _trainer(rank: int, world_size: int) -> dict[str, Any]:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -40,7 +58,8 @@ def _trainer(rank: int, world_size: int) -> dict[str, Any]:
         sac = SAC(SACSettings(hidden_sizes=[16], policy_frequency=1), spaces)
         net = sac.build()
         model = DistributedDataParallel(net)
-        info = UpdateInfo(sac.optimizer(net), torch.Generator().manual_seed(rank), 0, 0, 0)
+        info = UpdateInfo(sac.optimizer(net), torch.Generator().manual_seed(rank), 0, 0, 0,
+                          WorldPeers())
         local: list[float] = []  # this trainer's own gradient, before the average
         sac.log_alpha.register_hook(lambda grad: local.append(float(grad)))
         moments = []
