@@ -69,6 +69,9 @@ class Watched:
     # update -> (time its row appeared, env steps, the stop rule's mean return)
     rows: dict[int, tuple[float, int, float]] = field(default_factory=dict)
     killed_at: float | None = None
+    # The restart path: the newest update the first attempt wrote (the restarted one rewrites
+    # metrics.csv from its checkpoint's rows: the file shrinks), as soon as that was seen.
+    first_attempt_last: int | None = None
     log0: str = ""
     result: dict[str, Any] | None = None
 
@@ -79,11 +82,16 @@ def _watch(argv: list[str], run_dir: Path, kill: bool) -> Watched:
                             start_new_session=True)
     watched, metrics = Watched(), run_dir / "metrics.csv"
     first: float | None = None
+    seen = 0
     deadline = time.monotonic() + RUN_S * 4 + 120
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             now = time.time()
-            for row in _rows(metrics):  # a restart's redone updates keep their first time
+            written = _rows(metrics)
+            if len(written) < seen and watched.first_attempt_last is None:
+                watched.first_attempt_last = max(watched.rows)
+            seen = len(written)
+            for row in written:  # a restart's redone updates keep their first time
                 watched.rows.setdefault(int(float(row["update"])), (
                     now, int(float(row["env_steps"])), float(row["return_window"] or "nan")))
             if watched.rows and first is None:
@@ -125,7 +133,10 @@ def _measures(path: str, watched: Watched) -> dict[str, float | None]:
     assert kill is not None
     before = _rate(watched, kill - WINDOW_S, kill)
     last_before = max((u for u, (t, _, _) in watched.rows.items() if t <= kill), default=0)
-    after_rows = sorted(t for u, (t, _, _) in watched.rows.items() if t > kill and u > last_before)
+    # The restart path's next update is its restarted attempt's first new one (the dying
+    # attempt may still write an update or two before the agent stops it).
+    done = watched.first_attempt_last if watched.first_attempt_last is not None else last_before
+    after_rows = sorted(t for u, (t, _, _) in watched.rows.items() if t > kill and u > done)
     next_update = after_rows[0] - kill if after_rows else None
     twice: float | None
     if path == "elastic":
@@ -135,7 +146,7 @@ def _measures(path: str, watched: Watched) -> dict[str, float | None]:
     else:
         heal = next_update
         resumed = re.findall(r"resumed from \S+ at update (\d+)", watched.log0)
-        twice = float(last_before - int(resumed[-1])) if resumed else None
+        twice = float(done - int(resumed[-1])) if resumed else None
     healed_at = kill + heal if heal is not None else None
     return {
         "rate before": before,
@@ -165,7 +176,7 @@ def plot(runs: dict[str, Watched], env: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4))
-    for name, watched in runs.items():
+    for name, watched in sorted(runs.items(), key=lambda run: run[0] == "elastic"):  # on top
         points = sorted((s, r) for _, s, r in watched.rows.values())
         axes.plot([s for s, _ in points], [r for _, r in points], label=name)
         if watched.killed_at is not None:

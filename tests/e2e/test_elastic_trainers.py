@@ -129,9 +129,10 @@ def test_a_restarted_trainer_heals_from_the_lead_and_trains_with_the_others(
 def test_a_stopped_trainer_is_dropped_as_timed_out_and_told_it_left_once_continued(
     start_app: Callable[..., AppProcess],
 ) -> None:
-    """SIGSTOP: the lead's call waits out the patience (0.8 x the hang timeout: 8 s at
-    comm.timeout=20), then drops it; SIGCONT: its next call over the trainers' group tells it
-    it left, and it ends (no restarts) without touching the survivors."""
+    """SIGSTOP: the lead's call waits out the trainers' group timeout (half the patience, 0.4 x
+    the hang timeout: 4 s at comm.timeout=20), then drops it once its heartbeat stood still;
+    SIGCONT: its next call over the trainers' group tells it it left, and it ends (no restarts)
+    without touching the survivors, whose rollout ranks waited through it."""
     app = start_app("trainer-stopped", "loop.progress=false", "loop.total_env_steps=150000",
                     "loop.target_return=1e9", "comm.timeout=20")
     stopped = signal_rank_after(app, 1, KILL_AFTER_UPDATES, signal.SIGSTOP)

@@ -3,14 +3,14 @@
 
 The lead trainer (the plan's first: it holds the run's records and decisions) leads; the other
 trainers are members. Epoch 0 is the planned trainers, built as an epoch group (rlcomm.elastic)
-whose timeout is the patience. Every collective over TRAIN_DATA_PARALLEL goes through
+whose timeout is half the patience. Every collective over TRAIN_DATA_PARALLEL goes through
 rlcomm.collectives, which on a failure calls :meth:`TrainerGroup.recover` (the context's
 recovery for the mode, ``ctx.recovery``) and runs the call again on the group it forms:
 
 - the lead proposes the next epoch with every member; a live member, whose call on the old
-  group failed too, acknowledges it; one that neither acknowledges nor beats its heartbeat
-  for ``BEAT_LOST_S`` is lost ("killed" when its connection closed, else "timed out"), and the
-  patience bounds the wait for any;
+  group failed too, acknowledges it; one whose process on the lead's host has ended, or that
+  neither acknowledges nor beats its heartbeat for ``BEAT_LOST_S``, is lost ("killed" when its
+  connection closed, else "timed out"), and the patience bounds the wait for any;
 - the survivors build the epoch's group; the lost trainers' rollout ranks move to them (the
   ``adopt`` records that rlcomm's member side reads, app/runtime/handoff/membership_epochs.py);
 - a member the lead took for lost learns it on its next call and leaves (PeerLostError: under
@@ -63,6 +63,24 @@ BEAT_LOST_S = 1.5  # a trainer that did not answer and whose heartbeat stood sti
 
 
 Adopt = Callable[[list[int]], None]  # this trainer takes these rollout ranks
+
+
+def process_ended(pid: int) -> bool:
+    """Whether the process ``pid`` of this host has ended (gone, or a zombie its parent has not
+    reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
 
 class Heartbeat:
@@ -135,8 +153,10 @@ class TrainerGroup:
         self.ctx.recovery.set(TDP, self.recover)
 
     def _register(self, epoch: int, members: list[int]) -> None:
+        # Half the patience: the trainers settle a loss among them before their rollout ranks'
+        # groups, whose timeout is the whole patience, give up on a trainer that waited.
         group = build_epoch_group(self.ctx.store, self.lead, epoch, members, self.rank,
-                                  self.patience, SPACE)
+                                  self.patience / 2, SPACE)
         broken = self._key(f"broken/{epoch}")
         self.ctx.register_epoch_group(TDP, group, members,
                                       broken=lambda: bool(self.ctx.store.check([broken])))
@@ -187,7 +207,8 @@ class TrainerGroup:
 
         def gone(waiting: list[int]) -> list[int]:
             still = time.monotonic() - since > BEAT_LOST_S
-            return [r for r in waiting if still and self._beat_of(r) == beats[r]]
+            return [r for r in waiting if self._ended_here(r)
+                    or (still and self._beat_of(r) == beats[r])]
 
         epoch = self.records.announce(others, [])
         tick = time.perf_counter()
@@ -237,6 +258,13 @@ class TrainerGroup:
         if not self.ctx.store.check([f"elastic/{trainer}/latest"]):
             return []
         return epoch_members(self.ctx.store, trainer, latest_epoch(self.ctx.store, trainer))[1:]
+
+    def _ended_here(self, rank: int) -> bool:
+        """Whether ``rank``'s process of this epoch runs on this host and has ended (at once,
+        where its heartbeat would take ``BEAT_LOST_S`` to tell)."""
+        if self.hosts.get(rank) != socket.gethostname():
+            return False
+        return process_ended(self.processes[rank])
 
     def _beat_of(self, rank: int) -> int:
         """The heartbeat of ``rank``'s process in the current epoch."""
