@@ -4,15 +4,18 @@ server exactly where the plan gives them that job, and nothing else."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from app.api import JobInfo, RankEnv
 from app.loops.dqn import DQNLoop
 from app.loops.ppo import PPOLoop
 from app.runtime.compose import build_rank
+from app.runtime.trainers.healing import live_checksum, settle
 from rlcomm import LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 
@@ -81,3 +84,38 @@ def test_a_replay_rank_serves_and_decides_only_beside_static_rollout_ranks(
     assert _table(found) == {0: ("trainer", "decider"), 1: rollout, 2: rollout,
                              3: replay_rank}, found
     assert found[3]["hand-off"] == "replay", found
+
+
+def _settled(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """Elastic trainers of 2t2r built; trainer 1's weights made to differ (as a trainer that
+    completed a collective the others did not would); every trainer settles."""
+    plan = dataclasses.replace(plan_layout(LayoutSpec(world_size=world, trainers=[0, 1])),
+                               elastic_trainers=True)
+    with planned_context(plan, timeout=120) as ctx:
+        job = JobInfo(plan=plan, run_dir=Path(run_dir), seed=1, rank=rank, env=RankEnv("local"),
+                      rollout_restarts=0)
+        parts = build_rank(PPOLoop(hparams=SMALL), ctx, job)
+        found: dict[str, Any] = {"trainers": parts.trainers is not None}
+        if parts.trainers is not None and parts.checkpointer is not None:
+            if rank == 1:
+                with torch.no_grad():
+                    next(parts.agent.net.parameters()).add_(0.5)
+                parts.state.update = 99  # its counters too
+            found["before"] = live_checksum(parts.checkpointer)
+            settle(ctx, parts.checkpointer, parts.state, lead=0)
+            found["after"] = live_checksum(parts.checkpointer)
+            found["update"] = parts.state.update
+            parts.trainers.stop()
+        if parts.collector is not None:
+            parts.collector.close()
+        return found
+
+
+def test_trainers_whose_state_differs_after_a_change_heal_from_the_lead(tmp_path: Path) -> None:
+    """app/runtime/trainers/healing.py's settle: what follows an update during which the
+    trainers changed (docs/failures.md, "What a survivor trains on")."""
+    found = run_ranks(_settled, 4, str(tmp_path), timeout=300)
+    assert [found[r]["trainers"] for r in range(4)] == [True, True, False, False]
+    assert found[0]["before"] != found[1]["before"]
+    assert found[0]["after"] == found[1]["after"] == found[0]["before"]
+    assert found[0]["update"] == found[1]["update"] == 0  # the lead's counters, on both
