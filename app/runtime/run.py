@@ -86,9 +86,8 @@ class RankRun:
         per_segment = self.loop.hparams.num_envs * self.loop.hparams.num_steps
         going = self._more_steps() and self._sync_weights(first=True)
         while going:
-            epoch = rank.trainers.epoch if rank.trainers is not None else 0
             if rank.trainers is not None:
-                rank.trainers.update = state.update
+                rank.trainers.start_update(state.update)
             version = self.hand_off.version(state.update)
             handed = self._collect(version)
             if handed is None:  # told by its trainer: the run stopped
@@ -101,7 +100,7 @@ class RankRun:
             self.hand_off.update_done()
             state.update += 1
             if rank.trainers is not None:
-                self._trainers_changed(epoch)
+                self._trainers_changed()
             timeline.mark("first_update")  # the first time counts (app/output/timeline.py)
             if decider is not None and decider.after_update(
                     version, handed.episodes, losses, handed.shared, self.hand_off.stats.transfer_s):
@@ -123,13 +122,12 @@ class RankRun:
         return Decider(loop, self.state, rank.deciders, recorder, rank.checkpointer,
                        rank.evaluations, started)
 
-    def _trainers_changed(self, epoch: int) -> None:
+    def _trainers_changed(self) -> None:
         """After an update: if a trainer was lost during it, the survivors agree on the state
         (app/runtime/trainers/healing.py's ``settle``)."""
         rank = self.rank
         assert rank.trainers is not None and rank.checkpointer is not None
-        rank.trainers.update_done()
-        if rank.trainers.epoch != epoch:
+        if rank.trainers.update_done():
             settle(rank.ctx, rank.checkpointer, self.state, rank.trainers.lead)
 
     def _admit_trainers(self) -> bool:

@@ -123,6 +123,7 @@ class TrainerGroup:
         self.members = list(trainers)  # every live trainer, lead first
         self.epoch = 0
         self.update = 0  # the update being made, for the records
+        self.epoch_at_start = 0  # the epoch that update started in
         self.changes: list[Change] = []
         self.records: EpochRecords | None = None
         self.heartbeat: Heartbeat | None = None
@@ -343,15 +344,20 @@ class TrainerGroup:
         self.changes.append(Change(event, rank, self.hosts.get(rank, "?"), reason, epoch,
                                    self.update))
 
-    def update_done(self) -> None:
+    def start_update(self, update: int) -> None:
+        self.update, self.epoch_at_start = update, self.epoch
+
+    def update_done(self) -> bool:
         """After an update: how long the survivors took to their next one; what this trainer
-        alone holds, where the lead reads it if this one is lost."""
+        alone holds, where the lead reads it if this one is lost. True: the trainers changed
+        during the update."""
         if self.holds is not None:
             self.ctx.store.set(self._key(f"held/{self.rank}"), str(self.holds()))
         now = time.time()
         for change in self.changes:
             if change.event == "leave" and change.next_update_s is None:
                 change.next_update_s = now - change.time
+        return self.epoch != self.epoch_at_start
 
     def stop(self) -> None:
         """The run stopped: the live trainers, for the reports and any member in recovery."""
