@@ -27,9 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +35,7 @@ from typing import Any
 import torch
 
 from app.runtime.handoff.membership_epochs import ADOPT, Change
+from app.runtime.trainers.liveness import Liveness
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.elastic import (
     TRAINER_SPACE,
@@ -58,52 +57,9 @@ log = logging.getLogger(__name__)
 
 TDP = ParallelMode.TRAIN_DATA_PARALLEL
 SPACE = TRAINER_SPACE  # the trainers' epochs: keys and groups under elastic/<lead>/trainers/
-BEAT_S = 0.2  # how often each trainer beats its heartbeat
-BEAT_LOST_S = 1.5  # a trainer that did not answer and whose heartbeat stood still this long is lost
 
 
 Adopt = Callable[[list[int]], None]  # this trainer takes these rollout ranks
-
-
-def process_ended(pid: int) -> bool:
-    """Whether the process ``pid`` of this host has ended (gone, or a zombie its parent has not
-    reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-
-class Heartbeat:
-    """A counter in the store that a thread of this trainer advances every ``BEAT_S``, over a
-    connection of its own (the main thread's store calls may wait long). A stopped or killed
-    process stops it."""
-
-    def __init__(self, store: Any, key: str) -> None:
-        self.store, self.key = store.clone(), key
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._beat, name="rlcomm-trainer-heartbeat",
-                                       daemon=True)
-        self.thread.start()
-
-    def _beat(self) -> None:
-        while not self.stopping.wait(BEAT_S):
-            try:
-                self.store.add(self.key, 1)
-            except RuntimeError:  # the store is gone: the run ended
-                return
-
-    def stop(self) -> None:
-        self.stopping.set()
 
 
 class TrainerGroup:
@@ -126,8 +82,7 @@ class TrainerGroup:
         self.epoch_at_start = 0  # the epoch that update started in
         self.changes: list[Change] = []
         self.records: EpochRecords | None = None
-        self.heartbeat: Heartbeat | None = None
-        self.processes: dict[int, int] = {}  # rank -> pid, of the current epoch
+        self.liveness = Liveness(ctx.store, self._key, self.hosts)
         self.stopped = False
 
     @property
@@ -142,9 +97,7 @@ class TrainerGroup:
     def begin(self) -> None:
         """Forms (or, joining, asks to be admitted to) the trainers' group; from here on a
         failed call over TRAIN_DATA_PARALLEL recovers through this group."""
-        # Each process beats a key of its own: a replacement's beats are not its predecessor's.
-        self.ctx.store.set(self._key(f"process/{self.rank}"), str(os.getpid()))
-        self.heartbeat = Heartbeat(self.ctx.store, self._key(f"beat/{self.rank}/{os.getpid()}"))
+        self.liveness.start(self.rank)
         if self.leads:
             self.records = EpochRecords(self.ctx.store, self.lead, self.planned, space=SPACE)
         if self.joining:
@@ -162,8 +115,7 @@ class TrainerGroup:
         self.ctx.register_epoch_group(TDP, group, members,
                                       broken=lambda: bool(self.ctx.store.check([broken])))
         self.epoch, self.members = epoch, list(members)
-        # The processes in it (each wrote its own before it built the group).
-        self.processes = {r: int(self.ctx.store.get(self._key(f"process/{r}"))) for r in members}
+        self.liveness.note(members)
 
     def _join(self) -> None:
         join = request_join(self.ctx.store, self.lead, self.rank, SPACE)
@@ -203,20 +155,13 @@ class TrainerGroup:
         trainer to see the group fail saw ("connection closed": a process ended)."""
         assert self.records is not None
         store, others = self.ctx.store, self.members[1:]
-        beats = {r: self._beat_of(r) for r in others}
-        since = time.monotonic()
-
-        def gone(waiting: list[int]) -> list[int]:
-            still = time.monotonic() - since > BEAT_LOST_S
-            return [r for r in waiting if self._ended_here(r)
-                    or (still and self._beat_of(r) == beats[r])]
-
+        gone = self.liveness.watch(others)
         epoch = self.records.announce(others, [])
         tick = time.perf_counter()
         lost = self.records.confirm(self.patience_s, gone=gone)
         survivors = [self.lead, *self.records.members]
         reason = "killed" if "closed" in why else "timed out"
-        adopted = self._adoptions(lost, survivors)
+        adopted = deal([m for rank in lost for m in rollout_ranks(store, rank)], survivors)
         store.set(self._key(f"adopted/{epoch}"), json.dumps(adopted))
         for rank in lost:
             self._record("leave", rank, reason, epoch)
@@ -228,7 +173,8 @@ class TrainerGroup:
             for orphan in ranks:  # after the epoch formed: a survivor that takes it knows
                 store.set(ADOPT.format(rank=orphan), str(survivor))
         self.adopt(adopted.get(str(self.lead), []))
-        serving = self._serving(survivors, adopted)
+        serving = sorted({r for ranks in adopted.values() for r in ranks}
+                         | {r for s in survivors for r in rollout_ranks(store, s)})
         for rank in lost:
             log.warning("rank %d (trainer) left: %s; %d trainer%s go%s on, serving rollout "
                         "ranks %s (epoch %d, formed in %.3f s)", rank, why, len(survivors),
@@ -238,38 +184,6 @@ class TrainerGroup:
         if not lost:
             log.warning("rank %d: the trainers' group failed (%s) but every trainer answered; "
                         "epoch %d formed", self.rank, why, epoch)
-
-    def _adoptions(self, lost: list[int], survivors: list[int]) -> dict[str, list[int]]:
-        """The lost trainers' rollout ranks, dealt round robin over the survivors."""
-        orphans = [m for rank in lost for m in self._rollout_ranks(rank)]
-        adopted: dict[str, list[int]] = {str(s): [] for s in survivors}
-        for i, orphan in enumerate(sorted(orphans)):
-            adopted[str(survivors[i % len(survivors)])].append(orphan)
-        return adopted
-
-    def _serving(self, survivors: list[int], adopted: dict[str, list[int]]) -> list[int]:
-        """The rollout ranks the survivors have now, and those they take over."""
-        serving = {r for ranks in adopted.values() for r in ranks}
-        for survivor in survivors:
-            serving.update(self._rollout_ranks(survivor))
-        return sorted(serving)
-
-    def _rollout_ranks(self, trainer: int) -> list[int]:
-        """The members of ``trainer``'s latest group of rollout ranks (none if it has none)."""
-        if not self.ctx.store.check([f"elastic/{trainer}/latest"]):
-            return []
-        return epoch_members(self.ctx.store, trainer, latest_epoch(self.ctx.store, trainer))[1:]
-
-    def _ended_here(self, rank: int) -> bool:
-        """Whether ``rank``'s process of this epoch runs on this host and has ended (at once,
-        where its heartbeat would take ``BEAT_LOST_S`` to tell)."""
-        if self.hosts.get(rank) != socket.gethostname():
-            return False
-        return process_ended(self.processes[rank])
-
-    def _beat_of(self, rank: int) -> int:
-        """The heartbeat of ``rank``'s process in the current epoch."""
-        return int(self.ctx.store.add(self._key(f"beat/{rank}/{self.processes[rank]}"), 0))
 
     def _follow_lead(self, err: BaseException) -> None:
         """A member: waits for the lead's next epoch and goes to it; raises if the lead left
@@ -362,8 +276,7 @@ class TrainerGroup:
     def stop(self) -> None:
         """The run stopped: the live trainers, for the reports and any member in recovery."""
         self.stopped = True
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        self.liveness.stop()
         if self.leads:
             close_membership(self.ctx.store, self.lead, self.members, SPACE)
         self.ctx.recovery.set(TDP, None)
@@ -373,3 +286,17 @@ class TrainerGroup:
         return {"trainer_epoch": self.epoch, "trainers": list(self.members),
                 "trainer_changes": [c.record() for c in self.changes]}
 
+
+def rollout_ranks(store: Any, trainer: int) -> list[int]:
+    """The members of ``trainer``'s latest group of rollout ranks (none if it has none)."""
+    if not store.check([f"elastic/{trainer}/latest"]):
+        return []
+    return epoch_members(store, trainer, latest_epoch(store, trainer))[1:]
+
+
+def deal(orphans: list[int], survivors: list[int]) -> dict[str, list[int]]:
+    """Lost trainers' rollout ranks, dealt round robin over the survivors (by survivor)."""
+    adopted: dict[str, list[int]] = {str(s): [] for s in survivors}
+    for i, orphan in enumerate(sorted(orphans)):
+        adopted[str(survivors[i % len(survivors)])].append(orphan)
+    return adopted
