@@ -11,8 +11,10 @@ see ``benchmarks.cleanrl_sac``). Without them the section is one skipped row.
 Per algorithm and seed (1, 2, 3), CleanRL first, then ours, alone on the machine:
 
 - **ppo**: ``ppo_continuous_action.py --env-id Hopper-v4 --total-timesteps 1000000`` against
-  ``python -m app +experiment=hopper`` (the default layout); the issue's goal: at most 0.2x
-  CleanRL's wall time, the mean return >= 2,100;
+  ``python -m app +experiment=hopper layout=1t2r loop.compile=inductor`` (one trainer, two
+  rollout ranks: the same 2,048 env steps and minibatches of 256 per update as the default
+  layout, without DDP; docs/mujoco.md); the issue's goal: at most 0.2x CleanRL's wall time, the
+  mean return >= 2,100;
 - **sac**: ``sac_continuous_action.py --env-id Hopper-v4 --total-timesteps 60000`` against
   ``+experiment=hopper_sac layout=single loop.threads=2`` (one learner step per env step, as
   CleanRL's); goal: at most 0.5x, the same return band;
@@ -72,7 +74,8 @@ class Pairing:
 
 
 PAIRINGS = {
-    "ppo": Pairing("ppo_continuous_action.py", "Hopper-v4", "hopper", (), 1_000_000, 4_096, 0.2),
+    "ppo": Pairing("ppo_continuous_action.py", "Hopper-v4", "hopper",
+                   ("layout=1t2r", "loop.compile=inductor"), 1_000_000, 4_096, 0.2),
     "sac": Pairing("sac_continuous_action.py", "Hopper-v4", "hopper_sac",
                    ("layout=single", "loop.threads=2"), 60_000, 1_500, 0.5,
                    quick_learning_starts=500),

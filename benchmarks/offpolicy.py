@@ -49,7 +49,7 @@ from .procs import REPO_ROOT
 LAYOUTS: dict[str, tuple[int, tuple[str, ...]]] = {  # name -> (collector ranks, overrides)
     "single": (1, ("layout=single",)),
     "1t1r": (1, ("layout=1t1r",)),
-    "1t2r": (2, ("layout=1t1r", "layout.world_size=3", "layout.rollouts=[1,2]")),
+    "1t2r": (2, ("layout=1t2r",)),
     "2t2r": (2, ("layout=2t2r",)),
     "replay_server": (2, ("layout=replay_server",)),
 }

@@ -76,12 +76,29 @@ def run_rank(
         raise
 
 
+def oversubscribed(threads: int, ranks_here: int, cores: int) -> str | None:
+    """A warning when ``loop.threads`` per rank, over the ranks on this host, asks for more
+    threads than it has cores: intra-op threads that wait spin, and the ranks then slow each
+    other down (docs/mujoco.md measured PPO on Hopper 5x slower); None when they fit, or when
+    ``threads`` is 0 (the launcher's share: cores over ranks)."""
+    if not threads or threads * ranks_here <= cores:
+        return None
+    ranks = f"{ranks_here} rank{'s' if ranks_here > 1 else ''}"
+    return (f"loop.threads={threads} x {ranks} on this host = {threads * ranks_here} threads on "
+            f"{cores} cores: they will slow each other down; loop.threads=0 gives each rank "
+            f"its share ({max(1, cores // ranks_here)})")
+
+
 def _run(
     cfg: AppConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, launched_here: bool,
 ) -> dict[str, Any] | None:
     """The rank's steps: init, host agreement and groups, the loop, the reports, the summary."""
     check_world_size(plan, env.world_size, env.rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    crowded = oversubscribed(getattr(cfg.loop, "threads", 0), env.local_world_size,
+                             os.cpu_count() or 1)
+    if crowded and env.local_rank == 0:
+        log.warning("%s", crowded)
     ctx = _init(cfg, plan, env)
     if not launched_here:  # this process validated the config itself: without probing, but rank 0
         _share_probed_spaces(ctx, cfg.loop, env.rank)

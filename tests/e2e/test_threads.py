@@ -1,6 +1,6 @@
 """``loop.threads`` (docs/configuration.md): a rank's intra-op threads. One update of PPO on
 CartPole on one rank: it runs on the threads it was given, and 0 keeps the launcher's rule (the
-node's cores over its ranks)."""
+node's cores over its ranks); more threads than the host's cores is a warning at launch."""
 
 from __future__ import annotations
 
@@ -23,3 +23,6 @@ def test_a_rank_runs_on_the_threads_it_is_given(threads: int, expected: int,
     assert proc.returncode == 0, describe(proc)
     rank = read_result(tmp_path)["ranks"][0]["result"]
     assert rank["updates"] >= 1 and rank["threads"] == expected, (rank["threads"], describe(proc))
+    if threads > (os.cpu_count() or 1):  # more threads than cores: the launch warns, once
+        assert (proc.stdout + proc.stderr).count(f"loop.threads={threads} x 1 rank on") == 1, \
+            describe(proc)
