@@ -46,6 +46,7 @@ def _run(ctx: CommContext, mode: Mode, call: Callable[[Any], None],
     while True:
         try:
             call(ctx.get_group(mode))
+            ctx.recovery.commit(mode)  # where one is set: completed on every member, or failed
             return
         except RuntimeError as err:
             if not recover or not ctx.recovery.recover(mode, err):

@@ -65,6 +65,18 @@ def _default_mesh_modes(plan: LayoutPlan) -> list[str]:
     return sized or present[-1:]
 
 
+def _grid_of(rank: int, planned: list[set[tuple[int, ...]]]) -> list[int]:
+    """The ranks of the grid that holds ``rank``: those its groups of every mode reach (the
+    trainers, for the planned grid; one replica group's, with layout.trainer_replicas)."""
+    reached, frontier = {rank}, {rank}
+    while frontier:
+        found = {r for groups in planned for group in groups if frontier & set(group)
+                 for r in group} - reached
+        reached |= found
+        frontier = found
+    return sorted(reached)
+
+
 def _slices(mesh: torch.Tensor, dim: int) -> set[tuple[int, ...]]:
     """The rank lists along ``dim`` of ``mesh``: one group per combination of the other dims."""
     rows = mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim])
@@ -392,17 +404,18 @@ class CommContext(metaclass=SingletonMeta):
                 raise ModeNotRegisteredError(f"device_mesh: the layout plans no {name} groups")
             planned.append({tuple(sorted(g)) for g in spec.rank_lists})
         shape = [len(next(iter(groups))) for groups in planned]
-        # The grid covers the ranks of its groups (the trainers, for the planned grid).
-        covered = sorted({r for group in planned[0] for r in group})
+        me = self.get_global_rank()
+        if not any(me in group for group in planned[0]):
+            raise LayoutError(f"device_mesh: rank {me} is in none of the {', '.join(names)} "
+                              "groups")
+        covered = _grid_of(me, planned)
+        inside = [{g for g in groups if set(g) <= set(covered)} for groups in planned]
         mesh = torch.tensor(covered).reshape(shape) if math.prod(shape) == len(covered) else None
-        if mesh is None or any(_slices(mesh, d) != planned[d] for d in range(len(names))):
+        if mesh is None or any(_slices(mesh, d) != inside[d] for d in range(len(names))):
             raise LayoutError(
                 f"device_mesh: the {', '.join(names)} groups of this layout do not form one "
                 f"row-major grid of the ranks {format_ranks(covered)} (sizes {shape})"
             )
-        if self.get_global_rank() not in covered:
-            raise LayoutError(f"device_mesh: rank {self.get_global_rank()} is in none of the "
-                              f"{', '.join(names)} groups")
         device = self.get_device(names[0]).type
         return DeviceMesh.from_group(
             [self.get_group(name) for name in names], device, mesh=mesh, mesh_dim_names=tuple(names)

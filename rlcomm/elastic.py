@@ -153,11 +153,14 @@ class Membership:
         return self.epoch
 
     def confirm(self, timeout_s: float, poll_s: float = 0.005,
-                gone: Callable[[list[int]], list[int]] | None = None) -> list[int]:
+                gone: Callable[[list[int]], list[int]] | None = None,
+                along: Callable[[list[int]], list[int]] | None = None) -> list[int]:
         """Waits up to ``timeout_s`` for every proposed member's acknowledgement, then fixes the
         epoch's members to those that gave it (``final/<e>``); returns the ones that did not
         (gone since, or cut off: the group would wait for them in vain). ``gone(waiting)``:
-        those of the members still waited for known to be gone (no need to wait longer)."""
+        those of the members still waited for known to be gone (no need to wait longer).
+        ``along(missing)``: members that leave with the missing ones although they answered
+        (returned too; an acknowledging one then reads that it is out)."""
         keys = {r: _prefix(self.leader, self.space) + f"ack/{self.epoch}/{r}" for r in self.members}
         deadline = time.monotonic() + timeout_s
         while True:
@@ -168,6 +171,8 @@ class Membership:
                 break
             time.sleep(poll_s)
         missing = [r for r, k in keys.items() if not self.store.check([k])]
+        if along is not None and missing:
+            missing += [r for r in along(missing) if r in self.members and r not in missing]
         self.members = [r for r in self.members if r not in missing]
         self.store.set(_prefix(self.leader, self.space) + f"final/{self.epoch}",
                        json.dumps([self.leader, *self.members]))

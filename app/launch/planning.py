@@ -104,7 +104,36 @@ def _elastic_trainers(cfg: DictConfig, plan: LayoutPlan, loop: Any, elastic_roll
     if restarts and len(plan.trainers) < 2:
         raise ConfigError(f"launcher.trainer_restarts: {restarts}, but the one trainer is the "
                           "lead, whose loss ends the run (launcher.max_restarts restarts it)")
+    if plan.trainer_replicas > 1:
+        _check_replicas(plan, loop, on, why, restarts)
     return on and len(plan.trainers) > 1
+
+
+def _check_replicas(plan: LayoutPlan, loop: Any, elastic: bool, why: str | None,
+                    restarts: int) -> None:
+    """``layout.trainer_replicas`` > 1: replica groups of sharded trainers that survive a loss
+    (docs/failures.md)."""
+    replicas = plan.trainer_replicas
+    if not _sharded(plan, loop):
+        raise ConfigError(
+            f"layout.trainer_replicas: {replicas}, but under loop.data_parallel=ddp without "
+            "tensor or sequence parallelism every trainer is a replica already "
+            "(layout.elastic_trainers makes each one survivable); use 1, or shard the trainers "
+            "(loop.data_parallel=fsdp, layout.tensor_parallel_size)")
+    if not elastic:
+        raise ConfigError(f"layout.trainer_replicas: {replicas} makes replica groups that "
+                          f"survive a loss, but trainers are static here "
+                          f"({why or 'layout.elastic_trainers=false'})")
+    if restarts:
+        raise ConfigError(
+            f"launcher.trainer_restarts: {restarts}, but a replica group of sharded trainers "
+            f"(layout.trainer_replicas={replicas}) is not rebuilt after a loss yet: the others "
+            "go on without it; use launcher.trainer_restarts=0")
+
+
+def _sharded(plan: LayoutPlan, loop: Any) -> bool:
+    _data, sequence, tensor = plan.grid_sizes
+    return getattr(loop, "data_parallel", "ddp") != "ddp" or sequence > 1 or tensor > 1
 
 
 def _why_trainers_stay_static(plan: LayoutPlan, loop: Any, elastic_rollouts: bool) -> str | None:
@@ -113,10 +142,10 @@ def _why_trainers_stay_static(plan: LayoutPlan, loop: Any, elastic_rollouts: boo
     if not elastic_rollouts or plan.colocated:
         return ("a lost trainer's rollout ranks move to the others: it needs rollout ranks of "
                 "their own with layout.elastic_rollouts on (and gloo)")
-    _data, sequence, tensor = plan.grid_sizes
-    if getattr(loop, "data_parallel", "ddp") != "ddp" or sequence > 1 or tensor > 1:
+    if _sharded(plan, loop) and plan.trainer_replicas == 1:
         return ("sharded trainers (loop.data_parallel=fsdp, tensor or sequence parallel) cannot "
-                "rebuild a lost shard from its own grid")
+                "rebuild a lost shard from its own grid (layout.trainer_replicas=2 or more "
+                "makes replica groups that can go on without one)")
     return None
 
 

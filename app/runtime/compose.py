@@ -34,6 +34,7 @@ from app.runtime.state import RunState
 from app.runtime.trainers.group import TrainerGroup
 from app.runtime.worker import Agent, RolloutWorker, build_segment_format
 from rlcomm import CommContext, LayoutPlan, ParallelMode
+from rlcomm.errors import PeerLostError
 
 
 @dataclass
@@ -67,6 +68,12 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     trains = rank in plan.trainers
     collects = (plan.colocated and trains) or rank in plan.rollouts
     elastic = not plan.colocated and plan.elastic_rollouts
+    if trains and job.joining and plan.trainer_replicas > 1:
+        # Its grid's other ranks are gone with its replica group, and it has no world to
+        # form a new grid in (docs/failures.md).
+        raise PeerLostError(f"rank {rank} (trainer): a replica group of sharded trainers "
+                            f"(layout.trainer_replicas={plan.trainer_replicas}) is not rebuilt "
+                            "after a loss yet; the others go on without it")
     if loop.threads:  # else the launcher's: the node's cores over its ranks (app/launch/rank.py)
         torch.set_num_threads(loop.threads)
     torch.manual_seed(job.seed)  # same initial weights on every rank
@@ -95,13 +102,17 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     # the acting module itself, only once the hand-off bound it to its send buffer (the
     # parameters then live there).
     sharded = is_sharded(plan, loop.data_parallel)
-    trained = TrainedModule(ctx, plan, agent.net, loop.data_parallel) if trains and sharded else None
+    trained = TrainedModule(ctx, plan, agent.net, loop.data_parallel,
+                            elastic=plan.elastic_trainers) if trains and sharded else None
     replay_link = ReplayLink(ctx, plan, algorithm, segment_format, job.seed)
     settings = HandOffSettings(max_staleness=loop.max_staleness,
                                verify_every=loop.verify_weights_every,
                                min_rollouts=loop.min_rollouts,
                                timeout_s=ctx.timeout.total_seconds(), episode_cap=episode_cap,
-                               sharded=sharded, rollout_restarts=job.rollout_restarts)
+                               # Replica groups hand whole weights: a lost replica group
+                               # takes shards that the sharded channel's owners send with it.
+                               sharded=sharded and plan.trainer_replicas == 1,
+                               rollout_restarts=job.rollout_restarts)
     replay = ReplayHooks(write=replay_link.put if replay_link.target is not None else None,
                          served=replay_link.served if replay_link.server is not None else None)
     hand_off = build_hand_off(ctx, job, agent, replay_link.hand_off_format, trained, settings,
@@ -131,7 +142,8 @@ def _trainer_group(parts: Rank, timeout_s: float) -> TrainerGroup:
     group = TrainerGroup(parts.ctx, list(plan.trainers), dict(parts.job.hosts),
                          epoch_timeout(parts.ctx, timeout_s), membership.adopt,
                          joining=parts.job.joining,
-                         holds=_own_replay_size(parts.algorithm, plan))
+                         holds=_own_replay_size(parts.algorithm, plan),
+                         replicas=plan.replicas if plan.trainer_replicas > 1 else ())
     group.begin()
     return group
 

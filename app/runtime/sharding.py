@@ -31,10 +31,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from app.runtime.algorithm import Segment
+from app.runtime.trainers.gradients import AveragedAcrossReplicas
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp")
@@ -81,6 +83,10 @@ class TrainedModule:
         self.grid = TrainerGrid.of(plan)
         self.sharded = is_sharded(plan, data_parallel)
         self.model: nn.Module
+        # Sharded replica groups (layout.trainer_replicas): this rank's replica group, over
+        # which its checkpoints are written and read (:meth:`checkpoint_group`).
+        self.replica_group: ProcessGroup | None = None
+        self.writes_checkpoints = True
         if not self.sharded:
             self.trained: nn.Module = net
             # DDP's group: the trainers (the same ranks as a planned DATA_PARALLEL grid). Elastic
@@ -112,7 +118,22 @@ class TrainedModule:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(self.trained, mesh=data_mesh)
+        if elastic:  # replica groups (layout.trainer_replicas): the grid above is one of them
+            import torch.distributed as dist
+
+            replica = plan.replica_of(ctx.get_global_rank())
+            AveragedAcrossReplicas(ctx, self.trained, replica.index(ctx.get_global_rank()),
+                                   len(replica))
+            self.replica_group = dist.new_group(list(replica), use_local_synchronization=True)
+            # Every replica group holds the whole state: the lead's writes it.
+            self.writes_checkpoints = min(plan.trainers) in replica
         self.model = self.trained
+
+    def checkpoint_group(self, ctx: CommContext) -> ProcessGroup:
+        """The trainers that write and read a sharded checkpoint together: the trainers, or
+        with replica groups this rank's (TRAIN_DATA_PARALLEL's epoch groups are not torch's
+        registered groups, which torch.distributed.checkpoint needs)."""
+        return self.replica_group or ctx.get_group(TDP)
 
     def parameters(self) -> list[nn.Parameter]:
         """What the optimizer steps: the acting module's own (DDP) or the sharded copy's."""
@@ -192,21 +213,27 @@ def _meshes(ctx: CommContext, plan: LayoutPlan,
             grid: TrainerGrid) -> tuple[DeviceMesh, DeviceMesh | None]:
     """The mesh gradients are reduced over (the data replicas, times the SEQUENCE_PARALLEL ranks
     of each) and the TENSOR_PARALLEL mesh (None without tensor parallelism)."""
-    if plan.group(DP) is None or (grid.sequence > 1 and grid.tensor == 1):
+    whole = plan.trainer_replicas == 1
+    if plan.group(DP) is None or (grid.sequence > 1 and grid.tensor == 1 and whole):
         return ctx.device_mesh([TDP]), None  # data x sequence is every trainer
     if grid.sequence == 1:
         mesh = ctx.device_mesh([DP, TP])
         return mesh[DP.value], (mesh[TP.value] if grid.tensor > 1 else None)
     import torch.distributed as dist
 
-    # No mode plans data x sequence under tensor parallelism: the ranks at one TENSOR_PARALLEL
-    # coordinate make it, locally (a group every rank of the world made, as DeviceMesh._flatten
-    # makes it, would need the rollout ranks too).
-    trainers = sorted(plan.trainers)
+    # No mode plans data x sequence within a replica group, nor under tensor parallelism: the
+    # ranks at one TENSOR_PARALLEL coordinate of this rank's replica group make it, locally (a
+    # group every rank of the world made, as DeviceMesh._flatten makes it, would need the
+    # rollout ranks too).
+    trainers = sorted(plan.replica_of(ctx.get_global_rank()))
     column = trainers[trainers.index(ctx.get_global_rank()) % grid.tensor :: grid.tensor]
     group = dist.new_group(column, use_local_synchronization=True)
+    device = ctx.get_device(TDP).type
+    if grid.tensor == 1:
+        return DeviceMesh.from_group(group, device, mesh=torch.tensor(column),
+                                     mesh_dim_names=(DATA_SEQUENCE,)), None
     mesh = DeviceMesh.from_group(
-        [group, ctx.get_group(TP)], ctx.get_device(TP).type,
+        [group, ctx.get_group(TP)], device,
         mesh=torch.tensor(trainers).reshape(-1, grid.tensor),
         mesh_dim_names=(DATA_SEQUENCE, TP.value))
     return mesh[DATA_SEQUENCE], mesh[TP.value]

@@ -78,6 +78,20 @@ class LayoutPlan:
     # Ranks that hold an off-policy loop's replay (layout.replay): collectors write to them and
     # trainers sample from them, point to point over the REPLAY group (every rank).
     replay: tuple[int, ...] = ()
+    # Replica groups of the trainers (layout.trainer_replicas): contiguous blocks of the trainers
+    # in rank order, each holding the whole DATA x SEQUENCE x TENSOR grid (:attr:`replicas`).
+    trainer_replicas: int = 1
+
+    @property
+    def replicas(self) -> tuple[tuple[int, ...], ...]:
+        """The trainers' replica groups, in rank order (one, every trainer, by default)."""
+        ranks = sorted(self.trainers)
+        size = len(ranks) // self.trainer_replicas
+        return tuple(tuple(ranks[i : i + size]) for i in range(0, len(ranks), size))
+
+    def replica_of(self, rank: int) -> tuple[int, ...]:
+        """The replica group that holds trainer ``rank``."""
+        return next(block for block in self.replicas if rank in block)
 
     @property
     def elastic_modes(self) -> tuple[str, ...]:
@@ -96,7 +110,11 @@ class LayoutPlan:
         first trainer, which holds the run's records and decisions)."""
         if rank in self._rollout_set:
             return self.elastic_rollouts
-        return self.elastic_trainers and rank in self._trainer_set and rank != self.trainers[0]
+        if not (self.elastic_trainers and rank in self._trainer_set):
+            return False
+        # Replica groups: the lead's whole replica goes with it (a lost rank takes its replica out).
+        lead = self.trainers[0]
+        return rank != lead and (self.trainer_replicas == 1 or rank not in self.replica_of(lead))
 
     @property
     def colocated(self) -> bool:
@@ -123,14 +141,13 @@ class LayoutPlan:
     def grid_sizes(self) -> tuple[int, int, int]:
         """The trainer grid's (data, sequence, tensor) parallel sizes; a layout without one is a
         plain data-parallel grid: (trainers, 1, 1)."""
-        sizes = []
-        for mode in (ParallelMode.DATA_PARALLEL, ParallelMode.SEQUENCE_PARALLEL,
-                     ParallelMode.TENSOR_PARALLEL):
-            spec = self.group(mode)
-            sizes.append(len(spec.rank_lists[0]) if spec is not None else None)
-        if sizes[0] is None:
+        if self.group(ParallelMode.DATA_PARALLEL) is None:
             return (len(self.trainers), 1, 1)
-        return (sizes[0], sizes[1] or 1, sizes[2] or 1)
+        sequence, tensor = (len(spec.rank_lists[0]) if spec is not None else 1
+                            for spec in (self.group(ParallelMode.SEQUENCE_PARALLEL),
+                                         self.group(ParallelMode.TENSOR_PARALLEL)))
+        # Over every replica group: DATA_PARALLEL's own groups lie inside one (trainer_replicas).
+        return (len(self.trainers) // (sequence * tensor), sequence, tensor)
 
     def groups_of(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Mode -> the declared ranks of the group ``rank`` belongs to."""
@@ -171,7 +188,8 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     }
     if rollouts:
         derived[ParallelMode.WEIGHT_TRANSFER] = _pair_trainers(trainers, rollouts)
-    derived.update(_size_groups(spec, trainers))
+    replicas = _check_replicas(spec, trainers)
+    derived.update(_size_groups(spec, trainers, replicas))
     if replay:  # one group for the replay's point-to-point traffic, apart from GLOBAL's
         derived[ParallelMode.REPLAY] = (tuple(range(world)),)
 
@@ -187,7 +205,8 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
         or any(m in explicit for m in (ParallelMode.INTRA_NODE, ParallelMode.INTER_NODE))
     )
     return LayoutPlan(world, per_node, nodes, trainers, rollouts, groups, declared,
-                      elastic_rollouts=bool(spec.elastic_rollouts), replay=replay)
+                      elastic_rollouts=bool(spec.elastic_rollouts), replay=replay,
+                      trainer_replicas=replicas)
 
 
 def place_on_hosts(plan: LayoutPlan, hosts: Sequence[str]) -> LayoutPlan:
@@ -273,7 +292,10 @@ def format_plan(plan: LayoutPlan, max_ranks: int = 64) -> str:
     if plan.group(ParallelMode.DATA_PARALLEL) is not None:
         data, sequence, tensor = plan.grid_sizes
         lines.insert(1, f"trainer grid: data {data} x sequence {sequence} x tensor {tensor} "
-                        f"over the trainers {format_ranks(sorted(plan.trainers))}")
+                        f"over the trainers {format_ranks(sorted(plan.trainers))}"
+                        + (f", in {plan.trainer_replicas} replica groups "
+                           + " | ".join(format_ranks(list(b)) for b in plan.replicas)
+                           if plan.trainer_replicas > 1 else ""))
     return "\n".join(lines)
 
 
@@ -305,11 +327,21 @@ def _pair_trainers(trainers: tuple[int, ...], rollouts: tuple[int, ...]) -> Rank
     return tuple(groups)
 
 
-def _size_groups(spec: LayoutSpec, trainers: tuple[int, ...]) -> dict[str, RankLists]:
+def _check_replicas(spec: LayoutSpec, trainers: tuple[int, ...]) -> int:
+    replicas = _check_positive_int("layout.trainer_replicas", spec.trainer_replicas)
+    if len(trainers) % replicas:
+        raise LayoutError(f"layout.trainer_replicas: {replicas} does not divide the "
+                          f"{len(trainers)} trainers {format_ranks(sorted(trainers))}")
+    return replicas
+
+
+def _size_groups(spec: LayoutSpec, trainers: tuple[int, ...],
+                 replicas: int = 1) -> dict[str, RankLists]:
     """The DATA/SEQUENCE/TENSOR_PARALLEL grid, laid over the trainer ranks (in rank order):
-    rollout ranks are in none of its groups."""
+    rollout ranks are in none of its groups. With ``replicas`` replica groups, each contiguous
+    block of trainers holds a whole grid: DATA_PARALLEL groups lie inside one."""
     sizes = (spec.tensor_parallel_size, spec.sequence_parallel_size, spec.data_parallel_size)
-    if all(s is None for s in sizes):
+    if all(s is None for s in sizes) and replicas == 1:
         return {}
     tp = _check_positive_int("layout.tensor_parallel_size", spec.tensor_parallel_size or 1)
     sp = _check_positive_int("layout.sequence_parallel_size", spec.sequence_parallel_size or 1)
@@ -326,10 +358,19 @@ def _size_groups(spec: LayoutSpec, trainers: tuple[int, ...]) -> dict[str, RankL
             f"layout.data_parallel_size: {spec.data_parallel_size} but the {count} trainers / "
             f"(tensor {tp} x sequence {sp}) = {dp}"
         )
+    if dp % replicas:
+        raise LayoutError(
+            f"layout.trainer_replicas: {replicas} does not divide the data-parallel size {dp} "
+            f"(the {count} trainers / (tensor {tp} x sequence {sp})): each replica group holds "
+            "whole tensor x sequence blocks")
+    block = count // replicas
+    data = tuple(group for start in range(0, count, block)
+                 for group in grid_groups(ranks[start : start + block],
+                                          ParallelMode.DATA_PARALLEL, dp // replicas))
     return {
         ParallelMode.TENSOR_PARALLEL: grid_groups(ranks, ParallelMode.TENSOR_PARALLEL, tp),
         ParallelMode.SEQUENCE_PARALLEL: grid_groups(ranks, ParallelMode.SEQUENCE_PARALLEL, sp, tp),
-        ParallelMode.DATA_PARALLEL: grid_groups(ranks, ParallelMode.DATA_PARALLEL, dp),
+        ParallelMode.DATA_PARALLEL: data,
     }
 
 
@@ -345,6 +386,7 @@ def plan_digest(plan: LayoutPlan) -> str:
     plan, go through ``hash`` in C; the rest is small."""
     lists = tuple(spec.rank_lists for spec in plan.groups)
     names = [spec.mode for spec in plan.groups]
-    roles = hash((plan.trainers, plan.rollouts, plan.replay, plan.ranks_per_node))
+    roles = hash((plan.trainers, plan.rollouts, plan.replay, plan.ranks_per_node,
+                  plan.trainer_replicas))
     text = f"{plan.world_size}/{names}/{[len(rl) for rl in lists]}/{hash(lists)}/{roles}"
     return hashlib.sha256(text.encode()).hexdigest()

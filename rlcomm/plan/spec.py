@@ -63,6 +63,15 @@ class LayoutSpec:
     data_parallel_size: int | None = field(
         default=None, metadata=_doc("DATA_PARALLEL size: trainers / (tensor x sequence), checked")
     )
+    trainer_replicas: int = field(
+        default=1,
+        metadata=_doc(
+            "replica groups the trainers split into, each holding the whole trainer grid "
+            "(DATA_PARALLEL inside it, gradients averaged across them): under sharding, a lost "
+            "rank takes its replica out and the others go on (docs/failures.md); must divide "
+            "the data-parallel size"
+        ),
+    )
     elastic_rollouts: bool = field(
         default=True,
         metadata=_doc(

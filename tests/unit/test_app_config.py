@@ -76,6 +76,30 @@ BAD_OVERRIDES = [
     (["loop=ppo", "layout=1t3r", "launcher.trainer_restarts=1"],
      "launcher.trainer_restarts: 1, but the one trainer is the lead, whose loss ends the run "
      "(launcher.max_restarts restarts it)"),
+    # Replica groups of sharded trainers (layout.trainer_replicas, docs/failures.md).
+    (["loop=ppo", "layout.trainer_replicas=0"],
+     "layout.trainer_replicas: must be a positive integer, got 0"),
+    (["loop=ppo", "layout.trainer_replicas=abc"], "layout.trainer_replicas"),
+    (["loop=ppo", "layout.world_size=6", "layout.trainers=3", "loop.data_parallel=fsdp",
+      "layout.trainer_replicas=2"],
+     "layout.trainer_replicas: 2 does not divide the 3 trainers [0,1,2]"),
+    (["loop=ppo", "layout=tp2dp2", "layout.trainer_replicas=3"],
+     "layout.trainer_replicas: 3 does not divide the 4 trainers [0,1,2,3]"),
+    (["loop=ppo", "layout.world_size=8", "layout.trainers=4", "layout.tensor_parallel_size=2",
+      "layout.trainer_replicas=4"],
+     "layout.trainer_replicas: 4 does not divide the data-parallel size 2 (the 4 trainers / "
+     "(tensor 2 x sequence 1)): each replica group holds whole tensor x sequence blocks"),
+    (["loop=ppo", "layout.trainer_replicas=2"],
+     "layout.trainer_replicas: 2, but under loop.data_parallel=ddp without tensor or sequence "
+     "parallelism every trainer is a replica already"),
+    (["loop=ppo", "loop.data_parallel=fsdp", "layout.trainer_replicas=2",
+      "layout.elastic_trainers=false"],
+     "layout.trainer_replicas: 2 makes replica groups that survive a loss, but trainers are "
+     "static here (layout.elastic_trainers=false)"),
+    (["loop=ppo", "loop.data_parallel=fsdp", "layout.trainer_replicas=2",
+      "launcher.trainer_restarts=1"],
+     "launcher.trainer_restarts: 1, but a replica group of sharded trainers "
+     "(layout.trainer_replicas=2) is not rebuilt after a loss yet"),
     (["launcher.monitor_interval=0"],
      "launcher.monitor_interval: must be a positive number of seconds, got 0.0"),
     (["launcher.shutdown_timeout=-1"],

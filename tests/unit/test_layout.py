@@ -390,3 +390,42 @@ def test_bad_counts_and_ranges_fail_with_one_line_naming_field_and_value(
     text = str(info.value)
     assert message in text and "\n" not in text
     assert text.startswith("layout")
+
+
+def test_replica_groups_split_the_trainers_and_hold_data_parallel_inside() -> None:
+    """layout.trainer_replicas: contiguous blocks of trainers, each a whole grid."""
+    plan = plan_layout(LayoutSpec(world_size=16, trainers=8, tensor_parallel_size=2,
+                                  trainer_replicas=2))
+    assert plan.replicas == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert plan.replica_of(5) == (4, 5, 6, 7)
+    assert plan.group("DATA_PARALLEL").rank_lists == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert plan.group("TENSOR_PARALLEL").rank_lists == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert plan.grid_sizes == (4, 1, 2)  # data over every replica group
+    assert "in 2 replica groups [0,1,2,3] | [4,5,6,7]" in format_plan(plan)
+    # Without sizes, replica groups still lay a data-parallel grid inside each.
+    plain = plan_layout(LayoutSpec(world_size=8, trainers=4, trainer_replicas=2))
+    assert plain.group("DATA_PARALLEL").rank_lists == ((0, 1), (2, 3))
+    assert plan_layout(LayoutSpec(world_size=4, trainers=2)).replicas == ((0, 1),)
+
+
+def test_the_leads_replica_group_is_not_elastic() -> None:
+    """Its loss takes the lead with it (the lead's own loss ends the run)."""
+    import dataclasses
+
+    plan = plan_layout(LayoutSpec(world_size=8, trainers=4, tensor_parallel_size=2,
+                                  trainer_replicas=2))
+    elastic = dataclasses.replace(plan, elastic_trainers=True)
+    assert [elastic.is_elastic_rank(r) for r in range(4)] == [False, False, True, True]
+    assert not any(plan.is_elastic_rank(r) for r in range(4))
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (dict(trainers=4, trainer_replicas=0), "layout.trainer_replicas: must be a positive integer, got 0"),
+    (dict(trainers=4, trainer_replicas=3), "layout.trainer_replicas: 3 does not divide the 4 trainers [0,1,2,3]"),
+    (dict(trainers=4, tensor_parallel_size=2, trainer_replicas=4),
+     "layout.trainer_replicas: 4 does not divide the data-parallel size 2"),
+])
+def test_bad_replica_groups_are_one_line(spec: dict[str, int], message: str) -> None:
+    with pytest.raises(LayoutError) as err:
+        plan_layout(LayoutSpec(world_size=8, **spec))  # type: ignore[arg-type]
+    assert message in str(err.value) and "\n" not in str(err.value)

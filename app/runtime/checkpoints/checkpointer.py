@@ -51,8 +51,9 @@ class Checkpointer:
         trained, optimizer = self.trainer.trained, self.trainer.optimizer
         training = self._training_state(state, rows)
         if trained.sharded:  # each trainer writes its own shards
-            save_sharded_checkpoint(self.run_dir, trained, optimizer,
-                                    self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL), training)
+            if trained.writes_checkpoints:
+                save_sharded_checkpoint(self.run_dir, trained, optimizer,
+                                        trained.checkpoint_group(self.ctx), training)
             return
         policy, optimizer_state = trained.state_dicts(optimizer)  # every trainer takes part
         if self.ctx.get_global_rank() == 0:
@@ -77,8 +78,7 @@ class Checkpointer:
         a sharded one is resharded into this grid (every trainer calls it)."""
         trained, optimizer = self.trainer.trained, self.trainer.optimizer
         if picked.sharded:  # an unsharded trainer reads whole tensors, on its own
-            group = self.ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL) if trained.sharded \
-                else None
+            group = trained.checkpoint_group(self.ctx) if trained.sharded else None
             load_sharded_checkpoint(picked.path, trained, optimizer, group)
             if "algorithm" in picked.state:
                 self.trainer.algorithm.load_state_dict(picked.state["algorithm"])

@@ -29,8 +29,10 @@ class Trainer:
                  split_s: dict[str, float]) -> None:
         self.ctx, self.algorithm, self.agent, self.trained = ctx, algorithm, agent, trained
         self.optimizer = algorithm.optimizer(trained.trained)
-        # Elastic trainers (app/runtime/trainers/): averaged over the live ones.
-        self.averaged = AveragedGradients(ctx, self.optimizer) if plan.elastic_trainers else None
+        # Elastic trainers (app/runtime/trainers/): averaged over the live ones (sharded ones in
+        # replica groups: by their FSDP units, app/runtime/sharding.py).
+        self.averaged = AveragedGradients(ctx, self.optimizer) \
+            if plan.elastic_trainers and not trained.sharded else None
         self.peers = TrainerPeers(ctx) if len(plan.trainers) > 1 else Peers()
         self.count = len(plan.trainers)
         self.grid = TrainerGrid.of(plan)

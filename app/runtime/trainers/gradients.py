@@ -1,4 +1,5 @@
-"""Gradients averaged over the trainers that are live now, as each backward pass ends.
+"""Gradients averaged over the trainers that are live now, as each backward pass ends
+(sharded trainers in replica groups: :class:`AveragedAcrossReplicas`).
 
 DDP binds its process group when it wraps the module; elastic trainers re-form theirs
 (app/runtime/trainers/group.py), so their gradients are averaged over the current
@@ -16,7 +17,10 @@ step after two backward passes is averaged as DDP's would be.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 from torch.autograd import Variable
 
 from rlcomm import CommContext, ParallelMode, collectives
@@ -54,3 +58,42 @@ class AveragedGradients:
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+
+class AveragedAcrossReplicas:
+    """Sharded trainers in replica groups (``layout.trainer_replicas``): each FSDP unit of
+    ``module`` (``fully_shard``'s or ``replicate``'s, over one replica group's grid) averages its
+    reduced gradient shard across the live replica groups before FSDP hands it to the
+    parameters: FSDP's all-reduce hook, where torchft's HSDP averages across replica groups.
+
+    One all_reduce over TRAIN_DATA_PARALLEL (every live trainer) per unit: each rank fills the
+    slot of its place in its replica group (``place`` of ``size``), so the ranks that hold the
+    same shard sum it, and the slot is divided by the live replica groups. A loss during it is
+    seen by every trainer in the same call, so each replica group's ranks recover together and
+    none is left waiting on a tensor-parallel peer; the survivors average the same shard again
+    over their next group (rlcomm.collectives). A unit averaged before the loss keeps the old
+    group's average: every parameter's gradient is a whole average, over one set of replicas."""
+
+    def __init__(self, ctx: CommContext, module: nn.Module, place: int, size: int) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.ctx, self.place, self.size = ctx, place, size
+        self.widths: dict[int, int] = {}  # per unit: the widest shard of its replica group
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_all_reduce_hook(self._hook(id(unit)))
+
+    def _hook(self, unit: int) -> Callable[[torch.Tensor], None]:
+        return lambda reduced: self._average(unit, reduced)
+
+    def _average(self, unit: int, reduced: torch.Tensor) -> None:
+        if unit not in self.widths:  # once: the places' shards need not be of one size
+            sizes = collectives.all_gather(self.ctx, TDP, torch.tensor([reduced.numel()]))
+            self.widths[unit] = int(sizes.max())
+        width, numel = self.widths[unit], reduced.numel()
+        slots = torch.zeros(self.size, width, dtype=reduced.dtype)
+        slots[self.place, :numel] = reduced.reshape(-1)
+        collectives.all_reduce(self.ctx, TDP, slots)
+        live_replicas = self.ctx.get_world_size(TDP) // self.size
+        reduced.copy_(slots[self.place, :numel].view_as(reduced)).div_(live_replicas)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from app.runtime.handoff.membership_epochs import ADOPT, Change
+from app.runtime.trainers.commit import CallCommit
 from app.runtime.trainers.liveness import Liveness
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.elastic import (
@@ -70,8 +71,12 @@ class TrainerGroup:
 
     def __init__(self, ctx: CommContext, trainers: list[int], hosts: dict[int, str],
                  patience: datetime.timedelta, adopt: Adopt, joining: bool = False,
-                 holds: Callable[[], int] | None = None) -> None:
+                 holds: Callable[[], int] | None = None,
+                 replicas: tuple[tuple[int, ...], ...] = ()) -> None:
         self.ctx, self.adopt, self.joining, self.holds = ctx, adopt, joining, holds
+        # Replica groups of sharded trainers (layout.trainer_replicas): a lost rank takes its
+        # whole replica group out, since none of its shards can be rebuilt from the others.
+        self.replicas = replicas
         self.lead, self.rank = trainers[0], ctx.get_global_rank()
         self.patience, self.patience_s = patience, patience.total_seconds()
         self.hosts = dict(hosts)
@@ -83,6 +88,8 @@ class TrainerGroup:
         self.changes: list[Change] = []
         self.records: EpochRecords | None = None
         self.liveness = Liveness(ctx.store, self._key, self.hosts)
+        self.commits = CallCommit(ctx.store, self._key, self.rank, self.liveness,
+                                  lambda: self.epoch, lambda: self.members)
         self.stopped = False
 
     @property
@@ -105,6 +112,8 @@ class TrainerGroup:
         else:
             self._register(0, self.planned)
         self.ctx.recovery.set(TDP, self.recover)
+        if self.replicas:  # app/runtime/trainers/commit.py: why sharded trainers need it
+            self.ctx.recovery.commit_with(TDP, self.commits.commit)
 
     def _register(self, epoch: int, members: list[int]) -> None:
         # Half the patience: the trainers settle a loss among them before their rollout ranks'
@@ -115,6 +124,7 @@ class TrainerGroup:
         self.ctx.register_epoch_group(TDP, group, members,
                                       broken=lambda: bool(self.ctx.store.check([broken])))
         self.epoch, self.members = epoch, list(members)
+        self.commits.reset()
         self.liveness.note(members)
 
     def _join(self) -> None:
@@ -158,13 +168,22 @@ class TrainerGroup:
         gone = self.liveness.watch(others)
         epoch = self.records.announce(others, [])
         tick = time.perf_counter()
-        lost = self.records.confirm(self.patience_s, gone=gone)
+        lost = self.records.confirm(self.patience_s, gone=gone, along=self._replica_mates)
+        # Those that answered, out with a lost rank's replica group.
+        along = [r for r in lost if store.check([self._key(f"ack/{epoch}/{r}")])]
+        own = [r for r in self._replica_mates([self.lead]) if r in lost]
+        if own:  # its shards cannot go on without them, and it holds the run's records
+            raise MembersLostError(f"rank(s) {own} of the lead trainer's replica group were "
+                                   f"lost ({why}): that group is not elastic")
         survivors = [self.lead, *self.records.members]
         reason = "killed" if "closed" in why else "timed out"
+        if along:
+            store.set(self._key(f"along/{epoch}"), json.dumps(along))
         adopted = deal([m for rank in lost for m in rollout_ranks(store, rank)], survivors)
         store.set(self._key(f"adopted/{epoch}"), json.dumps(adopted))
         for rank in lost:
-            self._record("leave", rank, reason, epoch)
+            self._record("leave", rank, "with its replica group" if rank in along else reason,
+                         epoch)
             held = self._key(f"held/{rank}")
             if self.ctx.store.check([held]):
                 self.changes[-1].lost_transitions = int(self.ctx.store.get(held))
@@ -185,6 +204,10 @@ class TrainerGroup:
             log.warning("rank %d: the trainers' group failed (%s) but every trainer answered; "
                         "epoch %d formed", self.rank, why, epoch)
 
+    def _replica_mates(self, lost: list[int]) -> list[int]:
+        """The other ranks of the replica groups that hold ``lost`` ranks (none without)."""
+        return [r for block in self.replicas if set(block) & set(lost) for r in block]
+
     def _follow_lead(self, err: BaseException) -> None:
         """A member: waits for the lead's next epoch and goes to it; raises if the lead left
         this trainer out (it took it for lost) or formed none within the patience."""
@@ -200,10 +223,14 @@ class TrainerGroup:
         epoch = latest_epoch(store, self.lead, SPACE)
         members = acknowledge(store, self.lead, epoch, self.rank, self.ctx.timeout, SPACE)
         if members is None:
+            why = f"it did not answer within the patience, {self.patience_s:g} s"
+            if store.check([self._key(f"along/{epoch}")]) and \
+                    self.rank in json.loads(store.get(self._key(f"along/{epoch}"))):
+                why = "a rank of its replica group was lost, and the group leaves whole"
             raise PeerLostError(
                 f"rank {self.rank} (trainer): left the trainers: the lead, rank {self.lead}, "
-                f"formed epoch {epoch} without it (it did not answer within the patience, "
-                f"{self.patience_s:g} s; its group: {describe_loss(err)})") from err
+                f"formed epoch {epoch} without it ({why}; its group: {describe_loss(err)})"
+            ) from err
         adopted = json.loads(store.get(self._key(f"adopted/{epoch}")))
         self._register(epoch, members)
         self.adopt(adopted.get(str(self.rank), []))
@@ -280,6 +307,7 @@ class TrainerGroup:
         if self.leads:
             close_membership(self.ctx.store, self.lead, self.members, SPACE)
         self.ctx.recovery.set(TDP, None)
+        self.ctx.recovery.commit_with(TDP, None)
 
     def result(self) -> dict[str, Any]:
         """The trainers' epoch and who left and joined them (the lead's record)."""

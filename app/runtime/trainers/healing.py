@@ -35,7 +35,11 @@ def heal(ctx: CommContext, checkpointer: Checkpointer, state: RunState, lead: in
     """The lead's state to the trainers in ``joined``, then every trainer's checksum compared;
     called on every trainer of the group that just admitted them."""
     rank = ctx.get_global_rank()
-    payload = _pack(checkpointer.content(state)) if rank == lead else None
+    # A sharded trainer's whole state is gathered over its replica group's grid: every rank of
+    # the lead's takes part (and of every other replica group that keeps its state).
+    gathers = rank == lead or (checkpointer.trainer.trained.sharded and rank not in joined)
+    content = checkpointer.content(state) if gathers else None
+    payload = _pack(content) if rank == lead and content is not None else None
     received = _broadcast_bytes(ctx, payload, lead)
     if rank in joined:
         content = torch.load(io.BytesIO(received), weights_only=False)

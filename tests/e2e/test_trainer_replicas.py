@@ -1,0 +1,120 @@
+"""Replica groups of sharded trainers (``layout.trainer_replicas``, docs/failures.md), through
+``python -m app`` on real processes: four tensor-parallel x FSDP2 trainers in two replica groups
+train as the one grid does (the same losses), and a SIGKILLed rank takes its whole replica group
+out while the other group goes on with every rollout rank, nobody restarted. Bad values are one
+line and exit 2 before any rank starts. Nothing is left running."""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.helpers.apprun import AppProcess, describe, metrics, read_result, rows_so_far, run_app
+
+pytestmark = pytest.mark.e2e
+
+# A small transformer on the memory task: 4 trainers (tensor 2 x data 2) each feeding one
+# rollout rank, 4 x 4 envs x 32 steps = 512 env steps per update.
+SMALL = ("+experiment=memory", "loop.model.width=16", "loop.model.heads=2", "loop.model.layers=1",
+         "loop.model.context=4", "loop.hparams.num_envs=4", "loop.hparams.num_steps=32",
+         "loop.target_return=10000", "comm.timeout=120", "loop.checkpoint_every=0",
+         "loop.progress=false", "layout.world_size=8", "layout.trainers=4",
+         "layout.tensor_parallel_size=2", "loop.data_parallel=fsdp")
+REPLICAS = ("layout.trainer_replicas=2",)
+LOSSES = ("pg_loss", "v_loss", "entropy")
+KILL_AFTER_UPDATES = 4
+
+
+def _losses(run_dir: Path) -> list[list[float]]:
+    return [[row[name] for name in LOSSES] for row in metrics(run_dir)]
+
+
+def _column(run_dir: Path, name: str) -> list[int]:
+    return [int(float(row[name])) for row in rows_so_far(run_dir)]
+
+
+def _reports(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {r["rank"]: r["result"] for r in result["ranks"]}
+
+
+def test_two_replica_groups_train_as_the_one_grid_does(
+    start_app: Callable[..., AppProcess],
+) -> None:
+    """The same batch, minibatches and seeds: gradients averaged across the replica groups by
+    FSDP's all-reduce hook equal FSDP's own average over the data-parallel pairs, to rounding."""
+    runs = {}
+    for name, extra in (("one-grid", ()), ("replicas", REPLICAS)):
+        app = start_app(name, *SMALL, *extra, "loop.total_env_steps=3072")
+        assert app.wait() == 0, app.describe()
+        runs[name] = _losses(app.run_dir)
+        app.assert_all_ended()
+    one, replicas = runs["one-grid"], runs["replicas"]
+    assert len(one) == len(replicas) == 6, (one, replicas)
+    # Relative to at least 0.01 (the policy loss crosses zero): summation order differs.
+    assert all(abs(x - y) <= 1e-4 * max(abs(x), 1e-2)
+               for ra, rb in zip(one, replicas) for x, y in zip(ra, rb)), (one, replicas)
+
+
+def test_a_killed_rank_takes_its_replica_group_out_and_the_other_goes_on(
+    start_app: Callable[..., AppProcess],
+) -> None:
+    app = start_app("replica-lost", *SMALL, *REPLICAS, "loop.total_env_steps=20480")
+    app.wait_until(f"{KILL_AFTER_UPDATES} updates",
+                   lambda: len(rows_so_far(app.run_dir)) >= KILL_AFTER_UPDATES)
+    before = {rank: process.pid for rank, process in app.ranks().items()}
+    killed = app.ranks()[2]
+    assert killed.name() == "rlcomm-rank2", killed.name()
+    at_kill = len(rows_so_far(app.run_dir))
+    killed.send_signal(signal.SIGKILL)
+    assert app.wait() == 0, app.describe()
+    result = read_result(app.run_dir)
+    assert result["summary"]["restarts"] == 0
+    assert not killed.is_running() or killed.status() == psutil.STATUS_ZOMBIE
+    reports = _reports(result)
+    assert {reports[r]["hand_off"] for r in reports} == {"elastic"}  # whole weights
+    # The other replica group (ranks 0, 1) and every rollout rank kept their processes.
+    assert {r: before[r] for r in (0, 1, 4, 5, 6, 7)} == \
+        {r["rank"]: r["pid"] for r in result["ranks"]}, app.describe()
+    reasons = {leave["rank"]: leave["reason"] for leave in result["trainer_leaves"]}
+    # Rank 3 either ended on its lost tensor-parallel peer or answered and was left out.
+    assert reasons.keys() == {2, 3} and reasons[2] == "killed", reasons
+    assert reasons[3] in ("killed", "with its replica group"), reasons
+    assert result["trainer_joins"] == []
+    updates = _column(app.run_dir, "update")
+    assert updates == list(range(1, len(updates) + 1)), updates  # no update twice
+    trainers = _column(app.run_dir, "trainers")
+    assert trainers[:at_kill] == [4] * at_kill and trainers[-1] == 2, trainers
+    assert result["summary"]["env_steps"] >= 20480, result["summary"]  # the budget reached
+    # Ranks 6 and 7, the lost group's rollout ranks, went to ranks 0 and 1 and kept sending.
+    for rank in (6, 7):
+        assert reports[rank]["segments_sent"] > at_kill + 2, reports[rank]
+    assert sorted(c["rank"] for c in result["joins"]) == [6, 7], result["joins"]
+    # The group that went on holds one set of weights: the same whole weights on both ranks.
+    assert reports[0]["param_checksum"] == reports[1]["param_checksum"]
+    assert re.search(r"rank 2 \(trainer\) left: connection closed; 2 trainers go on, serving "
+                     r"rollout ranks 4, 5, 6, 7", app.log(0)), app.log(0)[-3000:]
+    assert "trainers: 2 left, 0 joined" in app.stdout, app.describe()
+    app.assert_all_ended()
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (("layout.trainer_replicas=3",),
+     "error: layout.trainer_replicas: 3 does not divide the 4 trainers [0,1,2,3]"),
+    (("layout.trainer_replicas=2", "launcher.trainer_restarts=1"),
+     "error: launcher.trainer_restarts: 1, but a replica group of sharded trainers "
+     "(layout.trainer_replicas=2) is not rebuilt after a loss yet: the others go on without "
+     "it; use launcher.trainer_restarts=0"),
+])
+def test_a_bad_replica_setting_is_one_line_and_exit_2_before_any_rank_starts(
+    tmp_path: Path, overrides: tuple[str, ...], line: str,
+) -> None:
+    proc = run_app(*SMALL, *overrides, f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip().splitlines() == [line], describe(proc)
+    assert not (tmp_path / "logs").exists()
