@@ -109,6 +109,8 @@ class CommContext(metaclass=SingletonMeta):
         self._backend: str = ""
         self._store: dist.Store | None = None
         self._plan: LayoutPlan | None = None
+        # A sub-world's (form_subworld): global rank -> rank in this process's default group.
+        self._world_ranks: dict[int, int] = {}
         self._timeout: datetime.timedelta | None = None
         self._elastic: set[str] = set()  # modes whose group is a membership epoch's (elastic.py)
         # Epoch groups a newer epoch's replaced: kept for the life of the process. gloo cannot
@@ -417,9 +419,41 @@ class CommContext(metaclass=SingletonMeta):
                 f"row-major grid of the ranks {format_ranks(covered)} (sizes {shape})"
             )
         device = self.get_device(names[0]).type
+        in_world = torch.tensor(self.world_ranks(covered)).reshape(shape)
         return DeviceMesh.from_group(
-            [self.get_group(name) for name in names], device, mesh=mesh, mesh_dim_names=tuple(names)
+            [self.get_group(name) for name in names], device, mesh=in_world,
+            mesh_dim_names=tuple(names)
         )
+
+    def form_subworld(self, plan: LayoutPlan, ranks: Sequence[int], prefix: str) -> None:
+        """A process that joined a running job (:meth:`join_running_job`) with the other
+        ``ranks`` (a rebuilt replica group of sharded trainers): a default group of their own,
+        over the store under ``prefix`` (fresh for each rebuild), and the plan's grid groups
+        inside ``ranks``, so that :meth:`device_mesh` works for them. Calls keep taking global
+        ranks; :meth:`world_ranks` maps them onto this default group's."""
+        if not self.joined_running_job:
+            raise RlcommError("form_subworld: for a process that joined a running job")
+        members, me = list(ranks), self.get_global_rank()
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store),
+                                rank=members.index(me), world_size=len(members),
+                                timeout=self.timeout)
+        self._world_ranks = {rank: i for i, rank in enumerate(members)}
+        grid = (ParallelMode.DATA_PARALLEL, ParallelMode.SEQUENCE_PARALLEL,
+                ParallelMode.TENSOR_PARALLEL)
+        for spec in plan.groups:  # the same order in every process of the sub-world
+            if spec.mode not in grid:
+                continue
+            for group in (g for g in spec.rank_lists if set(g) <= set(members)):
+                created = dist.new_group(self.world_ranks(group))
+                if me in group:
+                    self._register_group(list(group).index(me), len(group), created,
+                                         list(group), spec.mode)
+        self._plan = plan
+
+    def world_ranks(self, ranks: Sequence[int]) -> list[int]:
+        """Global ranks as this process's default group numbers them (themselves, but in a
+        sub-world: :meth:`form_subworld`)."""
+        return [self._world_ranks.get(rank, rank) for rank in ranks]
 
     def join_running_job(self, store: dist.Store, rank: int, world_size: int,
                          timeout: int) -> None:
@@ -508,4 +542,6 @@ class CommContext(metaclass=SingletonMeta):
                     dist.barrier()  # nobody tears down while a peer is still sending
             finally:
                 dist.destroy_process_group()
+        elif self._world_ranks and dist.is_initialized():  # a sub-world's own default group
+            dist.destroy_process_group()
         self.__init__()  # type: ignore[misc]

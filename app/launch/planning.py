@@ -105,12 +105,11 @@ def _elastic_trainers(cfg: DictConfig, plan: LayoutPlan, loop: Any, elastic_roll
         raise ConfigError(f"launcher.trainer_restarts: {restarts}, but the one trainer is the "
                           "lead, whose loss ends the run (launcher.max_restarts restarts it)")
     if plan.trainer_replicas > 1:
-        _check_replicas(plan, loop, on, why, restarts)
+        _check_replicas(plan, loop, on, why)
     return on and len(plan.trainers) > 1
 
 
-def _check_replicas(plan: LayoutPlan, loop: Any, elastic: bool, why: str | None,
-                    restarts: int) -> None:
+def _check_replicas(plan: LayoutPlan, loop: Any, elastic: bool, why: str | None) -> None:
     """``layout.trainer_replicas`` > 1: replica groups of sharded trainers that survive a loss
     (docs/failures.md)."""
     replicas = plan.trainer_replicas
@@ -124,11 +123,6 @@ def _check_replicas(plan: LayoutPlan, loop: Any, elastic: bool, why: str | None,
         raise ConfigError(f"layout.trainer_replicas: {replicas} makes replica groups that "
                           f"survive a loss, but trainers are static here "
                           f"({why or 'layout.elastic_trainers=false'})")
-    if restarts:
-        raise ConfigError(
-            f"launcher.trainer_restarts: {restarts}, but a replica group of sharded trainers "
-            f"(layout.trainer_replicas={replicas}) is not rebuilt after a loss yet: the others "
-            "go on without it; use launcher.trainer_restarts=0")
 
 
 def _sharded(plan: LayoutPlan, loop: Any) -> bool:

@@ -32,9 +32,9 @@ from app.runtime.settings import RunSettings
 from app.runtime.sharding import TrainedModule, is_sharded
 from app.runtime.state import RunState
 from app.runtime.trainers.group import TrainerGroup
+from app.runtime.trainers.rebuild import form_replica_world
 from app.runtime.worker import Agent, RolloutWorker, build_segment_format
 from rlcomm import CommContext, LayoutPlan, ParallelMode
-from rlcomm.errors import PeerLostError
 
 
 @dataclass
@@ -69,11 +69,7 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     collects = (plan.colocated and trains) or rank in plan.rollouts
     elastic = not plan.colocated and plan.elastic_rollouts
     if trains and job.joining and plan.trainer_replicas > 1:
-        # Its grid's other ranks are gone with its replica group, and it has no world to
-        # form a new grid in (docs/failures.md).
-        raise PeerLostError(f"rank {rank} (trainer): a replica group of sharded trainers "
-                            f"(layout.trainer_replicas={plan.trainer_replicas}) is not rebuilt "
-                            "after a loss yet; the others go on without it")
+        form_replica_world(ctx, plan)  # its grid, with its replica group's other new ranks
     if loop.threads:  # else the launcher's: the node's cores over its ranks (app/launch/rank.py)
         torch.set_num_threads(loop.threads)
     torch.manual_seed(job.seed)  # same initial weights on every rank

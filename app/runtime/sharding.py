@@ -122,9 +122,10 @@ class TrainedModule:
             import torch.distributed as dist
 
             replica = plan.replica_of(ctx.get_global_rank())
+            self.replica_group = dist.new_group(ctx.world_ranks(replica),
+                                                use_local_synchronization=True)
             AveragedAcrossReplicas(ctx, self.trained, replica.index(ctx.get_global_rank()),
-                                   len(replica))
-            self.replica_group = dist.new_group(list(replica), use_local_synchronization=True)
+                                   self.replica_group)
             # Every replica group holds the whole state: the lead's writes it.
             self.writes_checkpoints = min(plan.trainers) in replica
         self.model = self.trained
@@ -227,14 +228,14 @@ def _meshes(ctx: CommContext, plan: LayoutPlan,
     # rollout ranks too).
     trainers = sorted(plan.replica_of(ctx.get_global_rank()))
     column = trainers[trainers.index(ctx.get_global_rank()) % grid.tensor :: grid.tensor]
-    group = dist.new_group(column, use_local_synchronization=True)
-    device = ctx.get_device(TDP).type
+    group = dist.new_group(ctx.world_ranks(column), use_local_synchronization=True)
+    device = ctx.get_device(TP).type
     if grid.tensor == 1:
-        return DeviceMesh.from_group(group, device, mesh=torch.tensor(column),
+        return DeviceMesh.from_group(group, device, mesh=torch.tensor(ctx.world_ranks(column)),
                                      mesh_dim_names=(DATA_SEQUENCE,)), None
     mesh = DeviceMesh.from_group(
         [group, ctx.get_group(TP)], device,
-        mesh=torch.tensor(trainers).reshape(-1, grid.tensor),
+        mesh=torch.tensor(ctx.world_ranks(trainers)).reshape(-1, grid.tensor),
         mesh_dim_names=(DATA_SEQUENCE, TP.value))
     return mesh[DATA_SEQUENCE], mesh[TP.value]
 

@@ -1,8 +1,10 @@
 """Replica groups of sharded trainers (``layout.trainer_replicas``, docs/failures.md), through
 ``python -m app`` on real processes: four tensor-parallel x FSDP2 trainers in two replica groups
-train as the one grid does (the same losses), and a SIGKILLed rank takes its whole replica group
-out while the other group goes on with every rollout rank, nobody restarted. Bad values are one
-line and exit 2 before any rank starts. Nothing is left running."""
+train as the one grid does (the same losses); a SIGKILLed rank takes its whole replica group out
+while the other group goes on with every rollout rank, nobody restarted; with
+``launcher.trainer_restarts`` the lost group's new processes form their grid again and heal from
+the live group, equal checksums logged. Bad values are one line and exit 2 before any rank
+starts. Nothing is left running."""
 
 from __future__ import annotations
 
@@ -47,16 +49,46 @@ def test_two_replica_groups_train_as_the_one_grid_does(
     start_app: Callable[..., AppProcess],
 ) -> None:
     """The same batch, minibatches and seeds: gradients averaged across the replica groups by
-    FSDP's all-reduce hook equal FSDP's own average over the data-parallel pairs, to rounding."""
-    runs = {}
+    FSDP's all-reduce hook equal FSDP's own average over the data-parallel pairs, to rounding.
+    The lead's replica group writes the sharded checkpoints; a resume reads them into both."""
+    runs, dirs = {}, {}
     for name, extra in (("one-grid", ()), ("replicas", REPLICAS)):
-        app = start_app(name, *SMALL, *extra, "loop.total_env_steps=3072")
+        app = start_app(name, *SMALL, *extra, "loop.total_env_steps=3072",
+                        "loop.checkpoint_every=3")
         assert app.wait() == 0, app.describe()
-        runs[name] = _losses(app.run_dir)
+        runs[name], dirs[name] = _losses(app.run_dir), app.run_dir
         app.assert_all_ended()
     one, replicas = runs["one-grid"], runs["replicas"]
     assert len(one) == len(replicas) == 6, (one, replicas)
     # Relative to at least 0.01 (the policy loss crosses zero): summation order differs.
+    assert all(abs(x - y) <= 1e-4 * max(abs(x), 1e-2)
+               for ra, rb in zip(one, replicas) for x, y in zip(ra, rb)), (one, replicas)
+    checkpoint = dirs["replicas"] / "checkpoints" / "ckpt_000003"
+    # Ranks 0 and 1, the lead's replica group, wrote their shards; rank 0 the index and state.
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    resumed = start_app("resumed", *SMALL, *REPLICAS, "loop.total_env_steps=3072",
+                        f"loop.resume={checkpoint}")
+    assert resumed.wait() == 0, resumed.describe()
+    assert "resumed from" in resumed.log(2) and "at update 3" in resumed.log(2), resumed.log(2)
+    assert [row["update"] for row in metrics(resumed.run_dir)][-1] == 6
+    resumed.assert_all_ended()
+
+
+def test_under_ddp_two_replica_groups_train_as_the_one_grid_does(
+    start_app: Callable[..., AppProcess],
+) -> None:
+    """``loop.data_parallel=ddp`` with tensor parallelism: torch's ``replicate`` inside each
+    replica group (here of one data replica each), the average across them by the same hook."""
+    runs = {}
+    for name, extra in (("one-grid", ()), ("replicas", REPLICAS)):
+        app = start_app(name, *SMALL, "loop.data_parallel=ddp", *extra,
+                        "loop.total_env_steps=2048")
+        assert app.wait() == 0, app.describe()
+        runs[name] = _losses(app.run_dir)
+        app.assert_all_ended()
+    one, replicas = runs["one-grid"], runs["replicas"]
+    assert len(one) == len(replicas) == 4, (one, replicas)
     assert all(abs(x - y) <= 1e-4 * max(abs(x), 1e-2)
                for ra, rb in zip(one, replicas) for x, y in zip(ra, rb)), (one, replicas)
 
@@ -103,13 +135,53 @@ def test_a_killed_rank_takes_its_replica_group_out_and_the_other_goes_on(
     app.assert_all_ended()
 
 
+def _collapse(values: list[int]) -> list[int]:
+    """Runs of equal values as one: [4, 4, 2, 4] -> [4, 2, 4]."""
+    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
+
+
+def test_with_restarts_the_lost_replica_group_is_rebuilt_and_heals_from_a_live_one(
+    start_app: Callable[..., AppProcess],
+) -> None:
+    app = start_app("replica-rebuilt", *SMALL, *REPLICAS, "loop.total_env_steps=30720",
+                    "launcher.trainer_restarts=1")
+    app.wait_until(f"{KILL_AFTER_UPDATES} updates",
+                   lambda: len(rows_so_far(app.run_dir)) >= KILL_AFTER_UPDATES)
+    killed = app.ranks()[2]
+    assert killed.name() == "rlcomm-rank2", killed.name()
+    killed.send_signal(signal.SIGKILL)
+    assert app.wait() == 0, app.describe()
+    result = read_result(app.run_dir)
+    assert result["summary"]["restarts"] == 0
+    updates = _column(app.run_dir, "update")
+    assert updates == list(range(1, len(updates) + 1)), updates
+    assert _collapse(_column(app.run_dir, "trainers")) == [4, 2, 4], _column(app.run_dir, "trainers")
+    assert {c["rank"] for c in result["trainer_leaves"]} == {2, 3}
+    assert [(c["rank"], c["reason"]) for c in result["trainer_joins"]] == \
+        [(2, "joined"), (3, "joined")], result["trainer_joins"]
+    # Both new processes formed their replica group's grid, then healed from the lead's group.
+    for rank in (2, 3):
+        assert re.search(r"rank \d \(trainer\) rebuilds its replica group \[2, 3\] \(rebuild 1\)",
+                         app.log(rank)), app.log(rank)[-3000:]
+    healed = re.search(r"ranks 2, 3 \(trainer\) healed from rank 0 at update (\d+): \d+ bytes, "
+                       r"checksum [0-9a-f]{16} equal on the trainers \[0, 1, 2, 3\]", app.log(0))
+    assert healed and int(healed.group(1)) >= KILL_AFTER_UPDATES, app.log(0)[-3000:]
+    # They trained on with the other group: the same weights and counts at the end.
+    reports = _reports(result)
+    for rank in (1, 2, 3):
+        assert reports[rank]["param_checksum"] == reports[0]["param_checksum"], reports
+        assert reports[rank]["updates"] == reports[0]["updates"]
+        assert reports[rank]["trainers"] == [0, 1, 2, 3]
+    assert "trainers: 2 left, 2 joined" in app.stdout, app.describe()
+    app.assert_all_ended()
+
+
 @pytest.mark.parametrize(("overrides", "line"), [
     (("layout.trainer_replicas=3",),
      "error: layout.trainer_replicas: 3 does not divide the 4 trainers [0,1,2,3]"),
-    (("layout.trainer_replicas=2", "launcher.trainer_restarts=1"),
-     "error: launcher.trainer_restarts: 1, but a replica group of sharded trainers "
-     "(layout.trainer_replicas=2) is not rebuilt after a loss yet: the others go on without "
-     "it; use launcher.trainer_restarts=0"),
+    (("layout.trainer_replicas=2", "layout.elastic_trainers=false"),
+     "error: layout.trainer_replicas: 2 makes replica groups that survive a loss, but trainers "
+     "are static here (layout.elastic_trainers=false)"),
 ])
 def test_a_bad_replica_setting_is_one_line_and_exit_2_before_any_rank_starts(
     tmp_path: Path, overrides: tuple[str, ...], line: str,

@@ -96,10 +96,6 @@ BAD_OVERRIDES = [
       "layout.elastic_trainers=false"],
      "layout.trainer_replicas: 2 makes replica groups that survive a loss, but trainers are "
      "static here (layout.elastic_trainers=false)"),
-    (["loop=ppo", "loop.data_parallel=fsdp", "layout.trainer_replicas=2",
-      "launcher.trainer_restarts=1"],
-     "launcher.trainer_restarts: 1, but a replica group of sharded trainers "
-     "(layout.trainer_replicas=2) is not rebuilt after a loss yet"),
     (["launcher.monitor_interval=0"],
      "launcher.monitor_interval: must be a positive number of seconds, got 0.0"),
     (["launcher.shutdown_timeout=-1"],

@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed import ProcessGroup
 
 from rlcomm import CommContext, ParallelMode, collectives
 
@@ -68,17 +70,19 @@ class AveragedAcrossReplicas:
     parameters: FSDP's all-reduce hook, where torchft's HSDP averages across replica groups.
 
     One all_reduce over TRAIN_DATA_PARALLEL (every live trainer) per unit: each rank fills the
-    slot of its place in its replica group (``place`` of ``size``), so the ranks that hold the
-    same shard sum it, and the slot is divided by the live replica groups. A loss during it is
-    seen by every trainer in the same call, so each replica group's ranks recover together and
-    none is left waiting on a tensor-parallel peer; the survivors average the same shard again
-    over their next group (rlcomm.collectives). A unit averaged before the loss keeps the old
-    group's average: every parameter's gradient is a whole average, over one set of replicas."""
+    slot of its ``place`` in its ``replica`` group, so the ranks that hold the same shard sum
+    it, and the slot is divided by the live replica groups. A loss during it fails the call on
+    every trainer alike (app/runtime/trainers/commit.py), so each replica group's ranks recover
+    together; the survivors average the same shard again over their next group
+    (rlcomm.collectives). A unit averaged before the loss keeps the old group's average: every
+    parameter's gradient is a whole average, over one set of replica groups."""
 
-    def __init__(self, ctx: CommContext, module: nn.Module, place: int, size: int) -> None:
+    def __init__(self, ctx: CommContext, module: nn.Module, place: int,
+                 replica: ProcessGroup) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        self.ctx, self.place, self.size = ctx, place, size
+        self.ctx, self.place, self.replica = ctx, place, replica
+        self.size = dist.get_world_size(replica)
         self.widths: dict[int, int] = {}  # per unit: the widest shard of its replica group
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
@@ -88,8 +92,10 @@ class AveragedAcrossReplicas:
         return lambda reduced: self._average(unit, reduced)
 
     def _average(self, unit: int, reduced: torch.Tensor) -> None:
-        if unit not in self.widths:  # once: the places' shards need not be of one size
-            sizes = collectives.all_gather(self.ctx, TDP, torch.tensor([reduced.numel()]))
+        if unit not in self.widths:  # once, within the replica group (a rebuilt one too)
+            sizes = torch.zeros(self.size, dtype=torch.int64)
+            dist.all_gather_single(sizes, torch.tensor([reduced.numel()]),
+                                        group=self.replica)
             self.widths[unit] = int(sizes.max())
         width, numel = self.widths[unit], reduced.numel()
         slots = torch.zeros(self.size, width, dtype=reduced.dtype)

@@ -37,6 +37,7 @@ import torch
 from app.runtime.handoff.membership_epochs import ADOPT, Change
 from app.runtime.trainers.commit import CallCommit
 from app.runtime.trainers.liveness import Liveness
+from app.runtime.trainers.rebuild import whole_replica_groups
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.elastic import (
     TRAINER_SPACE,
@@ -77,6 +78,7 @@ class TrainerGroup:
         # Replica groups of sharded trainers (layout.trainer_replicas): a lost rank takes its
         # whole replica group out, since none of its shards can be rebuilt from the others.
         self.replicas = replicas
+        self.asked: dict[int, Join] = {}  # the lead's: joins waiting for their replica group
         self.lead, self.rank = trainers[0], ctx.get_global_rank()
         self.patience, self.patience_s = patience, patience.total_seconds()
         self.hosts = dict(hosts)
@@ -243,6 +245,10 @@ class TrainerGroup:
         """At an update boundary, on every trainer: admits the processes that asked to join
         (every trainer agrees first) and heals them (``heal(joined)``, over the new group)."""
         joins = self.records.pending_joins() if self.records is not None else []
+        if self.replicas:  # a replica group is admitted whole (app/runtime/trainers/rebuild.py)
+            self.asked.update({join.rank: join for join in joins})
+            ready = whole_replica_groups(self.asked, self.replicas, self.members)
+            joins = [self.asked.pop(rank) for rank in ready]
         flag = collectives.all_reduce(self.ctx, TDP, torch.tensor([float(len(joins))]))
         if not flag.item():
             return

@@ -1,0 +1,45 @@
+"""A lost replica group of sharded trainers rebuilt (``layout.trainer_replicas``, docs/failures.md).
+
+Each of its ranks starts again (``launcher.trainer_restarts``, or by hand) and joins the running
+job without a default group, as any replacement does. A tensor-parallel or FSDP grid needs one:
+the group's new processes form a world of their own over a fresh store prefix (one per rebuild,
+counted by their arrivals), with the plan's grid groups inside it (``CommContext.form_subworld``).
+The lead admits the group only once every rank of it asked (app/runtime/trainers/group.py), and
+each then heals from the lead's replica group (app/runtime/trainers/healing.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from rlcomm import CommContext, LayoutPlan
+from rlcomm.errors import PeerLostError
+
+log = logging.getLogger(__name__)
+
+
+def form_replica_world(ctx: CommContext, plan: LayoutPlan) -> None:
+    """This joining trainer's replica group's world, with the group's other new processes."""
+    rank = ctx.get_global_rank()
+    replica = plan.replica_of(rank)
+    arrivals = int(ctx.store.add(f"elastic/replicas/{replica[0]}/arrivals", 1))
+    generation = (arrivals - 1) // len(replica)
+    log.info("rank %d (trainer) rebuilds its replica group %s (rebuild %d): waiting for its "
+             "other ranks", rank, list(replica), generation + 1)
+    try:
+        ctx.form_subworld(plan, replica, f"elastic/replicas/{replica[0]}/{generation}/")
+    except RuntimeError as err:  # a rank of the group that never started again
+        raise PeerLostError(
+            f"rank {rank} (trainer): its replica group {list(replica)} was not rebuilt within "
+            f"{ctx.timeout.total_seconds():g} s: every rank of it starts again to rebuild it "
+            f"(launcher.trainer_restarts) ({err})") from err
+
+
+def whole_replica_groups(asked: Mapping[int, object], replicas: tuple[tuple[int, ...], ...],
+                         members: list[int]) -> list[int]:
+    """The ranks of ``asked`` (rank -> its join) whose whole replica group asked and is not
+    among the ``members``: those the lead admits now (the others wait for their group)."""
+    return [rank for replica in replicas
+            if not set(replica) & set(members) and set(replica) <= set(asked)
+            for rank in replica]
