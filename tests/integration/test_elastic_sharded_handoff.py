@@ -9,6 +9,7 @@ whole weights (``DIRECT_MIN_BYTES = 0``: the path a large policy's slices take).
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 from pathlib import Path
@@ -135,9 +136,16 @@ def _surviving_rank(rank: int, world: int) -> dict[str, Any]:
     ctx.init_distributed_env(backend="gloo", timeout=60)
     ctx.init_groups(_plan(world))
     agent, trained, hand_off = _setup(rank, world, ctx)
-    if trained is not None:
-        return _trainer(agent, trained, hand_off)
-    return _rollout(agent, hand_off)
+    survivors = [r for r in range(TRAINERS, world) if r != VICTIM]
+    if trained is None:
+        found = _rollout(agent, hand_off)
+        ctx.store.set(f"test/ended/{rank}", "1")
+        return found
+    found = _trainer(agent, trained, hand_off)
+    # Rank 0 holds the store: it stays until the survivors read their last records from it.
+    if rank == 0:
+        ctx.store.wait([f"test/ended/{r}" for r in survivors], datetime.timedelta(seconds=60))
+    return found
 
 
 def _rank_with_victim(rank: int, world: int, direct: bool) -> dict[str, Any]:
