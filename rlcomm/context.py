@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from rlcomm.backends import FAKE, resolve_backend
 from rlcomm.diagnostics.agreement import agree_on_call
 from rlcomm.diagnostics.recorder import FlightRecorder
 from rlcomm.diagnostics.watchdog import Watchdog, default_hang_timeout, timeout_problem
+from rlcomm.mesh import GRID_MODES, default_mesh_modes, planned_mesh
 from rlcomm.net import env
 from rlcomm.plan.layout import LayoutPlan, plan_digest
 
@@ -35,9 +35,9 @@ from .errors import (
     RlcommError,
 )
 from .group_initializer import get_initializer, group_description
-from .modes import CommMode, Mode, ParallelMode, mode_name
+from .modes import CommMode, Mode, mode_name
 from .recovery import Broken, Recoveries
-from .utils import SingletonMeta, format_ranks
+from .utils import SingletonMeta
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -50,37 +50,6 @@ class GroupInfo:
     world_size: int
     ranks: list[int]
     declared_ranks: list[int]
-
-
-_GRID_MODES = (
-    ParallelMode.DATA_PARALLEL.value,
-    ParallelMode.SEQUENCE_PARALLEL.value,
-    ParallelMode.TENSOR_PARALLEL.value,
-)
-
-
-def _default_mesh_modes(plan: LayoutPlan) -> list[str]:
-    present = [m for m in _GRID_MODES if plan.group(m) is not None]
-    sized = [m for m in present if len(plan.group(m).rank_lists[0]) > 1]  # type: ignore[union-attr]
-    return sized or present[-1:]
-
-
-def _grid_of(rank: int, planned: list[set[tuple[int, ...]]]) -> list[int]:
-    """The ranks of the grid that holds ``rank``: those its groups of every mode reach (the
-    trainers, for the planned grid; one replica group's, with layout.trainer_replicas)."""
-    reached, frontier = {rank}, {rank}
-    while frontier:
-        found = {r for groups in planned for group in groups if frontier & set(group)
-                 for r in group} - reached
-        reached |= found
-        frontier = found
-    return sorted(reached)
-
-
-def _slices(mesh: torch.Tensor, dim: int) -> set[tuple[int, ...]]:
-    """The rank lists along ``dim`` of ``mesh``: one group per combination of the other dims."""
-    rows = mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim])
-    return {tuple(row) for row in rows.tolist()}
 
 
 class CommContext(metaclass=SingletonMeta):
@@ -398,28 +367,10 @@ class CommContext(metaclass=SingletonMeta):
 
         if self._plan is None:
             raise RlcommError("device_mesh() needs a planned layout: call init_groups(plan) first")
-        names = [mode_name(m) for m in modes] if modes is not None else _default_mesh_modes(self._plan)
-        planned: list[set[tuple[int, ...]]] = []
-        for name in names:
-            spec = self._plan.group(name)
-            if spec is None:
-                raise ModeNotRegisteredError(f"device_mesh: the layout plans no {name} groups")
-            planned.append({tuple(sorted(g)) for g in spec.rank_lists})
-        shape = [len(next(iter(groups))) for groups in planned]
-        me = self.get_global_rank()
-        if not any(me in group for group in planned[0]):
-            raise LayoutError(f"device_mesh: rank {me} is in none of the {', '.join(names)} "
-                              "groups")
-        covered = _grid_of(me, planned)
-        inside = [{g for g in groups if set(g) <= set(covered)} for groups in planned]
-        mesh = torch.tensor(covered).reshape(shape) if math.prod(shape) == len(covered) else None
-        if mesh is None or any(_slices(mesh, d) != inside[d] for d in range(len(names))):
-            raise LayoutError(
-                f"device_mesh: the {', '.join(names)} groups of this layout do not form one "
-                f"row-major grid of the ranks {format_ranks(covered)} (sizes {shape})"
-            )
+        names = [mode_name(m) for m in modes] if modes is not None else default_mesh_modes(self._plan)
+        mesh = planned_mesh(self._plan, names, self.get_global_rank())
         device = self.get_device(names[0]).type
-        in_world = torch.tensor(self.world_ranks(covered)).reshape(shape)
+        in_world = torch.tensor(self.world_ranks(mesh.flatten().tolist())).reshape(mesh.shape)
         return DeviceMesh.from_group(
             [self.get_group(name) for name in names], device, mesh=in_world,
             mesh_dim_names=tuple(names)
@@ -438,10 +389,8 @@ class CommContext(metaclass=SingletonMeta):
                                 rank=members.index(me), world_size=len(members),
                                 timeout=self.timeout)
         self._world_ranks = {rank: i for i, rank in enumerate(members)}
-        grid = (ParallelMode.DATA_PARALLEL, ParallelMode.SEQUENCE_PARALLEL,
-                ParallelMode.TENSOR_PARALLEL)
         for spec in plan.groups:  # the same order in every process of the sub-world
-            if spec.mode not in grid:
+            if spec.mode not in GRID_MODES:
                 continue
             for group in (g for g in spec.rank_lists if set(g) <= set(members)):
                 created = dist.new_group(self.world_ranks(group))

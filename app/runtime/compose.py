@@ -101,14 +101,7 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     trained = TrainedModule(ctx, plan, agent.net, loop.data_parallel,
                             elastic=plan.elastic_trainers) if trains and sharded else None
     replay_link = ReplayLink(ctx, plan, algorithm, segment_format, job.seed)
-    settings = HandOffSettings(max_staleness=loop.max_staleness,
-                               verify_every=loop.verify_weights_every,
-                               min_rollouts=loop.min_rollouts,
-                               timeout_s=ctx.timeout.total_seconds(), episode_cap=episode_cap,
-                               # Replica groups hand whole weights: a lost replica group
-                               # takes shards that the sharded channel's owners send with it.
-                               sharded=sharded and plan.trainer_replicas == 1,
-                               rollout_restarts=job.rollout_restarts)
+    settings = _hand_off_settings(loop, ctx, job, episode_cap, sharded)
     replay = ReplayHooks(write=replay_link.put if replay_link.target is not None else None,
                          served=replay_link.served if replay_link.server is not None else None)
     hand_off = build_hand_off(ctx, job, agent, replay_link.hand_off_format, trained, settings,
@@ -128,6 +121,18 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     if loop.eval_every and deciders is not None:  # beside training, in the lead trainer's process
         parts.evaluations = Evaluations(loop, ctx, min(plan.trainers), deciders, job.run_dir)
     return parts
+
+
+def _hand_off_settings(loop: RunSettings, ctx: CommContext, job: JobInfo, episode_cap: int,
+                       sharded: bool) -> HandOffSettings:
+    return HandOffSettings(max_staleness=loop.max_staleness,
+                           verify_every=loop.verify_weights_every,
+                           min_rollouts=loop.min_rollouts,
+                           timeout_s=ctx.timeout.total_seconds(), episode_cap=episode_cap,
+                           # Replica groups hand whole weights: a lost replica group would
+                           # take shards that the sharded channel's owners send.
+                           sharded=sharded and job.plan.trainer_replicas == 1,
+                           rollout_restarts=job.rollout_restarts)
 
 
 def _trainer_group(parts: Rank, timeout_s: float) -> TrainerGroup:

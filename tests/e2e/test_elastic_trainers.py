@@ -23,17 +23,21 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.helpers.apprun import AppProcess, end_all, read_result, rows_so_far, start_by_hand
+from tests.helpers.apprun import (
+    AppProcess,
+    collapse,
+    column,
+    end_all,
+    read_result,
+    rows_so_far,
+    start_by_hand,
+)
 
 pytestmark = pytest.mark.e2e
 
 # The default layout (2t2r) and PPO on CartPole: seed 0 solves in about 100k env steps.
 SOLVES = ("loop.progress=false", "loop.total_env_steps=1000000", "comm.timeout=60")
 KILL_AFTER_UPDATES = 8
-
-
-def column(run_dir: Path, name: str) -> list[int]:
-    return [int(float(row[name])) for row in rows_so_far(run_dir)]
 
 
 def signal_rank_after(app: AppProcess, rank: int, updates: int, signum: int) -> psutil.Process:
@@ -88,11 +92,6 @@ def test_a_killed_trainer_is_dropped_and_the_others_go_on_without_a_restart(
     assert len(updates) > at_kill
     app.assert_all_ended()
 
-
-
-def collapse(values: list[int]) -> list[int]:
-    """Runs of equal values as one: [2, 2, 1, 1, 2] -> [2, 1, 2]."""
-    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
 
 
 def test_a_restarted_trainer_heals_from_the_lead_and_trains_with_the_others(

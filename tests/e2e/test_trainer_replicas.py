@@ -17,7 +17,16 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.helpers.apprun import AppProcess, describe, metrics, read_result, rows_so_far, run_app
+from tests.helpers.apprun import (
+    AppProcess,
+    collapse,
+    column,
+    describe,
+    metrics,
+    read_result,
+    rows_so_far,
+    run_app,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -35,10 +44,6 @@ KILL_AFTER_UPDATES = 4
 
 def _losses(run_dir: Path) -> list[list[float]]:
     return [[row[name] for name in LOSSES] for row in metrics(run_dir)]
-
-
-def _column(run_dir: Path, name: str) -> list[int]:
-    return [int(float(row[name])) for row in rows_so_far(run_dir)]
 
 
 def _reports(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
@@ -118,9 +123,9 @@ def test_a_killed_rank_takes_its_replica_group_out_and_the_other_goes_on(
     assert reasons.keys() == {2, 3} and reasons[2] == "killed", reasons
     assert reasons[3] in ("killed", "with its replica group"), reasons
     assert result["trainer_joins"] == []
-    updates = _column(app.run_dir, "update")
+    updates = column(app.run_dir, "update")
     assert updates == list(range(1, len(updates) + 1)), updates  # no update twice
-    trainers = _column(app.run_dir, "trainers")
+    trainers = column(app.run_dir, "trainers")
     assert trainers[:at_kill] == [4] * at_kill and trainers[-1] == 2, trainers
     assert result["summary"]["env_steps"] >= 20480, result["summary"]  # the budget reached
     # Ranks 6 and 7, the lost group's rollout ranks, went to ranks 0 and 1 and kept sending.
@@ -133,11 +138,6 @@ def test_a_killed_rank_takes_its_replica_group_out_and_the_other_goes_on(
                      r"rollout ranks 4, 5, 6, 7", app.log(0)), app.log(0)[-3000:]
     assert "trainers: 2 left, 0 joined" in app.stdout, app.describe()
     app.assert_all_ended()
-
-
-def _collapse(values: list[int]) -> list[int]:
-    """Runs of equal values as one: [4, 4, 2, 4] -> [4, 2, 4]."""
-    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
 
 
 def test_with_restarts_the_lost_replica_group_is_rebuilt_and_heals_from_a_live_one(
@@ -153,9 +153,9 @@ def test_with_restarts_the_lost_replica_group_is_rebuilt_and_heals_from_a_live_o
     assert app.wait() == 0, app.describe()
     result = read_result(app.run_dir)
     assert result["summary"]["restarts"] == 0
-    updates = _column(app.run_dir, "update")
+    updates = column(app.run_dir, "update")
     assert updates == list(range(1, len(updates) + 1)), updates
-    assert _collapse(_column(app.run_dir, "trainers")) == [4, 2, 4], _column(app.run_dir, "trainers")
+    assert collapse(column(app.run_dir, "trainers")) == [4, 2, 4], column(app.run_dir, "trainers")
     assert {c["rank"] for c in result["trainer_leaves"]} == {2, 3}
     assert [(c["rank"], c["reason"]) for c in result["trainer_joins"]] == \
         [(2, "joined"), (3, "joined")], result["trainer_joins"]

@@ -160,6 +160,16 @@ def rows_so_far(run_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
+def column(run_dir: Path, name: str) -> list[int]:
+    """One column of ``metrics.csv`` so far, as ints (``update``, ``trainers``)."""
+    return [int(float(row[name])) for row in rows_so_far(run_dir)]
+
+
+def collapse(values: list[int]) -> list[int]:
+    """Runs of equal values as one: [2, 2, 1, 1, 2] -> [2, 1, 2]."""
+    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
+
+
 def run_ppo(run_dir: Path, *overrides: str) -> dict[str, Any]:
     """A PPO run (no progress bar) in ``run_dir`` that must succeed; its ``result.json``."""
     proc = run_app("loop.progress=false", f"hydra.run.dir={run_dir}", *overrides)
