@@ -4,7 +4,8 @@ The layout lays DATA x SEQUENCE x TENSOR parallel groups over the trainer ranks 
 trainer's module is trained in one of these ways, picked by the grid and ``loop.data_parallel``:
 
 - ``ddp`` without tensor parallelism: ``DistributedDataParallel`` over the trainers, on the
-  acting module itself (what an unsharded grid of trainers trains, number for number);
+  acting module itself (what an unsharded grid of trainers trains, number for number); a lone
+  trainer trains that module bare;
 - ``ddp`` with tensor parallelism: the module's tensor-parallel plan over TENSOR_PARALLEL, then
   torch's composable ``replicate`` over DATA_PARALLEL;
 - ``fsdp``: the tensor-parallel plan if any, then ``fully_shard`` over DATA_PARALLEL (each block
@@ -91,8 +92,12 @@ class TrainedModule:
             self.trained: nn.Module = net
             # DDP's group: the trainers (the same ranks as a planned DATA_PARALLEL grid). Elastic
             # trainers re-form theirs: their gradients are averaged over the live trainers by
-            # app/runtime/trainers/gradients.py instead, on the acting module itself.
-            self.model = net if elastic else DistributedDataParallel(
+            # app/runtime/trainers/gradients.py instead, on the acting module itself. A lone
+            # trainer has nothing to average: DDP over a group of one would still copy every
+            # gradient into its buckets and all-reduce them with itself, 30-50% of a PPO, SAC
+            # or DQN step here (docs/off-policy.md, "Learner speed").
+            alone = len(plan.trainers) == 1
+            self.model = net if elastic or alone else DistributedDataParallel(
                 net, process_group=ctx.get_group(TDP))
             return
         self.trained = copy.deepcopy(net)
