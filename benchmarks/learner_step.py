@@ -39,6 +39,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import app.loops.sac.core as sac_core
 from app.loops.dqn import DQN, DQNSettings
@@ -72,6 +74,7 @@ class PPOLearner:
                                              action=_box(PPO_ACT, 1.0)))
         self.ppo.compile_mode = compile_mode
         self.net = self.ppo.build()
+        self.model = sac_step.trained(self.net)
         self.optimizer = self.ppo.optimizer(self.net)
         g = torch.Generator().manual_seed(0)
         obs, actions = torch.randn(PPO_MINIBATCH, PPO_OBS, generator=g), \
@@ -83,7 +86,7 @@ class PPOLearner:
                             values + torch.randn(PPO_MINIBATCH, generator=g), values)
 
     def step(self) -> None:
-        _minibatch_step(self.net, self.optimizer, self.batch, self.settings, self.ppo.loss_fn)
+        _minibatch_step(self.model, self.optimizer, self.batch, self.settings, self.ppo.loss_fn)
 
 
 class DQNLearner:
@@ -97,6 +100,7 @@ class DQNLearner:
                                              action=gym.spaces.Discrete(DQN_ACTIONS)))
         self.dqn.compile_mode = compile_mode
         self.net = self.dqn.build()
+        self.model = sac_step.trained(self.net)
         g = torch.Generator().manual_seed(0)
         self.info = UpdateInfo(self.dqn.optimizer(self.net), g, 0, 0, 0)
         n = DQN_BATCH
@@ -107,7 +111,7 @@ class DQNLearner:
                            indices=torch.arange(n), extras={})
 
     def step(self) -> None:
-        self.dqn.learn(self.net, self.net, self.batch, self.info)
+        self.dqn.learn(self.model, self.net, self.batch, self.info)
         self.dqn.learner_steps += 1
 
 
@@ -192,6 +196,14 @@ def _twin_q_ensemble() -> contextlib.AbstractContextManager[None]:
     return _patched(sac_core, "SACModule", _TwinQModule)
 
 
+def _ddp_of_one() -> contextlib.AbstractContextManager[None]:
+    """The net stepped through DDP over a gloo group of this process alone: what a lone trainer
+    (``layout=single``, ``1t2r``) did before it trained its module bare."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return _patched(sac_step, "trained", DistributedDataParallel)
+
+
 # A lever against the default step: (what it changes, the algorithms it applies to, a context
 # that applies it to the learners built and stepped inside).
 LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[], Any]]] = {
@@ -201,6 +213,8 @@ LEVERS: dict[str, tuple[str, tuple[str, ...], Callable[[], Any]]] = {
                          ("ppo",), _figures_per_step),
     "twin_q_ensemble": ("SAC's twin Q-networks as one ensemble, one batched product per layer",
                         ("sac",), _twin_q_ensemble),
+    "ddp_of_one": ("the step through DDP over a group of one (a lone trainer before)",
+                   ALGORITHMS, _ddp_of_one),
     "per_parameter_polyak": ("SAC's targets stepped by a loop of lerp_, not one foreach",
                              ("sac",), _per_parameter_polyak),
 }

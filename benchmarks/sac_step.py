@@ -47,6 +47,12 @@ def _batch(generator: torch.Generator) -> Batch:
                  indices=torch.arange(BATCH), extras={})
 
 
+def trained(net: torch.nn.Module) -> torch.nn.Module:
+    """What a learner steps ``net`` through: the net itself, as a lone trainer trains it
+    (``benchmarks.learner_step``'s ``ddp_of_one`` lever wraps it in DDP instead)."""
+    return net
+
+
 class Learner:
     """One trainer's SAC (no DDP), stepping on random batches of Hopper's shapes."""
 
@@ -58,12 +64,13 @@ class Learner:
         self.sac.compile_mode = compile_mode
         self.cycle = self.sac.settings.policy_frequency  # steps of one full cycle
         self.net = self.sac.build()
+        self.model = trained(self.net)
         self.generator = torch.Generator().manual_seed(0)
         self.info = UpdateInfo(self.sac.optimizer(self.net), self.generator, 0, 0, 0)
         self.batch = _batch(self.generator)
 
     def step(self) -> None:
-        self.sac.learn(self.net, self.net, self.batch, self.info)
+        self.sac.learn(self.model, self.net, self.batch, self.info)
         self.sac.learner_steps += 1
 
 

@@ -51,3 +51,31 @@ def test_the_twin_q_ensemble_is_sacs_update_to_rounding() -> None:
         torch.testing.assert_close(weights[0], layer.weight.T, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(twin.net.actor.mean.weight, plain.net.actor.mean.weight,
                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "dqn", "sac"])
+def test_a_lone_trainer_bare_steps_as_ddp_over_a_group_of_one(algorithm: str) -> None:
+    """Why a lone trainer trains its module bare (app/runtime/sharding.py): DDP over a group of
+    one changes nothing in the update, only its cost (the ``ddp_of_one`` lever)."""
+    import torch.distributed as dist
+
+    bare = learner_step.LEARNERS[algorithm]("off")
+    try:
+        with learner_step.LEVERS["ddp_of_one"][2]():
+            wrapped = learner_step.LEARNERS[algorithm]("off")
+            assert isinstance(wrapped.model, torch.nn.parallel.DistributedDataParallel)
+            for _ in range(4):
+                wrapped.step()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert bare.model is bare.net
+    for _ in range(4):
+        bare.step()
+    untrained = learner_step.LEARNERS[algorithm]("off").net.state_dict()
+    moved = []
+    for (name, ours), theirs in zip(bare.net.state_dict().items(),
+                                    wrapped.net.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        moved.append(not torch.equal(ours, untrained[name]))
+    assert sum(moved) >= 2, "four steps moved no weights: the comparison would prove nothing"
