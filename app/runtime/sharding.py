@@ -94,8 +94,8 @@ class TrainedModule:
             # trainers re-form theirs: their gradients are averaged over the live trainers by
             # app/runtime/trainers/gradients.py instead, on the acting module itself. A lone
             # trainer has nothing to average: DDP over a group of one would still copy every
-            # gradient into its buckets and all-reduce them with itself, 30-50% of a PPO, SAC
-            # or DQN step here (docs/off-policy.md, "Learner speed").
+            # gradient into its buckets and all-reduce them with itself: up to a third of a
+            # small learner step on one thread (docs/off-policy.md, "Learner speed").
             alone = len(plan.trainers) == 1
             self.model = net if elastic or alone else DistributedDataParallel(
                 net, process_group=ctx.get_group(TDP))
