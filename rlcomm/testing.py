@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import traceback
 from collections.abc import Callable, Iterator
@@ -41,9 +42,33 @@ def planned_context(plan: LayoutPlan, timeout: int = 120) -> Iterator[CommContex
 
 
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing holds now, below the kernel's ephemeral range where it
+    can: an outgoing connection takes its local port from that range, and could take this one
+    before the rank it is meant for binds it (seen in CI: ``Address already in use``)."""
+    lowest = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(100 if lowest > _LOWEST_PICKED + 1000 else 0):
+        port = pick.randrange(_LOWEST_PICKED, lowest)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_LOWEST_PICKED = 10000  # above the well-known and most registered services' ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
