@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from . import cleanrl_side
-from .cleanrl_side import Episode, Side, num, ratio
+from .cleanrl_side import QUIET, Episode, Side, num, ratio
 
 NAME = "cleanrl-dqn"  # outputs/bench/NAME-<timestamp>/
 ENV_ID = "CartPole-v1"
@@ -122,8 +122,10 @@ def run_cleanrl(args: argparse.Namespace, seed: int, out: Path) -> TargetSide:
 
 
 def our_overrides(args: argparse.Namespace, seed: int) -> list[str]:
-    """Our side's command line: ``loop=dqn seed=S``, and the layout only when given."""
-    return ["loop=dqn", f"seed={seed}", *([f"layout={args.layout}"] if args.layout else [])]
+    """Our side's command line: ``loop=dqn seed=S`` without what CleanRL does not do
+    (``cleanrl_side.QUIET``), and the layout only when given."""
+    return ["loop=dqn", f"seed={seed}", *QUIET,
+            *([f"layout={args.layout}"] if args.layout else [])]
 
 
 def our_target(summary: dict[str, Any], loop_start_s: float | None,

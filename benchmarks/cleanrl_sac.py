@@ -48,6 +48,7 @@ from pathlib import Path
 
 from . import cleanrl_side
 from .cleanrl_side import (
+    QUIET,
     Side,
     curve_from_metrics,
     mean_last,
@@ -64,7 +65,6 @@ __all__ = ["Side", "curve_from_metrics", "main", "mean_last", "parse_args", "par
 # Our experiment -> the id CleanRL's script runs under gymnasium 0.29 (which has no v5).
 CLEANRL_ENV = {"hopper_sac": "Hopper-v4", "halfcheetah_sac": "HalfCheetah-v4"}
 NAME = "cleanrl-sac"  # outputs/bench/NAME-<timestamp>/
-QUIET = ("loop.progress=false", "loop.checkpoint_every=0")
 
 
 def run_cleanrl(args: argparse.Namespace, seed: int, out: Path) -> Side:

@@ -17,8 +17,9 @@ steps compile: their seconds are the compile column), then times them interleave
 rounds, each ``--steps`` steps of every mode in turn, so that load from other processes falls
 on all alike. It prints, per mode, the step's FLOPs (torch's ``FlopCounterMode``), the median
 step time over all rounds, the rate that makes, the machine's 256x256 product rate on as many
-threads, and the 1-minute load average over the rounds (min..max). ``--profile ALGORITHM``
-prints torch.profiler's table of one eager step instead.
+threads, and the 1-minute load average over the rounds (min..max). ``--profile ALGORITHM`` prints
+torch.profiler's table of the step instead (compiled as ``--compile``'s first mode says, with a
+row per generated kernel); ``--floor`` sets each step against its floor.
 
 The levers' measured effects: docs/off-policy.md, "Learner speed".
 """
@@ -54,7 +55,12 @@ from .sac_step import gemm_flops_per_s, step_flops, step_times
 
 ALGORITHMS = ("sac", "ppo", "dqn")
 PPO_OBS, PPO_ACT, PPO_MINIBATCH = 11, 3, 128  # Hopper-v5; 1,024 samples per trainer / 8
+PPO_WIDTH = 64  # +experiment=hopper's MLPs
 DQN_OBS, DQN_ACTIONS, DQN_BATCH = 4, 2, 128  # CartPole-v1; the replay's default batch
+DQN_WIDTHS = (120, 84)  # loop=dqn's (CleanRL's) network
+# --floor: widths and batch of the step "with no arithmetic" (its products are a few hundred
+# FLOPs): what is left is the framework's cost per step (Python, dispatch, autograd, Adam).
+TINY = 8
 
 
 def _box(size: int, bound: float = np.inf) -> gym.spaces.Box:
@@ -66,9 +72,10 @@ class PPOLearner:
 
     cycle = 1
 
-    def __init__(self, compile_mode: str = "off") -> None:
+    def __init__(self, compile_mode: str = "off", width: int = PPO_WIDTH,
+                 batch: int = PPO_MINIBATCH) -> None:
         torch.manual_seed(0)
-        self.settings = PPOSettings(hidden_size=64, lr=3e-4, update_epochs=10,
+        self.settings = PPOSettings(hidden_size=width, lr=3e-4, update_epochs=10,
                                     num_minibatches=8)
         self.ppo = PPO(self.settings, Spaces(observation=_box(PPO_OBS),
                                              action=_box(PPO_ACT, 1.0)))
@@ -77,13 +84,12 @@ class PPOLearner:
         self.model = sac_step.trained(self.net)
         self.optimizer = self.ppo.optimizer(self.net)
         g = torch.Generator().manual_seed(0)
-        obs, actions = torch.randn(PPO_MINIBATCH, PPO_OBS, generator=g), \
-            torch.randn(PPO_MINIBATCH, PPO_ACT, generator=g)
+        obs, actions = torch.randn(batch, PPO_OBS, generator=g), \
+            torch.randn(batch, PPO_ACT, generator=g)
         with torch.no_grad():
             logprobs, _, values = self.net(obs, actions)
-        self.batch = _Batch(obs, actions, logprobs, None,
-                            torch.randn(PPO_MINIBATCH, generator=g),
-                            values + torch.randn(PPO_MINIBATCH, generator=g), values)
+        self.batch = _Batch(obs, actions, logprobs, None, torch.randn(batch, generator=g),
+                            values + torch.randn(batch, generator=g), values)
 
     def step(self) -> None:
         _minibatch_step(self.model, self.optimizer, self.batch, self.settings, self.ppo.loss_fn)
@@ -94,16 +100,17 @@ class DQNLearner:
 
     cycle = 1
 
-    def __init__(self, compile_mode: str = "off") -> None:
+    def __init__(self, compile_mode: str = "off", widths: tuple[int, int] = DQN_WIDTHS,
+                 batch: int = DQN_BATCH) -> None:
         torch.manual_seed(0)
-        self.dqn = DQN(DQNSettings(), Spaces(observation=_box(DQN_OBS),
-                                             action=gym.spaces.Discrete(DQN_ACTIONS)))
+        self.dqn = DQN(DQNSettings(hidden_sizes=list(widths)),
+                       Spaces(observation=_box(DQN_OBS), action=gym.spaces.Discrete(DQN_ACTIONS)))
         self.dqn.compile_mode = compile_mode
         self.net = self.dqn.build()
         self.model = sac_step.trained(self.net)
         g = torch.Generator().manual_seed(0)
         self.info = UpdateInfo(self.dqn.optimizer(self.net), g, 0, 0, 0)
-        n = DQN_BATCH
+        n = batch
         self.batch = Batch(obs=torch.randn(n, DQN_OBS, generator=g),
                            actions=torch.randint(DQN_ACTIONS, (n,), generator=g),
                            rewards=torch.ones(n), next_obs=torch.randn(n, DQN_OBS, generator=g),
@@ -119,6 +126,13 @@ _minibatch_step = minibatch_step  # what PPOLearner steps (a lever may replace i
 
 LEARNERS: dict[str, Callable[[str], Any]] = {
     "sac": sac_step.Learner, "ppo": PPOLearner, "dqn": DQNLearner}
+
+# The step with no arithmetic, per algorithm (see TINY).
+TINY_LEARNERS: dict[str, Callable[[], Any]] = {
+    "sac": lambda: sac_step.Learner("off", width=TINY, batch=TINY),
+    "ppo": lambda: PPOLearner("off", width=TINY, batch=TINY),
+    "dqn": lambda: DQNLearner("off", widths=(TINY, TINY), batch=TINY),
+}
 
 
 @contextlib.contextmanager
@@ -271,16 +285,59 @@ def compare(algorithm: str, modes: list[str], rounds: int, steps: int) -> list[d
              "gemm_gflops": peak / 1e9, "load": (min(loads), max(loads))} for mode in modes]
 
 
-def profile(algorithm: str, steps: int = 50) -> str:
-    """torch.profiler's table (by self CPU time) of ``steps`` eager steps."""
+def floor(algorithm: str, rounds: int, steps: int) -> dict[str, Any]:
+    """The step against its floor on these cores: the same step with no arithmetic (widths and
+    batch of ``TINY``: the framework's cost alone) plus the step's FLOPs at the 256x256 product
+    rate, timed interleaved as :func:`compare` does."""
+    full, tiny = LEARNERS[algorithm]("off"), TINY_LEARNERS[algorithm]()
+    times: dict[str, list[float]] = {"step": [], "framework": []}
+    per_round = []  # the step's median per round: the machine's own drift shows here
+    loads = [_load1()]
+    for _ in range(rounds):
+        this_round = step_times(full, steps, warmup=2)
+        times["step"] += this_round
+        per_round.append(statistics.median(this_round) * 1e3)
+        times["framework"] += step_times(tiny, steps, warmup=2)
+        loads.append(_load1())
+    flops = step_flops(LEARNERS[algorithm]("off"))
+    peak = gemm_flops_per_s()
+    step_ms, framework_ms = (statistics.median(times[k]) * 1e3 for k in ("step", "framework"))
+    arithmetic_ms = flops / peak * 1e3
+    return {"algorithm": algorithm, "threads": torch.get_num_threads(),
+            "gflop_per_step": flops / 1e9, "gemm_gflops": peak / 1e9, "step_ms": step_ms,
+            "rounds_ms": (min(per_round), max(per_round)),
+            "framework_ms": framework_ms, "arithmetic_ms": arithmetic_ms,
+            "floor_ms": framework_ms + arithmetic_ms,
+            "rest_ms": step_ms - framework_ms - arithmetic_ms, "load": (min(loads), max(loads))}
+
+
+def floor_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| algorithm | threads | step (its rounds' medians) | framework alone (widths and batch of "
+             f"{TINY}) | its FLOPs at the 256x256 product rate | floor (the two) | the rest "
+             "(elementwise kernels, thin products, threads) | load average, 1 min |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['algorithm']} | {r['threads']} | {r['step_ms']:.3f} ms "
+            f"({r['rounds_ms'][0]:.3f}..{r['rounds_ms'][1]:.3f}) | {r['framework_ms']:.3f} ms | {r['arithmetic_ms']:.3f} ms ({r['gflop_per_step']:.4f}"
+            f" GFLOP at {r['gemm_gflops']:.0f} GFLOP/s) | {r['floor_ms']:.3f} ms "
+            f"| {r['rest_ms']:.3f} ms | {r['load'][0]:.2f}..{r['load'][1]:.2f} |")
+    return lines
+
+
+def profile(algorithm: str, mode: str = "off", steps: int = 50) -> str:
+    """torch.profiler's table (by self CPU time) of ``steps`` steps, compiled as ``mode`` says;
+    compiled, each of Inductor's generated kernels is a row of its own."""
+    import torch._inductor.config as inductor_config
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    learner = LEARNERS[algorithm]("off")
-    step_times(learner, 0)
-    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            learner.step()
+    with inductor_config.patch({"cpp.enable_kernel_profile": mode != "off"}):
+        learner = LEARNERS[algorithm](mode)
+        step_times(learner, 0, warmup=3 * learner.cycle)  # compiles every function it calls
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                learner.step()
     return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
@@ -316,16 +373,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="loop.compile modes to compare, comma-separated")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per mode and round")
-    parser.add_argument("--profile", choices=ALGORITHMS, help="profile one algorithm's step")
+    parser.add_argument("--profile", choices=ALGORITHMS,
+                        help="profile one algorithm's step (compiled as --compile's first mode)")
     parser.add_argument("--lever", choices=sorted(LEVERS),
                         help="time the default step against it with this lever instead")
+    parser.add_argument("--floor", action="store_true",
+                        help="time each step against its floor (the framework alone plus its "
+                             "FLOPs at the product rate) instead")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.profile:
-        print(profile(args.profile))
+        print(profile(args.profile, args.compile[0]))
         return 0
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"Learner steps, {time.strftime('%Y-%m-%d %H:%M')}; load average at the start {load}")
@@ -335,13 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         for algorithm in args.algorithms:
             for count in args.threads:
                 torch.set_num_threads(count)
-                if args.lever is None:
+                if args.floor:
+                    rows.append(floor(algorithm, args.rounds, args.steps))
+                elif args.lever is None:
                     rows += compare(algorithm, args.compile, args.rounds, args.steps)
                 elif algorithm in LEVERS[args.lever][1]:
                     rows += ab(algorithm, args.lever, args.rounds, args.steps)
     finally:
         torch.set_num_threads(threads)
-    print("\n".join(table(rows)))
+    print("\n".join(floor_table(rows) if args.floor else table(rows)))
     return 0
 
 

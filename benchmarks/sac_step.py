@@ -8,7 +8,8 @@ intra-op threads:
 - the floating-point operations of a learner step, counted by torch's ``FlopCounterMode`` and
   averaged over ``policy_frequency`` steps (the actor and alpha steps come every 2nd step, two
   at a time);
-- the step's wall time (median of ``--steps`` steps, after a warm-up) and the rate that gives;
+- the step's wall time (the median over about ``--steps`` steps, timed in whole cycles, after a
+  warm-up) and the rate that gives;
 - this machine's rate on a 256x256 by 256x256 matrix product, the shape of the networks'
   hidden layers, alone: the most the step's products could reach;
 - so the fewest milliseconds a step could take at that rate, against the step's own.
@@ -38,13 +39,13 @@ OBS, ACT, BATCH = 11, 3, 256  # Hopper-v5's observation and action sizes; CleanR
 GEMM = 256  # the hidden layers' width: a 256x256 by 256x256 product is the step's typical one
 
 
-def _batch(generator: torch.Generator) -> Batch:
-    return Batch(obs=torch.randn(BATCH, OBS, generator=generator),
-                 actions=torch.rand(BATCH, ACT, generator=generator) * 2 - 1,
-                 rewards=torch.randn(BATCH, generator=generator),
-                 next_obs=torch.randn(BATCH, OBS, generator=generator),
-                 discounts=torch.full((BATCH,), 0.99), weights=torch.ones(BATCH),
-                 indices=torch.arange(BATCH), extras={})
+def _batch(generator: torch.Generator, size: int = BATCH) -> Batch:
+    return Batch(obs=torch.randn(size, OBS, generator=generator),
+                 actions=torch.rand(size, ACT, generator=generator) * 2 - 1,
+                 rewards=torch.randn(size, generator=generator),
+                 next_obs=torch.randn(size, OBS, generator=generator),
+                 discounts=torch.full((size,), 0.99), weights=torch.ones(size),
+                 indices=torch.arange(size), extras={})
 
 
 def trained(net: torch.nn.Module) -> torch.nn.Module:
@@ -54,20 +55,21 @@ def trained(net: torch.nn.Module) -> torch.nn.Module:
 
 
 class Learner:
-    """One trainer's SAC (no DDP), stepping on random batches of Hopper's shapes."""
+    """One trainer's SAC (no DDP), stepping on random batches of Hopper's shapes (CleanRL's
+    widths and batch unless ``width`` and ``batch`` say otherwise)."""
 
-    def __init__(self, compile_mode: str = "off") -> None:
+    def __init__(self, compile_mode: str = "off", width: int = GEMM, batch: int = BATCH) -> None:
         torch.manual_seed(0)
         spaces = Spaces(observation=gym.spaces.Box(-np.inf, np.inf, (OBS,), np.float32),
                         action=gym.spaces.Box(-1.0, 1.0, (ACT,), np.float32))
-        self.sac = SAC(SACSettings(), spaces)
+        self.sac = SAC(SACSettings(hidden_sizes=[width, width]), spaces)
         self.sac.compile_mode = compile_mode
         self.cycle = self.sac.settings.policy_frequency  # steps of one full cycle
         self.net = self.sac.build()
         self.model = trained(self.net)
         self.generator = torch.Generator().manual_seed(0)
         self.info = UpdateInfo(self.sac.optimizer(self.net), self.generator, 0, 0, 0)
-        self.batch = _batch(self.generator)
+        self.batch = _batch(self.generator, batch)
 
     def step(self) -> None:
         self.sac.learn(self.model, self.net, self.batch, self.info)
@@ -85,14 +87,20 @@ def step_flops(learner: Any) -> float:
 
 
 def step_times(learner: Any, steps: int, warmup: int = 20) -> list[float]:
-    """The seconds of each of ``steps`` learner steps, after ``warmup`` untimed ones."""
+    """Seconds per learner step over about ``steps`` steps, after ``warmup`` untimed ones: one
+    figure per full ``learner.cycle`` of steps (its time / its steps). SAC's steps alternate
+    between a Q step alone and a Q step with two actor steps (3.5 and 11 ms on two threads):
+    a single step's time, or the median of them, is neither's cost nor their mean. Any
+    ``cycle`` steps in a row hold one of each."""
+    cycle = learner.cycle
     for _ in range(warmup):
         learner.step()
     times = []
-    for _ in range(steps):
+    for _ in range(max(1, steps // cycle)):
         start = time.perf_counter()
-        learner.step()
-        times.append(time.perf_counter() - start)
+        for _ in range(cycle):
+            learner.step()
+        times.append((time.perf_counter() - start) / cycle)
     return times
 
 

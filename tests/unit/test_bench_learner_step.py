@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from benchmarks import learner_step
+from benchmarks.sac_step import step_times
 
 pytestmark = pytest.mark.unit
 
@@ -79,3 +82,56 @@ def test_a_lone_trainer_bare_steps_as_ddp_over_a_group_of_one(algorithm: str) ->
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
         moved.append(not torch.equal(ours, untrained[name]))
     assert sum(moved) >= 2, "four steps moved no weights: the comparison would prove nothing"
+
+
+def _ms(cell: str) -> float:
+    return float(cell.split(" ms")[0])
+
+
+def test_each_step_is_set_against_its_floor(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = _rows(capsys, ["--algorithms", "dqn,sac", "--threads", "1", "--rounds", "2",
+                          "--steps", "4", "--floor"])
+    assert [(r[0], r[1]) for r in rows] == [("dqn", "1"), ("sac", "1")]
+    for r in rows:
+        step, framework, arithmetic, floor = (_ms(c) for c in r[2:6])
+        assert framework > 0 and arithmetic > 0
+        assert floor == pytest.approx(framework + arithmetic, abs=2e-3)
+        assert _ms(r[6]) == pytest.approx(step - floor, abs=2e-3)
+    # SAC's 0.6 GFLOP at any CPU's product rate cost milliseconds; its step with no arithmetic
+    # (widths and batch of 8) is then mostly the framework: well under the step itself.
+    sac = rows[1]
+    assert "0.6000 GFLOP" in sac[4] and _ms(sac[3]) < _ms(sac[2])
+
+
+class _Alternating:
+    """A learner whose steps alternate, 1 ms then 5 ms (SAC's Q step, then its Q and actor
+    steps): a cycle of two."""
+
+    cycle = 2
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def step(self) -> None:
+        time.sleep(0.001 if self.steps % 2 == 0 else 0.005)
+        self.steps += 1
+
+
+def test_a_step_is_timed_over_its_whole_cycle() -> None:
+    """One figure per cycle, its time over its steps: never one kind of step alone."""
+    learner = _Alternating()
+    times = step_times(learner, 8, warmup=1)  # an odd warm-up: the cycles start mid-way
+    assert len(times) == 4 and learner.steps == 9
+    # Each figure holds a 1 ms and a 5 ms sleep, so at least 3 ms (a lone 1 ms step: the bug).
+    assert all(0.003 <= t < 1.0 for t in times), times
+
+
+def test_a_compiled_step_is_profiled_kernel_by_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--profile dqn --compile inductor``: a row per kernel Inductor generated (how the
+    docs find SAC's slow mask kernels), where the eager profile has none."""
+    assert learner_step.main(["--profile", "dqn", "--compile", "inductor"]) == 0
+    compiled = capsys.readouterr().out
+    assert "_cpp_fused_" in compiled and "aten::addmm" in compiled
+    assert learner_step.main(["--profile", "dqn"]) == 0
+    eager = capsys.readouterr().out
+    assert "aten::addmm" in eager and "_cpp_fused_" not in eager
