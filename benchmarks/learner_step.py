@@ -332,6 +332,8 @@ def profile(algorithm: str, mode: str = "off", steps: int = 50) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    # Compiled afresh: a step this process compiled before would keep its kernels unprofiled.
+    torch._dynamo.reset()
     with inductor_config.patch({"cpp.enable_kernel_profile": mode != "off"}):
         learner = LEARNERS[algorithm](mode)
         step_times(learner, 0, warmup=3 * learner.cycle)  # compiles every function it calls

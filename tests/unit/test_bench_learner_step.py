@@ -128,7 +128,11 @@ def test_a_step_is_timed_over_its_whole_cycle() -> None:
 
 def test_a_compiled_step_is_profiled_kernel_by_kernel(capsys: pytest.CaptureFixture[str]) -> None:
     """``--profile dqn --compile inductor``: a row per kernel Inductor generated (how the
-    docs find SAC's slow mask kernels), where the eager profile has none."""
+    docs find SAC's slow mask kernels), where the eager profile has none; even where this
+    process compiled the same step before, without the rows."""
+    earlier = learner_step.DQNLearner("inductor")
+    for _ in range(3):
+        earlier.step()
     assert learner_step.main(["--profile", "dqn", "--compile", "inductor"]) == 0
     compiled = capsys.readouterr().out
     assert "_cpp_fused_" in compiled and "aten::addmm" in compiled
