@@ -18,8 +18,8 @@ rounds, each ``--steps`` steps of every mode in turn, so that load from other pr
 on all alike. It prints, per mode, the step's FLOPs (torch's ``FlopCounterMode``), the median
 step time over all rounds, the rate that makes, the machine's 256x256 product rate on as many
 threads, and the 1-minute load average over the rounds (min..max). ``--profile ALGORITHM`` prints
-torch.profiler's table of the step instead (compiled as ``--compile``'s first mode says, with a
-row per generated kernel); ``--floor`` sets each step against its floor.
+torch.profiler's table of the step instead (compiled as ``--compile``'s first mode says, then
+with a table of every kernel Inductor generated); ``--floor`` sets each step against its floor.
 
 The levers' measured effects: docs/off-policy.md, "Learner speed".
 """
@@ -327,12 +327,14 @@ def floor_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def profile(algorithm: str, mode: str = "off", steps: int = 50) -> str:
     """torch.profiler's table (by self CPU time) of ``steps`` steps, compiled as ``mode`` says;
-    compiled, each of Inductor's generated kernels is a row of its own."""
+    compiled, a second table lists every kernel Inductor generated, slowest first."""
     import torch._inductor.config as inductor_config
+    from torch.autograd.profiler_util import EventList
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    # Compiled afresh: a step this process compiled before would keep its kernels unprofiled.
+    # Compiled afresh: dynamo would reuse code this process compiled before (a new module of
+    # the same shapes passes its guards), whose kernels record nothing.
     torch._dynamo.reset()
     with inductor_config.patch({"cpp.enable_kernel_profile": mode != "off"}):
         learner = LEARNERS[algorithm](mode)
@@ -340,7 +342,14 @@ def profile(algorithm: str, mode: str = "off", steps: int = 50) -> str:
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 learner.step()
-    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    events = prof.key_averages()
+    tables = [str(events.table(sort_by="self_cpu_time_total", row_limit=25))]
+    # Each generated kernel is named graph_<n>_cpp_fused_<what it fuses>_<k>.
+    kernels = EventList([e for e in events if "_cpp_fused_" in e.key])
+    if kernels:
+        tables.append(f"Inductor's kernels ({len(kernels)}):\n"
+                      + str(kernels.table(sort_by="self_cpu_time_total", row_limit=-1)))
+    return "\n".join(tables)
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:

@@ -127,15 +127,19 @@ def test_a_step_is_timed_over_its_whole_cycle() -> None:
 
 
 def test_a_compiled_step_is_profiled_kernel_by_kernel(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--profile dqn --compile inductor``: a row per kernel Inductor generated (how the
+    """``--profile dqn --compile inductor``: a table of every kernel Inductor generated (how the
     docs find SAC's slow mask kernels), where the eager profile has none; even where this
-    process compiled the same step before, without the rows."""
+    process compiled the same step before, without them."""
     earlier = learner_step.DQNLearner("inductor")
     for _ in range(3):
         earlier.step()
     assert learner_step.main(["--profile", "dqn", "--compile", "inductor"]) == 0
     compiled = capsys.readouterr().out
-    assert "_cpp_fused_" in compiled and "aten::addmm" in compiled
+    assert "aten::addmm" in compiled and "Inductor's kernels" in compiled, compiled
+    kernels = compiled.split("Inductor's kernels")[1]
+    # DQN's loss and its backward fuse at least the two ReLUs and their backward.
+    assert kernels.count("_cpp_fused_relu") >= 2, kernels
+    assert kernels.count("_cpp_fused_") >= 3, kernels
     assert learner_step.main(["--profile", "dqn"]) == 0
     eager = capsys.readouterr().out
     assert "aten::addmm" in eager and "_cpp_fused_" not in eager
