@@ -312,16 +312,17 @@ def floor(algorithm: str, rounds: int, steps: int) -> dict[str, Any]:
 
 
 def floor_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| algorithm | threads | step (its rounds' medians) | framework alone (widths and batch of "
-             f"{TINY}) | its FLOPs at the 256x256 product rate | floor (the two) | the rest "
-             "(elementwise kernels, thin products, threads) | load average, 1 min |",
+    lines = ["| algorithm | threads | step (its rounds' medians) | framework alone (widths and "
+             f"batch of {TINY}) | its FLOPs at the 256x256 product rate | floor (the two) "
+             "| the rest (elementwise kernels, thin products, threads) | load average, 1 min |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['algorithm']} | {r['threads']} | {r['step_ms']:.3f} ms "
-            f"({r['rounds_ms'][0]:.3f}..{r['rounds_ms'][1]:.3f}) | {r['framework_ms']:.3f} ms | {r['arithmetic_ms']:.3f} ms ({r['gflop_per_step']:.4f}"
-            f" GFLOP at {r['gemm_gflops']:.0f} GFLOP/s) | {r['floor_ms']:.3f} ms "
-            f"| {r['rest_ms']:.3f} ms | {r['load'][0]:.2f}..{r['load'][1]:.2f} |")
+            f"({r['rounds_ms'][0]:.3f}..{r['rounds_ms'][1]:.3f}) | {r['framework_ms']:.3f} ms "
+            f"| {r['arithmetic_ms']:.3f} ms ({r['gflop_per_step']:.4f} GFLOP at "
+            f"{r['gemm_gflops']:.0f} GFLOP/s) | {r['floor_ms']:.3f} ms | {r['rest_ms']:.3f} ms "
+            f"| {r['load'][0]:.2f}..{r['load'][1]:.2f} |")
     return lines
 
 
