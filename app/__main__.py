@@ -38,6 +38,7 @@ from app.launch.environment import mark_job_start, output_subdir, resolve_rank_e
 from app.launch.failures import recording_failures, write_errors_named
 from app.launch.launcher import launcher_for
 from app.launch.planning import check_restarts, check_world_size, validate_job
+from app.launch.private import one_line_override_errors
 from app.output import timeline
 from app.output.layout_picture import (
     describe_layout,
@@ -57,6 +58,7 @@ OmegaConf.register_new_resolver("rlcomm_output_subdir", output_subdir, replace=T
 OmegaConf.register_new_resolver("rlcomm_help", help_text, replace=True)
 register_configs()
 register_launcher_configs()  # hydra/launcher=rlcomm_slurm|rlcomm_local
+one_line_override_errors()  # loop.nosuch=1: one line, exit 2 (app/launch/private.py)
 
 _first_job = True  # the first job of this process starts at the process's start
 PICTURE_AFTER_FAILURE_S = 5.0  # a failed run still waits this long for its layout picture

@@ -102,6 +102,9 @@ class JobInfo:
     rollout_restarts: int | None = None
     # The same for a lost trainer (layout.elastic_trainers, launcher.trainer_restarts).
     trainer_restarts: int | None = None
+    # Seconds a rank asked to stop (SIGTERM) has to end its update and write its last
+    # checkpoint before it ends as SIGTERM would (launcher.shutdown_timeout).
+    stop_grace_s: float = 5.0
 
 
 Direction = Literal["min", "max"]  # lower or higher is better

@@ -1,4 +1,5 @@
-"""Every private API of torch, Python and submitit that the launch room relies on, in one place.
+"""Every private API of torch, Python, Hydra and submitit that the launch room relies on, in one
+place.
 
 Nothing here is documented by its owner; each one is pinned by tests/unit/test_private_apis.py
 (or, where only real processes show it, tests/integration/test_local_launcher_private_apis.py),
@@ -124,3 +125,44 @@ class NoWorkerTraceback(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(WORKER_FAILED_PREFIX)
+
+
+def one_line_override_errors() -> None:
+    """An override Hydra cannot apply (a key the loop's schema has not: ``loop.replay.checkpoint``
+    on PPO) ends ``python -m app`` with one line and exit code 2, as the app's own checks do,
+    instead of Hydra's three lines and exit code 1. Hydra prints its errors inside
+    ``hydra._internal.utils.run_and_report``, which ``hydra.main`` calls; nothing public lets an
+    app print them itself."""
+    from hydra._internal import utils
+    from hydra.errors import ConfigCompositionException
+
+    reporting = utils.run_and_report
+    if getattr(reporting, "one_line", False):
+        return
+
+    def run_and_report(func: Any) -> Any:
+        def guarded() -> Any:
+            try:
+                return func()
+            except ConfigCompositionException as err:
+                line = override_error_line(err)
+                if line is None:
+                    raise
+                print(f"error: {line}", file=sys.stderr)
+                sys.exit(2)
+
+        return reporting(guarded)
+
+    run_and_report.one_line = True  # type: ignore[attr-defined]
+    utils.run_and_report = run_and_report
+
+
+def override_error_line(err: BaseException) -> str | None:
+    """``Could not override 'a.b'`` with its cause (``Key 'b' not in 'Schema'``) as one line
+    naming the override: ``a.b: Key 'b' not in 'Schema'``; None for any other error."""
+    first = str(err).split("\n", 1)[0]
+    if not first.startswith("Could not override '") or err.__cause__ is None:
+        return None
+    key = first[len("Could not override '"):].rstrip(".").rstrip("'")
+    cause = str(err.__cause__).strip().splitlines()[0]
+    return f"{key}: {cause}"

@@ -130,7 +130,8 @@ def _run(
                         "group_creation_s": round(group_creation_s, 3)})
     _write_result(run_dir / "result.json", json.dumps(summary, indent=2))
     # The launcher prints the closing summary (app.output.summary.format_summary) once the ranks end.
-    log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",
+    done = "succeeded" if summary["status"] == "ok" else "stopped when asked"
+    log.info("all %d ranks %s; summary in %s", plan.world_size, done, run_dir / "result.json",
              extra=FILE_ONLY)
     return summary
 
@@ -193,7 +194,8 @@ def _run_loop(
                                  rollout_restarts=(cfg.launcher.rollout_restarts
                                                    if launched_here else None),
                                  trainer_restarts=(cfg.launcher.trainer_restarts
-                                                   if launched_here else None)))
+                                                   if launched_here else None),
+                                 stop_grace_s=float(cfg.launcher.shutdown_timeout)))
     except MembersLostError:
         raise  # its own line names who was lost
     except Exception as err:
@@ -241,8 +243,11 @@ def _summary(
 ) -> dict[str, Any]:
     """Rank 0's ``result.json``: the loop's figures, every rank's report, the timeline."""
     wall_s = time.time() - job_start_time()
+    # A run asked to stop (SIGTERM: app/runtime/stopping.py) ended where its ranks agreed, with
+    # a checkpoint, but short of its own end.
+    stopped = isinstance(result, dict) and result.get("stopped_by")
     summary = {
-        "status": "ok",
+        "status": "stopped" if stopped else "ok",
         "world_size": plan.world_size,
         "loop": loop_name(loop),
         # The figures a sweep compares (app/metrics.py): the loop's, as rank 0 reports them.
@@ -304,7 +309,8 @@ def _join_running_job(
     _seed_everything(cfg.seed + env.rank)
     loop: Loop = cfg.loop
     result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
-                               env=env, joining=True))
+                               env=env, joining=True,
+                               stop_grace_s=float(cfg.launcher.shutdown_timeout)))
     report = {"rank": env.rank, "role": plan.role(env.rank), "host": socket.gethostname(),
               "pid": os.getpid(),
               "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},

@@ -104,6 +104,12 @@ def _training_lines(summary: dict[str, Any]) -> list[str]:
         last = summary["eval"]
         mean = f"{last['return_mean']:.1f}" if last else "-- (no evaluation)"
         of = f"mean return of an evaluation ({summary['eval_episodes']} episodes)"
+    stopped = summary.get("stopped_by")
+    if stopped is not None:  # asked to stop (app/runtime/stopping.py), with a checkpoint
+        reached = (f"; it reached {target:g} after {summary['env_steps_to_target']:,} env steps"
+                   if summary["solved"] else "")
+        return [f"stopped by {stopped} after {summary['env_steps']:,} env steps: {of} is "
+                f"{mean}{reached}; the last checkpoint resumes it (loop.resume=<this run dir>)"]
     if target is None:
         return [f"no target: {of} is {mean} after the budget of {summary['env_steps']:,} "
                 "env steps"]

@@ -24,13 +24,16 @@ def check_tensorboard() -> None:
 
 class ScalarLog:
     """Every finite number of a metrics row becomes the scalar ``<prefix>/<key>``, stepped by
-    env steps (the x-axis RL curves are compared on)."""
+    env steps (the x-axis RL curves are compared on). ``purge_step``: a restart resumed from a
+    checkpoint at ``purge_step - 1`` env steps; TensorBoard hides the events an earlier attempt
+    wrote from there on, which this one writes again (SummaryWriter's ``purge_step``)."""
 
-    def __init__(self, run_dir: Path, prefix: str) -> None:
+    def __init__(self, run_dir: Path, prefix: str, purge_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.prefix = prefix
-        self.writer: Any = SummaryWriter(log_dir=str(run_dir / SUBDIR), flush_secs=10)
+        self.writer: Any = SummaryWriter(log_dir=str(run_dir / SUBDIR), flush_secs=10,
+                                         purge_step=purge_step)
 
     def write(self, row: dict[str, float], step: int) -> None:
         for key, value in row.items():

@@ -18,8 +18,9 @@ import torch
 
 from app.api import JobInfo
 from app.runtime.algorithm import Algorithm
-from app.runtime.checkpoints.checkpoint import run_settings
+from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR, run_settings
 from app.runtime.checkpoints.checkpointer import Checkpointer
+from app.runtime.checkpoints.replay_shards import ReplayShard
 from app.runtime.evaluation.evaluator import Evaluations
 from app.runtime.handoff import HandOff, HandOffSettings, ReplayHooks, build_hand_off
 from app.runtime.handoff.membership_epochs import EpochLeader, epoch_timeout
@@ -100,7 +101,8 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     sharded = is_sharded(plan, loop.data_parallel)
     trained = TrainedModule(ctx, plan, agent.net, loop.data_parallel,
                             elastic=plan.elastic_trainers) if trains and sharded else None
-    replay_link = ReplayLink(ctx, plan, algorithm, segment_format, job.seed)
+    replay_link = ReplayLink(ctx, plan, algorithm, segment_format, job.seed,
+                             job.run_dir / CHECKPOINT_DIR)
     settings = _hand_off_settings(loop, ctx, job, episode_cap, sharded)
     replay = ReplayHooks(write=replay_link.put if replay_link.target is not None else None,
                          served=replay_link.served if replay_link.server is not None else None)
@@ -109,15 +111,18 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     deciders = None if elastic and not trains else (
         ParallelMode.TRAIN_DATA_PARALLEL if elastic else ParallelMode.GLOBAL)
     parts = Rank(loop, ctx, job, agent, algorithm, hand_off, replay_link, deciders,
-                 collector=collector, split_s=split_s)
+                 collector=collector, state=RunState.for_window(loop.window), split_s=split_s)
     if trains and plan.elastic_trainers:
         parts.trainers = _trainer_group(parts, settings.timeout_s)
     if trains:
         trained = trained or TrainedModule(ctx, plan, agent.net, loop.data_parallel,
                                            elastic=plan.elastic_trainers)
         parts.trainer = Trainer(ctx, plan, algorithm, agent, trained, job.seed, split_s)
-        parts.checkpointer = Checkpointer(ctx, job.run_dir, loop.checkpoint_every, parts.trainer,
-                                          run_settings(loop, spaces))
+        parts.checkpointer = Checkpointer(ctx, job.run_dir, loop.cadence(), parts.trainer,
+                                          run_settings(loop, spaces),
+                                          replay=_checkpointed_replay(algorithm, plan),
+                                          holder=(plan.trainers.index(rank), len(plan.trainers)),
+                                          on_save=replay_link.save_shards)
     if loop.eval_every and deciders is not None:  # beside training, in the lead trainer's process
         parts.evaluations = Evaluations(loop, ctx, min(plan.trainers), deciders, job.run_dir)
     return parts
@@ -147,6 +152,17 @@ def _trainer_group(parts: Rank, timeout_s: float) -> TrainerGroup:
                          replicas=plan.replicas if plan.trainer_replicas > 1 else ())
     group.begin()
     return group
+
+
+def _checkpointed_replay(algorithm: Algorithm[Any], plan: LayoutPlan) -> ReplayShard | None:
+    """A trainer's own replay shard, where ``loop.replay.checkpoint`` saves it with each
+    checkpoint; None otherwise (on-policy, the option off, or replay ranks hold the replay)."""
+    settings = algorithm.replay_settings()
+    if settings is None or plan.replay or not settings.checkpoint:
+        return None
+    learner: Any = algorithm  # an OffPolicyAlgorithm, which this module cannot import (a circle)
+    shard: ReplayShard = learner.replay
+    return shard
 
 
 def _own_replay_size(algorithm: Algorithm[Any], plan: LayoutPlan) -> Callable[[], int] | None:

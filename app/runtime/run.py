@@ -17,11 +17,13 @@ import torch
 from app.api import JobInfo
 from app.output import timeline
 from app.output.progress import StopRule
+from app.runtime import stopping
 from app.runtime.algorithm import Segment
-from app.runtime.checkpoints.checkpointer import note_resume, resume
+from app.runtime.checkpoints.checkpoint import Resumable
+from app.runtime.checkpoints.checkpointer import is_own, note_resume, resume
 from app.runtime.compose import Rank, build_rank
 from app.runtime.handoff import Round
-from app.runtime.records.recorder import Recorder
+from app.runtime.records.recorder import Recorder, RecordsMark
 from app.runtime.records.rows import Attempt, time_split
 from app.runtime.roles.decider import Decider
 from app.runtime.settings import RunSettings
@@ -43,19 +45,33 @@ class RankRun:
         self.decider: Decider | None = None
 
     def run(self) -> dict[str, Any]:
+        # Asked to stop (SIGTERM), the deciding ranks stop where they agree, with a checkpoint;
+        # a rank that follows its trainer is stopped by it (app/runtime/stopping.py).
+        restore = stopping.listen(self.rank.job.stop_grace_s)
+        try:
+            return self._run()
+        except BaseException:
+            if stopping.asked():  # it was stopped: not a cause of the run's failure
+                stopping.die()
+            raise
+        finally:
+            restore()
+
+    def _run(self) -> dict[str, Any]:
         rank = self.rank
-        rows = self._resume()
+        resumed = self._resume()
         first_update, first_steps = self.state.update, self.state.env_steps  # this attempt's start
         start, cpu_start = time.perf_counter(), time.process_time()
         self.state.attempt_start = start
         if rank.deciders is not None:
-            self.decider = self._decider(rows, (start, first_steps))
+            self.decider = self._decider(resumed, (start, first_steps))
         try:
             self._loop()
         except BaseException:
             if self.decider is not None:
                 self.decider.close()
             raise
+        stopping.reached()  # a stop asked ends here like any other: no grace any more
         timeline.mark("stop")
         timeout_s = rank.ctx.timeout.total_seconds()
         if self.decider is not None:
@@ -92,7 +108,7 @@ class RankRun:
             handed = self._collect(version)
             if handed is None:  # told by its trainer: the run stopped
                 break
-            state.episodes.extend(handed.episodes)
+            state.learn(handed.episodes)
             if decider is not None:
                 decider.share_evaluation(handed.shared)
             state.env_steps += int(handed.shared.pop("segments")) * per_segment
@@ -103,20 +119,21 @@ class RankRun:
                 self._trainers_changed()
             timeline.mark("first_update")  # the first time counts (app/output/timeline.py)
             if decider is not None and decider.after_update(
-                    version, handed.episodes, losses, handed.shared, self.hand_off.stats.transfer_s):
-                break  # the target is reached (loop.stop_at_target)
+                    version, handed.episodes, losses, handed.shared,
+                    self.hand_off.stats.transfer_s, handed.stop_asked):
+                break  # the target is reached (loop.stop_at_target), or a stop was asked
             going = self._more_steps() and self._admit_trainers() and \
                 self._sync_weights(first=False)
             if going and decider is not None:
                 decider.evaluate(self.hand_off.version(state.update), rank.agent)
 
-    def _decider(self, rows: list[dict[str, float]], started: tuple[float, int]) -> Decider:
+    def _decider(self, resumed: RecordsMark | None, started: tuple[float, int]) -> Decider:
         rank, loop = self.rank, self.loop
         assert rank.deciders is not None
         rule: StopRule | None = loop.stop_rule() if loop.progress else None
         trainers = rank.trainer.count if rank.trainer is not None else None
         recorder = Recorder(rank.ctx, rank.job.run_dir, self._name(), rank.algorithm.losses,
-                            trainers, rows, (rule, loop.tensorboard))
+                            trainers, resumed, (rule, loop.tensorboard))
         if recorder.view is not None:
             self.hand_off.on_wait = recorder.waiting
         return Decider(loop, self.state, rank.deciders, recorder, rank.checkpointer,
@@ -161,6 +178,7 @@ class RankRun:
         rank.split_s["comm"] += time.perf_counter() - tick
         if handed is not None and "epoch" in handed.shared:
             handed.shared["epoch"] += self.state.epoch_base
+            self.state.epoch = int(handed.shared["epoch"])
         return handed
 
     def _train(self, segments: list[Segment]) -> dict[str, float]:
@@ -170,18 +188,27 @@ class RankRun:
         self.rank.split_s["comm"] += time.perf_counter() - tick
         return self.rank.trainer.train(segments, self.state)
 
-    def _resume(self) -> list[dict[str, float]]:
-        """The checkpoint the run resumes from, if any, into this rank; the metrics rows
-        recorded before this attempt."""
+    def _resume(self) -> RecordsMark | None:
+        """The checkpoint the run resumes from, if any, into this rank (a replay rank's shard
+        too: then it serves); where this run's records stood at it, when it is this run's own
+        (a restart: the history files go on from there)."""
+        picked = self._picked()
+        rank = self.rank
+        rank.replay_link.begin(picked.path if picked is not None else None,
+                               int(picked.state["update"]) if picked is not None else 0)
+        if picked is None or rank.deciders is None or not is_own(picked, rank.job):
+            return None
+        return RecordsMark.of_checkpoint(picked.state, rank.job.run_dir)
+
+    def _picked(self) -> Resumable | None:
         rank = self.rank
         if rank.deciders is None:
-            note_resume(rank.ctx, rank.job, self.loop.resume)
-            return []
+            return note_resume(rank.ctx, rank.job, self.loop.resume)
         if rank.trainers is not None and rank.trainers.joining:  # from a live trainer instead
             assert rank.checkpointer is not None
             heal(rank.ctx, rank.checkpointer, self.state, rank.trainers.lead,
                  [rank.ctx.get_global_rank()])
-            return []
+            return None
         return resume(rank.ctx, rank.job, self.loop.resume, rank.deciders, rank.checkpointer,
                       rank.agent, self.state)
 

@@ -22,6 +22,7 @@ from app.output.logs import write_console
 from app.output.progress import StopRule
 from app.output.tensorboard import SUBDIR, check_tensorboard
 from app.runtime.algorithm import Algorithm, AlgorithmSettings, Spaces
+from app.runtime.checkpoints.cadence import DEFAULT_INTERVAL_S, DEFAULT_KEEP, Cadence
 from app.runtime.checkpoints.checkpoint import (
     CHECKPOINT_DIR,
     newest_valid_checkpoint,
@@ -63,7 +64,26 @@ class RunSettings:
         "reached, for time_to_target_s, and train on to the budget)"
     )
     window: int = setting(20, "episodes in the stop rule's mean return")
-    checkpoint_every: int = setting(10, "updates between checkpoints; 0 disables them")
+    checkpoint_every: int | None = setting(
+        None, "updates between checkpoints (null: every checkpoint_every_s seconds of training "
+        "instead; 0: no checkpoints at all, not even the last)"
+    )
+    checkpoint_every_s: float = setting(
+        DEFAULT_INTERVAL_S, "seconds of training between checkpoints while checkpoint_every is "
+        "null (0: only the last one and one when asked to stop, SIGTERM)"
+    )
+    checkpoint_keep: int = setting(
+        DEFAULT_KEEP, "the newest checkpoints kept; older ones are removed once a newer one is "
+        "durable (checkpoints/best and milestones apart)"
+    )
+    milestone_every: int = setting(
+        0, "also keep the first checkpoint at or past every multiple of N updates, in "
+        "checkpoints/milestones/ (0: none)"
+    )
+    milestone_every_s: float = setting(
+        0.0, "also keep the first checkpoint at or past every multiple of N seconds of "
+        "training, in checkpoints/milestones/ (0: none)"
+    )
     resume: str | None = setting(None, "a checkpoint file, or a run dir holding checkpoints/ (its newest valid one)")
     progress: bool = setting(True, "rank 0's progress line: a bar on a terminal, plain lines otherwise")
     tensorboard: bool = setting(False, "TensorBoard scalars under <run dir>/tensorboard (the tensorboard extra)")
@@ -191,8 +211,7 @@ class RunSettings:
                           f"got {self.data_parallel!r}")
         if self.window < 1:
             errors.append(f"window: must be a positive integer, got {self.window}")
-        if self.checkpoint_every < 0:
-            errors.append(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
+        errors += self.cadence().range_errors()
         if self.max_staleness < 0:
             errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
         if self.verify_weights_every < 0:
@@ -278,6 +297,11 @@ class RunSettings:
 
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
         return self.compiling(self.algorithm(self.hparams, spaces))
+
+    def cadence(self) -> Cadence:
+        """When trainers checkpoint and what they keep (app/runtime/checkpoints/cadence.py)."""
+        return Cadence(self.checkpoint_every, self.checkpoint_every_s, self.checkpoint_keep,
+                       self.milestone_every, self.milestone_every_s)
 
     def compiling(self, algorithm: Algorithm[Any]) -> Algorithm[Any]:
         """``algorithm``, set to compile its update as ``loop.compile`` says."""
@@ -378,6 +402,7 @@ class RunSettings:
             "time_to_target_s": result["time_to_target_s"],
             "env_steps_to_target": result["env_steps_to_target"],
             "final_mean_return": final if np.isfinite(final) else None,
+            **({"stopped_by": result["stopped_by"]} if result.get("stopped_by") else {}),
             "env_steps": result["env_steps"],
             "updates": result["updates"],
             "train_wall_s": result["wall_s"],
@@ -389,7 +414,8 @@ class RunSettings:
             **({"replay": result["replay"]} if "replay" in result else {}),
             "files": {
                 name: str(run_dir / name)
-                for name in ("metrics.csv", "learning_curve.png", CHECKPOINT_DIR, SUBDIR,
+                for name in ("metrics.csv", "episodes.csv", "learning_curve.png", CHECKPOINT_DIR,
+                             SUBDIR,
                              "videos/best.mp4", "videos/last.mp4")
                 if (run_dir / name).exists()
             },

@@ -58,6 +58,7 @@ def test_a_sac_run_resumes_its_targets_alpha_adam_and_replay_counters(tmp_path: 
     assert before["alpha"] < 0.99  # tuned away from its start (1), so a reset would show
 
     second = run_app(*TINY, "loop.total_env_steps=1536", "loop.checkpoint_every=1",
+                     "loop.checkpoint_keep=100",  # every one kept: the first is read below
                      f"loop.resume={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'b'}")
     assert second.returncode == 0, describe(second)
     rows = metrics(tmp_path / "b")

@@ -88,9 +88,9 @@ def _write(rank: int, world: int, grid: str, run_dir: Path, update: int,
         optimizer.step()
         trained.publish()
         group = ctx.get_group(ParallelMode.TRAIN_DATA_PARALLEL)
-        state = TrainingState(update, 512 * update, [(10.0, 10)], [{"update": float(update)}],
-                              {"loop.model.width": MODEL["width"]},
-                              {"obs_moments": torch.arange(3.0)})
+        state = TrainingState(update, 512 * update, [(10.0, 10)],
+                              settings={"loop.model.width": MODEL["width"]},
+                              normalizers={"obs_moments": torch.arange(3.0)})
         path = save_sharded_checkpoint(run_dir, trained, optimizer, group, state)
         return {"path": path, **(_whole(trained, optimizer) if whole else {})}
     finally:
@@ -175,7 +175,7 @@ def test_each_fsdp_trainer_writes_its_own_quarter_and_rank_0_the_rest(
     # Rank 0's state.pt: no tensor of the policy, a manifest of every other file.
     state = load_checkpoint(folder)
     assert "policy" not in state and "optimizer" not in state
-    assert state["update"] == 2 and state["env_steps"] == 1024 and state["format"] == 3
+    assert state["update"] == 2 and state["env_steps"] == 1024 and state["format"] == 4
     assert state["policy_shapes"]["layers.0.attention.wq.weight"] == [128, 128]
     assert (folder / STATE_FILE).stat().st_size < min(sizes)
     assert sorted(state["files"]) == names[:-1]

@@ -114,7 +114,15 @@ BAD_OVERRIDES = [
     (["loop=ppo", "loop.nosuch=1"], "Key 'nosuch'"),
     (["loop=ppo", "loop.window=0"], "loop.window: must be a positive integer, got 0"),
     (["loop=ppo", "loop.total_env_steps=100"], "loop.total_env_steps: must allow at least one update (2048 env steps"),
-    (["loop=ppo", "loop.checkpoint_every=-1"], "loop.checkpoint_every: must be >= 0, got -1"),
+    (["loop=ppo", "loop.checkpoint_every=-1"], "loop.checkpoint_every: must be >= 0 (or null), got -1"),
+    (["loop=ppo", "loop.checkpoint_every_s=-1"], "loop.checkpoint_every_s: must be >= 0, got -1.0"),
+    (["loop=ppo", "loop.checkpoint_keep=0"],
+     "loop.checkpoint_keep: must be >= 1 while checkpoints are on (loop.checkpoint_every=0 turns "
+     "them off), got 0"),
+    (["loop=ppo", "loop.milestone_every_s=-2"], "loop.milestone_every_s: must be >= 0, got -2.0"),
+    (["loop=dqn", "loop.replay.checkpoint=true", "loop.checkpoint_every=0"],
+     "loop.replay.checkpoint: true, but checkpoints are off (loop.checkpoint_every=0)"),
+
     (["loop=ppo", "loop.max_staleness=-1"], "loop.max_staleness: must be >= 0, got -1"),
     (["loop=ppo", "loop.min_rollouts=0"], "loop.min_rollouts: must be >= 1, got 0"),
     # Rank r's environments are seeded seed x 10000 + r: gymnasium refuses a negative seed.

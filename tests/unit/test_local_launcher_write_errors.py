@@ -33,7 +33,7 @@ from app.launch.failures import (
 )
 from app.launch.local import read_result
 from app.output.logs import RankFileHandler, quiet_file_errors
-from app.runtime.records import MetricsFile
+from app.runtime.records import HistoryFile
 from tests.helpers.disks import fill
 
 # ---- the line: unit tests ----------------------------------------------------------------------
@@ -160,12 +160,12 @@ def test_metrics_rows_written_before_the_disk_filled_stay_whole(
 ) -> None:
     disk = tmpfs("64k")
     fill(disk, leave=8192)
-    metrics = MetricsFile(disk / "metrics.csv", [])
+    metrics = HistoryFile(disk / "metrics.csv")
     row = {"update": 0.0, "env_steps": 0.0, "mean_return": 21.123456789, "pg_loss": -0.0123456789}
     written = 0
     with pytest.raises(OSError) as caught:
         for update in range(1, 10_000):
-            metrics.append({**row, "update": float(update)})
+            metrics.append([{**row, "update": float(update)}])
             written = update
     metrics.close()
     assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(disk / "metrics.csv")

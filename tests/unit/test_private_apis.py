@@ -239,6 +239,15 @@ def _queue_callback() -> None:
     assert ran == [[3.0, 4.0]], ran
 
 
+def _hydra_run_and_report() -> None:
+    from hydra import main
+    from hydra._internal import utils
+
+    assert "run_and_report(" in inspect.getsource(utils._run_hydra)
+    assert "_run_hydra(" in inspect.getsource(main)
+    assert list(inspect.signature(utils.run_and_report).parameters) == ["func"]
+
+
 PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("torch.testing._internal.distributed.fake_pg.FakeStore", "rlcomm/net/rendezvous.py, benchmarks/scale.py: the fake backend", _fake_store),
     ("torch._foreach_copy_", "rlcomm/weights/buffers.py: packing many tensors in one call", _foreach_copy),
@@ -258,6 +267,7 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("multiprocessing.forkserver's state and main", "app/launch/private.py: fork_forkserver", _forkserver_state),
     ("torch.distributed._composable.replicate_with_fsdp.replicate", "app/runtime/sharding.py: DDP over a tensor-parallel policy", _composable_replicate),
     ("torch.autograd.Variable._execution_engine.queue_callback", "app/runtime/trainers/gradients.py: gradients averaged at a backward pass's end", _queue_callback),
+    ("hydra._internal.utils.run_and_report", "app/launch/private.py: one_line_override_errors", _hydra_run_and_report),
 ]
 
 

@@ -36,8 +36,8 @@ def _save(run_dir: Path, update: int, loop: PPOLoop | None = None) -> Path:
     """A real checkpoint of a fresh policy, as rank 0 writes it."""
     loop = loop or _loop()
     policy = loop.build_algorithm(loop.spaces).build()
-    state = TrainingState(update, update * 256, [(10.0, 10)], [{"update": float(update)}],
-                          run_settings(loop, loop.spaces))
+    state = TrainingState(update, update * 256, [(10.0, 10)],
+                          settings=run_settings(loop, loop.spaces))
     return save_checkpoint(run_dir, policy, make_optimizer(policy, loop.hparams), state)
 
 

@@ -1,6 +1,8 @@
 """Checkpoints, read by every rank on resume (``loop.resume``, or the agent restarting a failed
 run). A checkpoint holds everything the runtime owns: the policy, the normalisers' statistics, the
-optimizer, the counters, the episodes and the metrics rows. It takes one of two forms:
+optimizer, the counters, the last episodes and how far into the run's history files
+(``metrics.csv``, ``episodes.csv``) the run was; its size does not grow with the run. It takes
+one of two forms:
 
 - ``<run dir>/checkpoints/ckpt_<update>.pt``, one file by rank 0, when the trainers use DDP;
 - ``<run dir>/checkpoints/ckpt_<update>/``, a folder, when the trainers shard it: each
@@ -27,7 +29,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,19 +39,17 @@ from app.output.logs import FILE_ONLY
 from app.runtime.checkpoints.durable import remove_stale, sync_folder, write_synced
 from rlcomm import CommContext, ParallelMode, collectives
 
-if TYPE_CHECKING:
-
-    pass
-
 log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
-CHECKPOINT_KEYS = ("policy", "optimizer", "update", "env_steps", "episodes", "metrics", "torch_rng")
-FORMAT = 2  # a checksum and the writing run's settings (format 1, no "format" key: neither)
+CHECKPOINT_KEYS = ("policy", "optimizer", "update", "env_steps", "episodes", "torch_rng")
+# 4: the last episodes and the history files' offsets instead of every episode and metrics row;
+# 2: a checksum and the writing run's settings (format 1, no "format" key: neither).
+FORMAT = 4
 # A sharded checkpoint's rank-0 STATE_FILE: "files", the manifest of DCP's files, and
 # "policy_shapes", for the check before launch, which reads no shard.
-SHARDED_FORMAT = 3
+SHARDED_FORMAT = 4
 STATE_FILE = "state.pt"
-SHARDED_KEYS = ("update", "env_steps", "episodes", "metrics", "torch_rng", "files", "checksum",
+SHARDED_KEYS = ("update", "env_steps", "episodes", "torch_rng", "files", "checksum",
                 "policy_shapes")
 _NAME = re.compile(r"ckpt_(\d+)(\.pt)?")
 _HASH_CHUNK = 1 << 20
@@ -96,17 +96,20 @@ class Resumable:
 
 @dataclass(frozen=True)
 class TrainingState:
-    """What a checkpoint holds besides the policy and the optimizer: the counters, every
-    finished episode and metrics row so far, the run's settings (:func:`run_settings`), the
-    normalisers' statistics, an elastic run's membership epoch, an off-policy algorithm's own
-    state (``Algorithm.state_dict``; sharded trainers keep none), the seconds trained so far over
+    """What a checkpoint holds besides the policy and the optimizer: the counters, the last
+    finished episodes (what the stop rule reads) and how many there were, where the run's
+    history files stood (``history``: app/runtime/records/recorder.py's ``RecordsMark``, as
+    plain values), the run's settings (:func:`run_settings`), the normalisers' statistics, an
+    elastic run's membership epoch, an off-policy algorithm's own state
+    (``Algorithm.state_dict``; sharded trainers keep none), the seconds trained so far over
     every attempt (``train_s``) and when and at how many env steps the target was first reached
     (``reached_at``), so that a restart keeps the run's history."""
 
     update: int
     env_steps: int
     episodes: list[tuple[float, int]] = field(default_factory=list)
-    metrics: list[dict[str, float]] = field(default_factory=list)
+    episodes_done: int = 0
+    history: Mapping[str, Any] = field(default_factory=dict)
     settings: Mapping[str, Any] = field(default_factory=dict)
     normalizers: Mapping[str, torch.Tensor] = field(default_factory=dict)
     epoch: int | None = None
@@ -287,13 +290,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise ConfigError(f"loop.resume: {str(path)!r} is {problem}") from None
 
 
-def _is_checkpoint(path: Path) -> bool:
+def is_checkpoint(path: Path) -> bool:
     """A ``ckpt_<n>.pt`` file or a ``ckpt_<n>`` folder (never a ``*.tmp``)."""
     match = _NAME.fullmatch(path.name)
     return match is not None and (path.is_file() if match.group(2) else path.is_dir())
 
 
-def _update_of(path: Path) -> int:
+def update_of(path: Path) -> int:
     match = _NAME.fullmatch(path.name)
     return int(match.group(1)) if match else -1
 
@@ -301,16 +304,16 @@ def _update_of(path: Path) -> int:
 def _candidates(path: str | Path) -> list[Path]:
     """The checkpoints at ``path``, newest first (``*.tmp`` never counts)."""
     target = Path(path)
-    if target.is_file() or _is_checkpoint(target):
+    if target.is_file() or is_checkpoint(target):
         return [target]
     if not target.exists():
         raise ConfigError(f"loop.resume: {str(path)!r} does not exist")
     found = [p for folder in (target / CHECKPOINT_DIR, target) if folder.is_dir()
-             for p in folder.iterdir() if _is_checkpoint(p)]
+             for p in folder.iterdir() if is_checkpoint(p)]
     if not found:
         raise NoCheckpointError(
             f"loop.resume: {str(path)!r} holds no checkpoint (ckpt_*.pt or ckpt_*/)")
-    return sorted(found, key=lambda p: (_update_of(p), p.name), reverse=True)
+    return sorted(found, key=lambda p: (update_of(p), p.name), reverse=True)
 
 
 def newest_valid_checkpoint(path: str | Path, shards: bool = True) -> Resumable:
@@ -376,8 +379,8 @@ def resume_source(ctx: CommContext, job: JobInfo, resume: str | None,
 def last_checkpoint_note(folder: Path) -> str:
     """Names the newest complete checkpoint in ``folder`` (renames are atomic: every
     ``ckpt_*.pt`` and ``ckpt_*/`` is whole), for the error of a write that failed."""
-    found = sorted((p for p in folder.glob("ckpt_*") if _is_checkpoint(p)),
-                   key=lambda p: (_update_of(p), p.name))
+    found = sorted((p for p in folder.glob("ckpt_*") if is_checkpoint(p)),
+                   key=lambda p: (update_of(p), p.name))
     return (f"the last checkpoint is {found[-1].name}" if found
             else "no checkpoint was written before")
 
@@ -394,14 +397,15 @@ def named_write_error(err: OSError, final: Path, partial: Path, folder: Path) ->
     return err
 
 
-def checkpoint_content(
+def snapshot(
     policy: torch.nn.Module | Mapping[str, torch.Tensor],
     optimizer: torch.optim.Optimizer | Mapping[str, Any],
     state: TrainingState,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What a flat checkpoint holds, with its checksum: written by :func:`save_checkpoint`,
-    and sent whole to a joining trainer (app/runtime/trainers/healing.py)."""
+    """What a flat checkpoint holds, as of now, without its checksum: copies of every tensor
+    the trainer goes on changing (the policy, the normalisers' statistics, the optimizer's
+    state), so that it can be written while training goes on (:func:`write_checkpoint`)."""
     if isinstance(policy, torch.nn.Module):
         policy = policy.state_dict()
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -410,12 +414,13 @@ def checkpoint_content(
         # Clones: the parameters and the statistics are views of the (larger) send buffer.
         "policy": {k: v.clone() for k, v in policy.items()},
         "normalizers": {k: v.clone() for k, v in state.normalizers.items()},
-        "optimizer": dict(optimizer),
+        "optimizer": cloned(optimizer),
         "update": state.update,
         "env_steps": state.env_steps,
         "epoch": state.epoch,  # the membership epoch of an elastic run (rlcomm.elastic), else None
-        "episodes": state.episodes,
-        "metrics": state.metrics,
+        "episodes": list(state.episodes),
+        "episodes_done": state.episodes_done,
+        "history": dict(state.history),
         "train_s": state.train_s,
         "reached_at": state.reached_at,
         # Minibatch order is seeded per update and environments restart from their seeds.
@@ -426,8 +431,68 @@ def checkpoint_content(
     }
     if state.algorithm:
         written["algorithm"] = dict(state.algorithm)
-    written["checksum"] = content_checksum(written)
     return written
+
+
+def cloned(obj: Any) -> Any:
+    """``obj`` with every tensor in it copied (containers rebuilt, other values shared)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, Mapping):
+        return {key: cloned(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [cloned(item) for item in obj]
+    if isinstance(obj, tuple):
+        return tuple(cloned(item) for item in obj)
+    return obj
+
+
+def checkpoint_content(
+    policy: torch.nn.Module | Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | Mapping[str, Any],
+    state: TrainingState,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a flat checkpoint holds, with its checksum: sent whole to a joining trainer
+    (app/runtime/trainers/healing.py)."""
+    return with_checksum(snapshot(policy, optimizer, state, extra))
+
+
+def with_checksum(content: dict[str, Any]) -> dict[str, Any]:
+    content["checksum"] = content_checksum(content)
+    return content
+
+
+def checkpoint_path(run_dir: Path, update: int, name: str | None = None) -> Path:
+    """Where the flat checkpoint of ``update`` (or ``name``: ``best``) is written."""
+    return run_dir / CHECKPOINT_DIR / (name or f"ckpt_{update:06d}.pt")
+
+
+def write_checkpoint(final: Path, content: dict[str, Any], clear_stale: bool = False) -> Path:
+    """Writes the snapshot ``content`` to ``final`` with its checksum: written aside
+    (``.tmp``), synced, renamed; a failed write removes it and re-raises, an OSError noting the
+    last complete checkpoint. Safe off the training thread: ``content`` is the trainer's no
+    longer (:func:`snapshot`). ``clear_stale``: first remove the ``*.tmp`` a rank killed inside
+    a write left (a process's first write: none of its own can be in flight then)."""
+    folder = final.parent
+    partial = final.with_suffix(".tmp")
+    try:
+        written = with_checksum(content)
+        folder.mkdir(parents=True, exist_ok=True)
+        if clear_stale:
+            remove_stale(folder)
+        write_synced(partial, written)
+        os.replace(partial, final)
+    except BaseException as err:  # an interrupt too: no partial file survives
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        if isinstance(err, OSError):  # the launcher's line names the checkpoint it lost
+            named_write_error(err, final, partial, folder)
+        raise
+    sync_folder(folder)
+    log.info("checkpoint %s (update %d, %d env steps)", final.name, written["update"],
+             written["env_steps"])
+    return final
 
 
 def save_checkpoint(
@@ -438,26 +503,8 @@ def save_checkpoint(
     name: str | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) with its checksum, ``state`` and
-    ``extra`` entries (``state.algorithm`` only when non-empty). Written aside (``.tmp``),
-    synced, renamed; a failed write removes it and re-raises, an OSError noting the last
-    complete checkpoint. ``policy`` and ``optimizer``: the modules, or their whole state dicts
-    (a sharded trainer's, gathered)."""
-    folder = run_dir / CHECKPOINT_DIR
-    written = checkpoint_content(policy, optimizer, state, extra)
-    final = folder / (name or f"ckpt_{state.update:06d}.pt")
-    partial = final.with_suffix(".tmp")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        remove_stale(folder)
-        write_synced(partial, written)
-        os.replace(partial, final)
-    except BaseException as err:  # an interrupt too: no partial file survives
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
-        if isinstance(err, OSError):  # the launcher's line names the checkpoint it lost
-            named_write_error(err, final, partial, folder)
-        raise
-    sync_folder(folder)
-    log.info("checkpoint %s (update %d, %d env steps)", final.name, state.update, state.env_steps)
-    return final
+    """Writes ``ckpt_<update>.pt`` (or ``name``: ``best``) now, in this thread: a
+    :func:`snapshot` written by :func:`write_checkpoint`. ``policy`` and ``optimizer``: the
+    modules, or their whole state dicts (a sharded trainer's, gathered)."""
+    return write_checkpoint(checkpoint_path(run_dir, state.update, name),
+                            snapshot(policy, optimizer, state, extra))

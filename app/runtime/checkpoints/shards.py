@@ -12,6 +12,8 @@ import logging
 import os
 import shutil
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,13 +39,61 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class StagedShards:
+    """A sharded checkpoint under way on one trainer of its ``group``: its folder's final and
+    partial names, DCP's upload of this trainer's shards (``torch.distributed.checkpoint``'s
+    ``async_save``: staged, copied, at once, then written in DCP's thread), and on the group's
+    first rank what its ``state.pt`` holds besides the manifest (``head``)."""
+
+    final: Path
+    partial: Path
+    group: ProcessGroup
+    upload: Future[Any]
+    head: dict[str, Any] | None
+
+
 def save_sharded_checkpoint(run_dir: Path, trained: TrainedModule, optimizer: torch.optim.Optimizer,
                             group: ProcessGroup, state: TrainingState) -> Path | None:
-    """Writes the folder ``ckpt_<update>/``; every trainer of ``group`` (the trainers, no
-    rollout rank) calls it. Each writes its own shards of the policy and the optimizer with
-    ``torch.distributed.checkpoint``; the group's first rank then writes ``state.pt`` (the
-    counters, episodes, metrics, normalisers, RNG, settings, the whole policy's shapes, and the
-    manifest: every other file's SHA-256 and size, hashed by the trainers in turn) and renames
+    """Writes the folder ``ckpt_<update>/``, now: :func:`stage_sharded_checkpoint`, then
+    :func:`finish_sharded_checkpoint`; every trainer of ``group`` calls it."""
+    staged = stage_sharded_checkpoint(run_dir, trained, optimizer, group, state)
+    return finish_sharded_checkpoint(staged) if staged is not None else None
+
+
+def stage_sharded_checkpoint(run_dir: Path, trained: TrainedModule,
+                             optimizer: torch.optim.Optimizer, group: ProcessGroup,
+                             state: TrainingState, clear_stale: bool = True) -> StagedShards | None:
+    """Starts the folder ``ckpt_<update>/``; every trainer of ``group`` (the trainers, no
+    rollout rank) calls it, between two updates. Each stages its own shards of the policy and
+    the optimizer (a copy) and DCP writes them in the background; :func:`finish_sharded_checkpoint`
+    completes the folder. ``group`` carries the checkpoint's collectives only (a group of its
+    own when they run beside training). ``clear_stale``: the first rank first removes the
+    stale ``.tmp`` files a killed rank left (a barrier after it). None on a trainer that
+    returns without raising after a failed cleanup."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    folder = run_dir / CHECKPOINT_DIR
+    final = folder / f"ckpt_{state.update:06d}"
+    partial = folder / f"{final.name}.tmp"
+    me = dist.get_rank(group)
+    if clear_stale and not _cleared(folder, final, partial, group, lead=me == 0):
+        return None
+    head = _state_head(trained, state) if me == 0 else None
+    upload = dcp.async_save(trained.sharded_state(optimizer),
+                            storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
+                            process_group=group)
+    if not isinstance(upload, Future):  # an AsyncSaveResponse (a stager of our own): none here
+        raise TypeError(f"torch.distributed.checkpoint.async_save returned {type(upload)}")
+    return StagedShards(final, partial, group, upload, head)
+
+
+def finish_sharded_checkpoint(staged: StagedShards) -> Path | None:
+    """Completes a staged folder (off the training thread, on its group): once every trainer's
+    shards are written, the trainers hash the files in turn, and the group's first rank writes
+    ``state.pt`` (the counters, last episodes, history offsets, normalisers, RNG, settings, the
+    whole policy's shapes, and the manifest: every other file's SHA-256 and size) and renames
     the folder from ``ckpt_<update>.tmp/``. Never half-written: a failure removes the ``.tmp``
     folder; the first trainer whose own write failed raises it (an OSError naming the
     checkpoint, or its file when the error names one, and noting the last complete
@@ -51,37 +101,39 @@ def save_sharded_checkpoint(run_dir: Path, trained: TrainedModule, optimizer: to
     the first rank."""
     import torch.distributed as dist
 
-    folder = run_dir / CHECKPOINT_DIR
-    final = folder / f"ckpt_{state.update:06d}"
-    partial = folder / f"{final.name}.tmp"
+    group, final, partial = staged.group, staged.final, staged.partial
     me, size = dist.get_rank(group), dist.get_world_size(group)
-    if not _cleared(folder, final, partial, group, lead=me == 0):
-        return None
-    if not _write_shards(trained, optimizer, group, final, partial, me):
+    if not _uploaded(staged, me):
         return None
     files = _hash_in_turn(partial, group, me, size)
-    if me != 0:
+    if staged.head is None:
         return None
-    written: dict[str, Any] = {
+    written = {**staged.head, "files": files}
+    written["checksum"] = content_checksum(written)
+    folder = final.parent
+    _write_state_and_rename(written, folder, final, partial)
+    log.info("checkpoint %s (update %d, %d env steps, %d trainers' shards)", final.name,
+             written["update"], written["env_steps"], size)
+    return final
+
+
+def _state_head(trained: TrainedModule, state: TrainingState) -> dict[str, Any]:
+    """What the first rank's ``state.pt`` holds besides its manifest, as of now."""
+    return {
         "policy_shapes": policy_shapes(trained.net),
         "normalizers": {k: v.clone() for k, v in state.normalizers.items()},
         "update": state.update,
         "env_steps": state.env_steps,
         "epoch": state.epoch,
-        "episodes": state.episodes,
-        "metrics": state.metrics,
+        "episodes": list(state.episodes),
+        "episodes_done": state.episodes_done,
+        "history": dict(state.history),
         "train_s": state.train_s,
         "reached_at": state.reached_at,
         "torch_rng": torch.get_rng_state(),
         "format": SHARDED_FORMAT,
         "settings": dict(state.settings),
-        "files": files,
     }
-    written["checksum"] = content_checksum(written)
-    _write_state_and_rename(written, folder, final, partial)
-    log.info("checkpoint %s (update %d, %d env steps, %d trainers' shards)", final.name,
-             state.update, state.env_steps, size)
-    return final
 
 
 def _cleared(folder: Path, final: Path, partial: Path, group: ProcessGroup, lead: bool) -> bool:
@@ -104,27 +156,25 @@ def _cleared(folder: Path, final: Path, partial: Path, group: ProcessGroup, lead
     return not int(failed)
 
 
-def _write_shards(trained: TrainedModule, optimizer: torch.optim.Optimizer,
-                  group: ProcessGroup, final: Path, partial: Path, me: int) -> bool:
-    """Each trainer's shards into ``partial`` with ``torch.distributed.checkpoint``; False on
-    the trainers that return without raising after a failed write."""
+def _uploaded(staged: StagedShards, me: int) -> bool:
+    """Waits for this trainer's shards; False on the trainers that return without raising
+    after a failed write."""
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.save(trained.sharded_state(optimizer),
-                 storage_writer=dcp.FileSystemWriter(partial, sync_files=True),
-                 process_group=group)
+        staged.upload.result()
     except dcp.CheckpointException as err:  # raised on every trainer, naming each one that failed
         if me == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(staged.partial, ignore_errors=True)
         # One trainer raises, the first that failed (on a full disk every one may have): the
         # run ends with one line. The others return unlogged: on a full disk their logs would
         # fail too, and name a log file instead of the checkpoint.
         if me != min(err.failures, default=0):
             return False
         cause = err.failures[me][0] if me in err.failures else err
+        final = staged.final
         if isinstance(cause, OSError):  # a write through a handle names no file: the folder
-            raise named_write_error(cause, final, partial, final.parent) from None
+            raise named_write_error(cause, final, staged.partial, final.parent) from None
         raise RuntimeError(f"writing {final}: {type(cause).__name__}: {cause}") from cause
     return True
 

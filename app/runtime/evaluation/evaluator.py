@@ -171,7 +171,10 @@ class Evaluations:
         self.run_dir, self.video = run_dir, loop.eval_video
         self._video: Path | None = None  # the running evaluation's first episode
         self.process = BackgroundEvaluator(loop) if ctx.get_global_rank() == lead else None
-        self.done: list[Evaluation] = []
+        # What arrived, kept bounded: the last, the best and how many.
+        self.last: Evaluation | None = None
+        self.best_seen: Evaluation | None = None
+        self.count = 0
         self.best_path: Path | None = None
         self._best_return: float | None = None  # read from checkpoints/best on first need
         self._best: Evaluation | None = None
@@ -186,7 +189,7 @@ class Evaluations:
         collectives.broadcast(self.ctx, self.over, values, src=self.lead)
         arrived = Evaluation.from_tensor(values)
         if arrived is not None:
-            self.done.append(arrived)
+            self._arrived(arrived)
             if self.process is not None:
                 self._keep(arrived)
         return arrived
@@ -202,7 +205,7 @@ class Evaluations:
     @property
     def latest_return(self) -> float:
         """The last evaluation's mean return (-inf before the first): ``loop.stop_on=eval``."""
-        return self.done[-1].return_mean if self.done else float("-inf")
+        return self.last.return_mean if self.last is not None else float("-inf")
 
     def finish(self, timeout_s: float) -> None:
         """The lead trainer waits for an evaluation still running, then ends the process."""
@@ -211,7 +214,7 @@ class Evaluations:
         try:
             last = self.process.poll(timeout_s) if self.process.busy else None
             if last is not None:
-                self.done.append(last)
+                self._arrived(last)
                 self._keep(last)
         finally:
             self.process.close()
@@ -222,10 +225,9 @@ class Evaluations:
 
     def result(self) -> dict[str, Any]:
         """Its part of result.json (the figures, for a sweep to rank by, under ``metrics``)."""
-        last = self.done[-1] if self.done else None
-        best = max(self.done, key=lambda e: e.return_mean) if self.done else None
+        last, best = self.last, self.best_seen
         out: dict[str, Any] = {
-            "evaluations": len(self.done),
+            "evaluations": self.count,
             "eval": asdict(last) if last else None,
             "best_eval": asdict(best) if best else None,
             "metrics": {"eval_return_mean": round(last.return_mean, 2) if last else None,
@@ -237,6 +239,11 @@ class Evaluations:
                 {"path": str(self.best_path), **asdict(self._best)}
                 if self.best_path and self._best else None)
         return out
+
+    def _arrived(self, evaluation: Evaluation) -> None:
+        self.last, self.count = evaluation, self.count + 1
+        if self.best_seen is None or evaluation.return_mean > self.best_seen.return_mean:
+            self.best_seen = evaluation
 
     def _keep(self, evaluation: Evaluation) -> None:
         """The lead trainer keeps what an arrived evaluation left: the best checkpoint and

@@ -18,11 +18,14 @@ class Round:
     """What one update's hand-off brings a rank: the segments it trains on (trainers), the
     finished episodes it learns (every episode of the job, on ranks that take the stop
     decision) and the figures of the update's row (``segments``: how many the job collected;
-    ``staleness``, the waits, and on elastic runs ``members`` and ``epoch``)."""
+    ``staleness``, the waits, and on elastic runs ``members`` and ``epoch``). ``stop_asked``: a
+    rank of a static layout was asked to stop (SIGTERM: app/runtime/stopping.py), so every
+    rank stops after this update."""
 
     segments: list[Segment] = field(default_factory=list)
     episodes: list[Episode] = field(default_factory=list)
     shared: dict[str, float] = field(default_factory=dict)
+    stop_asked: bool = False
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from app.runtime import stopping
 from app.runtime.algorithm import Segment
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round, check_staleness
 from app.runtime.handoff.membership import Unchanging
@@ -119,8 +120,8 @@ class GatherRoute(Unchanging):
         else:
             segments = []
         lag = max((s.lag for s in segments), default=0)
-        episodes, shared = self._share_episodes(mine, lag)
-        return Round(segments, episodes, {"segments": float(self.collectors), **shared})
+        episodes, shared, asked = self._share_episodes(mine, lag)
+        return Round(segments, episodes, {"segments": float(self.collectors), **shared}, asked)
 
     def _gather(self, own: torch.Tensor | None, updates: int) -> list[Segment]:
         """The segments the trainer trains on next, each with its version lag (a rollout rank
@@ -146,15 +147,17 @@ class GatherRoute(Unchanging):
 
     def _share_episodes(
         self, mine: list[Episode], lag: int
-    ) -> tuple[list[Episode], dict[str, float]]:
+    ) -> tuple[list[Episode], dict[str, float], bool]:
         """Everyone learns every finished episode, so all ranks stop at the same update; the
-        same message carries each rank's waiting time and its data's version lag."""
-        packed = torch.full((self.episode_cap + 2, 2), float("nan"))
+        same message carries each rank's waiting time, its data's version lag and whether it
+        was asked to stop (then every rank stops after this update)."""
+        packed = torch.full((self.episode_cap + 3, 2), float("nan"))
         kept = mine[-self.episode_cap :]
         packed[0] = torch.tensor([len(kept), float(self.is_trainer)])
         packed[1] = torch.tensor([self.stats.wait_s, lag])
+        packed[2] = torch.tensor([float(stopping.asked()), 0.0])
         if kept:
-            packed[2 : len(kept) + 2] = torch.tensor(kept, dtype=torch.float32)
+            packed[3 : len(kept) + 3] = torch.tensor(kept, dtype=torch.float32)
         everyone = collectives.all_gather(self.ctx, GLOBAL, packed.unsqueeze(0))
         self.stats.close_wait()
         episodes = []
@@ -162,13 +165,13 @@ class GatherRoute(Unchanging):
         for block in everyone:
             count, trainer = int(block[0, 0].item()), bool(block[0, 1].item())
             waits[trainer].append(float(block[1, 0]))
-            episodes += [(float(r), int(n)) for r, n in block[2 : count + 2].tolist()]
+            episodes += [(float(r), int(n)) for r, n in block[3 : count + 3].tolist()]
         shared = {
             "staleness": float(everyone[:, 1, 1].max()),
             "trainer_wait_s": float(np.mean(waits[True])),
             "rollout_wait_s": float(np.mean(waits[False])) if waits[False] else 0.0,
         }
-        return episodes, shared
+        return episodes, shared, bool(everyone[:, 2, 0].max() > 0)
 
 
 class FollowTrainersRoute(Unchanging):

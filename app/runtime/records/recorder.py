@@ -1,12 +1,18 @@
 """The Recorder: a deciding rank's records of its run, fed one :class:`UpdateRecord` per update.
 
-Every rank that takes the stop decision keeps the metrics rows (trainers average their losses
-over TRAIN_DATA_PARALLEL here); rank 0 also writes them through to ``metrics.csv``, shows the
-progress line, writes TensorBoard scalars and draws ``learning_curve.png`` at the end.
+Every rank that takes the stop decision makes the update's metrics row (trainers average their
+losses over TRAIN_DATA_PARALLEL here) and keeps what its figures read: the last row and a few
+sums, never the run's history. Rank 0 writes the history through to ``metrics.csv`` and
+``episodes.csv`` (app/runtime/records/history.py), shows the progress line, writes TensorBoard
+scalars and draws ``learning_curve.png`` at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +22,16 @@ from app.output.learning_curve import plot_learning_curve
 from app.output.progress import RunProgress, Snapshot, StopRule
 from app.output.tensorboard import ScalarLog
 from app.runtime.evaluation.evaluator import Evaluation
-from app.runtime.records.metrics_file import MetricsFile
+from app.runtime.records.history import (
+    EPISODE_COLUMNS,
+    EPISODES_CSV,
+    METRICS_CSV,
+    HistoryFile,
+    Offset,
+    offset_after_update,
+)
 from app.runtime.records.rows import (
+    COUNT_COLUMNS,
     Attempt,
     UpdateRecord,
     declared_figures,
@@ -28,46 +42,105 @@ from app.runtime.records.rows import (
 from rlcomm import CommContext, ParallelMode, collectives
 
 
+@dataclass(frozen=True)
+class RecordsMark:
+    """How far a run's records were at a checkpoint: each history file's :class:`Offset` (a
+    resume in the same run dir cuts the files back to them) and what the summary counts over
+    the whole run. A checkpoint keeps it as plain values (:meth:`as_saved`)."""
+
+    files: Mapping[str, Offset] = field(default_factory=dict)
+    learner_wait_updates: int = 0
+    env_steps: int = 0  # the checkpoint's: TensorBoard hides the events a restart makes again
+
+    def as_saved(self) -> dict[str, Any]:
+        return {"files": {name: o.as_list() for name, o in self.files.items()},
+                "learner_wait_updates": self.learner_wait_updates}
+
+    @classmethod
+    def from_saved(cls, saved: Mapping[str, Any]) -> RecordsMark:
+        return cls({name: Offset.from_saved(o) for name, o in saved.get("files", {}).items()},
+                   int(saved.get("learner_wait_updates", 0)))
+
+    @classmethod
+    def of_checkpoint(cls, saved: Mapping[str, Any], run_dir: Path) -> RecordsMark:
+        """The mark a checkpoint of this run recorded; one written before checkpoints recorded
+        it (format 4) held every metrics row instead: metrics.csv is cut after its update."""
+        steps = int(saved["env_steps"])
+        if "history" in saved:
+            return dataclasses.replace(cls.from_saved(saved["history"]), env_steps=steps)
+        offset = offset_after_update(run_dir / METRICS_CSV, int(saved["update"]))
+        return cls({METRICS_CSV: offset}, env_steps=steps)
+
+
 class Recorder:
-    """One deciding rank's metrics rows and, on rank 0, everything written from them.
+    """One deciding rank's records and, on rank 0, everything written from them.
 
     ``trainers``: how many there are, on a trainer (its losses are averaged over them); None on
     a rank that trains not (its rows carry NaN losses, and it takes part in no collective here:
-    a collective with the rollout ranks would make them wait every update). ``rows``: those a
-    resumed run recorded before this attempt. ``outputs``: (progress line, TensorBoard), as
+    a collective with the rollout ranks would make them wait every update). ``resumed``: where
+    the records of this run stood at the checkpoint a restart resumed from (None: a new run, or
+    one resumed from another run's checkpoint). ``outputs``: (progress line, TensorBoard), as
     ``loop.progress`` and ``loop.tensorboard`` ask; only rank 0 writes any file."""
 
     def __init__(self, ctx: CommContext, run_dir: Path, name: str, loss_names: tuple[str, ...],
-                 trainers: int | None, rows: list[dict[str, float]],
+                 trainers: int | None, resumed: RecordsMark | None,
                  outputs: tuple[StopRule | None, bool]) -> None:
         self.ctx, self.run_dir, self.name = ctx, run_dir, name
         self.loss_names, self.trainers = loss_names, trainers
-        self.rows = rows
         writes = ctx.get_global_rank() == 0
         rule, tensorboard = outputs
-        self.metrics_file = (MetricsFile(run_dir / "metrics.csv", rows)
-                             if writes and trainers is not None else None)
+        at = resumed.files if resumed is not None else {}
+        self.files: dict[str, HistoryFile] = {} if not writes or trainers is None else {
+            METRICS_CSV: HistoryFile(run_dir / METRICS_CSV, COUNT_COLUMNS, at.get(METRICS_CSV)),
+            EPISODES_CSV: HistoryFile(run_dir / EPISODES_CSV, EPISODE_COUNTS,
+                                      at.get(EPISODES_CSV)),
+        }
         self.view = RunProgress(rule, name) if writes and rule is not None else None
-        self.scalars = ScalarLog(run_dir, name) if writes and tensorboard else None
+        after = resumed.env_steps + 1 if resumed is not None else None
+        self.scalars = ScalarLog(run_dir, name, after) if writes and tensorboard else None
+        # What the figures read: the last row, and sums over this attempt or the whole run.
+        self.last: dict[str, float] | None = None
+        self.rollout_wait_s = 0.0  # this attempt's rows
+        self.learner_wait_updates = resumed.learner_wait_updates if resumed is not None else 0
+        self.agreed: dict[str, bool] = {}  # the last record's flags, as the trainers agreed
 
-    def record(self, record: UpdateRecord) -> dict[str, float]:
-        """The update's row, kept (and written through on rank 0)."""
-        before = self.rows[-1]["transfer_s_total"] if self.rows else 0.0
+    def record(self, record: UpdateRecord,
+               asks: Mapping[str, bool] | None = None) -> dict[str, float]:
+        """The update's row, kept (and written through on rank 0, with its episodes).
+        ``asks``: flags this rank raises (a checkpoint is due, a stop was asked), agreed over
+        the trainers in the same collective as their losses: :attr:`agreed` says whether any
+        trainer raised each (on a rank that trains not: its own)."""
+        asks = dict(asks or {})
+        before = self.last["transfer_s_total"] if self.last else 0.0
         live = float("nan")
         if self.trainers is not None:
+            flags = {f"ask/{name}": float(raised) for name, raised in asks.items()}
             reduced = collectives.all_reduce_dict(
                 self.ctx, ParallelMode.TRAIN_DATA_PARALLEL,
-                {"transfer_s": record.transfer_s, "trainers": 1.0, **record.losses})
+                {"transfer_s": record.transfer_s, "trainers": 1.0, **record.losses, **flags})
             live = reduced["trainers"]  # the trainers live now (elastic trainers: fewer)
             losses = {k: reduced[k] / live for k in self.loss_names}
             total = reduced["transfer_s"]
+            self.agreed = {name: reduced[f"ask/{name}"] > 0 for name in asks}
         else:
             losses, total = dict.fromkeys(self.loss_names, float("nan")), before
+            self.agreed = asks
         row = {**update_row(record, losses, total, before), "trainers": live}
-        self.rows.append(row)
-        if self.metrics_file is not None:
-            self.metrics_file.append(row)
+        self._count(row)
+        if self.files:
+            self.files[METRICS_CSV].append([row])
+            self.files[EPISODES_CSV].append(episode_rows(record))
         return row
+
+    def mark(self) -> RecordsMark:
+        """Where the records stand now, for a checkpoint."""
+        return RecordsMark({name: f.offset for name, f in self.files.items()},
+                           self.learner_wait_updates)
+
+    def sync(self) -> None:
+        """The history written so far, durable (before a checkpoint that records it)."""
+        for history in self.files.values():
+            history.sync()
 
     def show(self, row: dict[str, float], record: UpdateRecord, episodes: int,
              evaluated: Evaluation | None) -> None:
@@ -84,17 +157,19 @@ class Recorder:
             self.view.waiting(what)
 
     def close(self, target: float | None, title: str) -> None:
-        """The run ended: the progress line's last state, the scalars flushed, metrics.csv
-        closed and the learning curve drawn from it (both in the background)."""
+        """The run ended: the progress line's last state, the scalars flushed, the history
+        files closed and the learning curve drawn from metrics.csv (both in the background)."""
         if self.view is not None:
             self.view.close()  # after the last checkpoint notice: the bar is the run's last line
         if self.scalars is not None:  # written before success is reported (app/launch/rank.py)
             in_background(self.scalars.close, name="TensorBoard scalars")
-        if self.metrics_file is None:
+        if not self.files:
             return
-        self.metrics_file.close()
-        if self.rows:
-            in_background(pictures.draw, plot_learning_curve, self.metrics_file.path,
+        for history in self.files.values():
+            history.close()
+        metrics = self.files[METRICS_CSV]
+        if metrics.offset.rows:
+            in_background(pictures.draw, plot_learning_curve, metrics.path,
                           self.run_dir / "learning_curve.png", target, title,
                           name="learning curve")
 
@@ -103,13 +178,29 @@ class Recorder:
         collective over ``over``) with the algorithm's ``declared`` ones, and the replay's part
         of result.json."""
         metrics: dict[str, Any] = job_metrics(self.ctx, self.trainers is not None, attempt, over)
-        return {"metrics": {**metrics, **declared_figures(declared, self.loss_names, self.rows)},
-                **replay_result(self.rows)}
+        return {"metrics": {**metrics, **declared_figures(declared, self.loss_names, self.last)},
+                **replay_result(self.last, self.learner_wait_updates)}
 
-    def rollout_wait_fraction(self, updates: int, elapsed: float) -> float:
+    def rollout_wait_fraction(self, elapsed: float) -> float:
         """An elastic run's: the rollout ranks' waits came with their segments, per row."""
-        waited = sum(row["rollout_wait_s"] for row in self.rows[-updates:] if updates)
-        return round(waited / elapsed, 4)
+        return round(self.rollout_wait_s / elapsed, 4)
+
+    def _count(self, row: dict[str, float]) -> None:
+        self.last = row
+        self.rollout_wait_s += row.get("rollout_wait_s", 0.0)
+        waited = row.get("learner_wait", math.nan)
+        if math.isfinite(waited):
+            self.learner_wait_updates += int(waited)
+
+
+def episode_rows(record: UpdateRecord) -> list[dict[str, float]]:
+    """``episodes.csv``'s rows of the episodes that finished in ``record``'s update."""
+    first = record.episodes_done - len(record.new) + 1
+    return [dict(zip(EPISODE_COLUMNS, (first + i, record.update, record.env_steps, ret, length)))
+            for i, (ret, length) in enumerate(record.new)]
+
+
+EPISODE_COUNTS = frozenset({"episode", "update", "env_steps", "length"})
 
 
 def _snapshot(row: dict[str, float], record: UpdateRecord, episodes: int,

@@ -47,6 +47,7 @@ class UpdateRecord:
     transfer_s: float
     shared: dict[str, float]
     losses: dict[str, float]
+    episodes_done: int = 0
 
 
 def update_row(record: UpdateRecord, losses: dict[str, float], transfer_total: float,
@@ -137,11 +138,11 @@ def time_split(split_s: Mapping[str, float], elapsed: float) -> dict[str, float]
 
 
 def declared_figures(declared: Any, losses: tuple[str, ...],
-                     rows: list[dict[str, float]]) -> dict[str, float | None]:
+                     last: Mapping[str, float] | None) -> dict[str, float | None]:
     """The last update's figures of the algorithm's (``losses``) that its loop declares as
     metrics (``declared``: ``RLLoop.metrics.directions``), for a sweep to rank by (None where
-    a rank trained not)."""
-    last = rows[-1] if rows else {}
+    a rank trained not). ``last``: the last update's row."""
+    last = last or {}
     figures = {}
     for name in losses:
         if name in declared:
@@ -150,15 +151,15 @@ def declared_figures(declared: Any, losses: tuple[str, ...],
     return figures
 
 
-def replay_result(rows: list[dict[str, float]]) -> dict[str, Any]:
+def replay_result(last: Mapping[str, float] | None, waited: int) -> dict[str, Any]:
     """An off-policy run's replay as its last update left it (result.json's ``replay``), from
-    its metrics rows; empty for any other run, and on a rank that trains not (its rows hold
+    its last metrics row, and ``waited``: the updates in which the limiter held the learner
+    back, over the run; empty for any other run, and on a rank that trains not (its rows hold
     NaN: a static rollout rank's, a replay rank's)."""
-    last = rows[-1] if rows else {}
+    last = last or {}
     if not math.isfinite(last.get("replay_size", math.nan)):
         return {}
     names = ("replay_size", "replay_inserts", "replay_samples", "samples_per_insert",
              "priority_spread", "collector_wait_s", "learner_wait_s")
-    waited = sum(int(row.get("learner_wait", 0)) for row in rows)
     return {"replay": {**{n: round(float(last[n]), 4) for n in names},
                        "learner_wait_updates": waited}}

@@ -24,7 +24,7 @@ segments are routed today), fills it from the segments it receives and samples b
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,10 @@ class ReplaySettings:
         128.0, "how many samples the learner may run ahead of or behind samples_per_insert; at "
         "least (batch_size + samples_per_insert) / 2, so that one side can always go on")
     n_step: int = setting(1, "steps summed into a transition's return (1 .. the segment's steps)")
+    checkpoint: bool = setting(
+        False, "save each replay shard (its transitions, priorities and the limiter's counts) "
+        "beside every checkpoint and load it on resume; off, a resumed run refills its replay "
+        "(a shard of capacity transitions can take GBs: its size is shown at launch)")
     prioritized: bool = setting(False, "sample in proportion to priority ** priority_exponent")
     priority_exponent: float = setting(0.6, "alpha of prioritized replay, in [0, 1]")
     importance_exponent: float = setting(0.4, "beta of the importance weights, in [0, 1]")
@@ -159,7 +163,10 @@ class Replay:
     proportional sampling.
 
     ``inserts`` and ``samples`` count transitions over the run (a checkpoint keeps them);
-    ``size`` is how many the shard holds now.
+    ``size`` is how many the shard holds now, in slots ``[0, size)``; ``next_slot`` is where
+    the next transition goes (the oldest is overwritten once the shard is full). A replay
+    checkpoint (``loop.replay.checkpoint``) keeps the held transitions too: :meth:`contents`,
+    :meth:`restore`.
     """
 
     def __init__(self, settings: ReplaySettings, fields: Mapping[str, Record],
@@ -169,6 +176,7 @@ class Replay:
         self.priorities = torch.zeros(settings.capacity, dtype=torch.float64)  # p ** alpha
         self.max_priority = 1.0
         self.size = 0
+        self.next_slot = 0
         self.inserts = 0
         self.samples = 0
 
@@ -189,11 +197,14 @@ class Replay:
         if not self.storage:
             self.storage = {k: torch.zeros(capacity, *v.shape[1:], dtype=v.dtype)
                             for k, v in flat.items()}
-        slots = (self.inserts + count - kept + torch.arange(kept)) % capacity
+        # Slots from next_slot on, not from the insert count: a resumed shard's count is the
+        # run's, while it fills slots [0, size) afresh (sampling draws from those).
+        slots = (self.next_slot + count - kept + torch.arange(kept)) % capacity
         for name, values in flat.items():
             self.storage[name][slots] = values
         self.priorities[slots] = self.max_priority ** self.settings.priority_exponent
         self.inserts += count
+        self.next_slot = (self.next_slot + count) % capacity
         self.size = min(self.size + count, capacity)
         return count
 
@@ -250,6 +261,36 @@ class Replay:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.inserts, self.samples = int(state["inserts"]), int(state["samples"])
         self.max_priority = float(state["max_priority"])
+
+    def contents(self) -> dict[str, Any]:
+        """The transitions held, oldest first, and their stored priorities: copies, which a
+        replay checkpoint writes while the shard goes on changing."""
+        capacity = self.settings.capacity
+        start = self.next_slot if self.size == capacity else 0
+        order = (start + torch.arange(self.size)) % capacity
+        return {"transitions": {name: values[order] for name, values in self.storage.items()},
+                "priorities": self.priorities[order], "max_priority": self.max_priority}
+
+    def restore(self, held: Sequence[Mapping[str, Any]]) -> None:
+        """Transitions :meth:`contents` gave (one shard's, or several shards' dealt to this
+        one), oldest first, into this shard; the newest ``capacity`` are kept. The counters are
+        the checkpoint's own (:meth:`load_state_dict`)."""
+        held = [h for h in held if h["priorities"].numel()]
+        if not held:
+            return
+        capacity = self.settings.capacity
+        names = list(held[0]["transitions"])
+        joined = {n: torch.cat([h["transitions"][n] for h in held])[-capacity:] for n in names}
+        priorities = torch.cat([h["priorities"] for h in held])[-capacity:]
+        kept = int(priorities.numel())
+        if not self.storage:
+            self.storage = {n: torch.zeros(capacity, *v.shape[1:], dtype=v.dtype)
+                            for n, v in joined.items()}
+        for name, values in joined.items():
+            self.storage[name][:kept] = values
+        self.priorities[:kept] = priorities
+        self.size, self.next_slot = kept, kept % capacity
+        self.max_priority = max(float(h["max_priority"]) for h in held)
 
 
 class RateLimiter:

@@ -14,7 +14,7 @@ refill included: the checkpoint keeps the counters, not the contents).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -116,6 +116,7 @@ class LocalReplay:
         self.limiter: RateLimiter | None = None
         # The counters as this attempt's shard started filling: the limiter counts from there.
         self.base = (0, 0)
+        self._saved_base = self.base  # the resumed checkpoint's, for a restored shard
 
     @property
     def inserts(self) -> int:
@@ -157,13 +158,26 @@ class LocalReplay:
                              self.shard.priority_spread())
 
     def state_dict(self) -> dict[str, Any]:
-        return self.shard.state_dict()
+        return {**self.shard.state_dict(), "base": list(self.base)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """A checkpoint's counters; the shard starts empty and refills to its share of
-        ``min_size`` before the learner steps again."""
+        ``min_size`` before the learner steps again, unless :meth:`restore` fills it."""
         self.shard.load_state_dict(state)
         self.base = (self.shard.inserts, self.shard.samples)
+        saved = state.get("base")
+        self._saved_base = (int(saved[0]), int(saved[1])) if saved is not None else self.base
+
+    def contents(self) -> dict[str, Any]:
+        """The shard's transitions and priorities (copies), for a replay checkpoint."""
+        return self.shard.contents()
+
+    def restore(self, held: Sequence[Mapping[str, Any]]) -> None:
+        """A replay checkpoint's shards dealt to this trainer, after the checkpoint's counters
+        (:meth:`load_state_dict`): the limiter counts on as it did, with no refill."""
+        self.shard.restore(held)
+        if self.shard.size:
+            self.base = self._saved_base
 
     def _counted(self) -> tuple[int, int]:
         return self.shard.inserts - self.base[0], self.shard.samples - self.base[1]
@@ -271,9 +285,13 @@ class RemoteReplay:
                 "max_priority": self.max_priority}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """A checkpoint's counters, counted on from (the replay ranks start empty)."""
-        self.offset = {"inserts": int(state["inserts"]), "samples": int(state["samples"])}
+        """A checkpoint's counters, counted on from (the replay ranks start empty); with
+        ``loop.replay.checkpoint`` the replay ranks restore their own counts with their
+        shards, and their answers are the run's totals."""
         self.max_priority = float(state["max_priority"])
+        if self.settings.checkpoint:
+            return
+        self.offset = {"inserts": int(state["inserts"]), "samples": int(state["samples"])}
         self.inserts, self.samples = self.offset["inserts"], self.offset["samples"]
 
     def _counted(self) -> tuple[int, int]:

@@ -12,6 +12,8 @@ size, priority spread).
 - SAMPLE: answered with the rank's share of a batch and its figures (:func:`batch_format`).
 - PRIORITIES: payload float64 ``[2, count]``, the share's slots and new priorities; no answer.
 - STOP: no answer; a replay rank serves until every trainer and writer routed to it said STOP.
+- SAVE: count the update of the checkpoint being written (``loop.replay.checkpoint``); no answer:
+  the replay rank writes its shard beside it, in the background.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from app.runtime.replay.buffer import Batch
 from app.runtime.segments import EPISODE_FIELDS, Field, SegmentFormat
 
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3
-INSERT, ALLOW, SAMPLE, PRIORITIES, STOP = range(5)
+INSERT, ALLOW, SAMPLE, PRIORITIES, STOP, SAVE = range(6)
 # What a replay rank reports with every answer: inserts, samples, size, priority spread.
 STATS = 4
 

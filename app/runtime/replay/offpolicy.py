@@ -21,6 +21,7 @@ replay's counters, not its contents (docs/off-policy.md).
 
 from __future__ import annotations
 
+import logging
 import time
 import typing
 from dataclasses import dataclass
@@ -168,6 +169,18 @@ class OffPolicyAlgorithm(Algorithm[S]):
         self.learner_steps = int(state["learner_steps"])
 
 
+def transition_bytes(spaces: Spaces) -> int:
+    """About what one transition takes in a replay shard: the observation twice (and the
+    next one), the action, the reward, the discount and the priority."""
+    import numpy as np
+
+    def nbytes(space: Any) -> int:
+        shape = space.shape or ()
+        return int(np.prod(shape, dtype=np.int64)) * np.dtype(space.dtype).itemsize
+
+    return 2 * nbytes(spaces.observation) + max(nbytes(spaces.action), 8) + 4 + 4 + 8
+
+
 def hard_update(target: nn.Module, source: nn.Module) -> None:
     """Copy ``source``'s parameters into ``target`` (a target network)."""
     with torch.no_grad():
@@ -225,6 +238,21 @@ class OffPolicyLoop(RLLoop):
             raise ConfigError(f"loop.data_parallel: {self.data_parallel} on this layout shards "
                               "the trainers, but an off-policy loop's replay needs DDP trainers "
                               "(data_parallel=ddp, no tensor or sequence parallelism)")
+        if self.replay.checkpoint:
+            self._check_replay_checkpoint(plan, shards)
+
+    def _check_replay_checkpoint(self, plan: LayoutPlan, shards: int) -> None:
+        """``loop.replay.checkpoint``: checkpoints on, the replay on the trainers; its size is
+        said at launch (the start lines)."""
+        if not self.cadence().on:
+            raise ConfigError("loop.replay.checkpoint: true, but checkpoints are off "
+                              "(loop.checkpoint_every=0)")
+        per = transition_bytes(self.spaces)
+        total = shards * self.replay.capacity * per
+        logging.getLogger("app").info(
+            "loop.replay.checkpoint: up to %.1f MB beside each checkpoint (%d shard%s x %d "
+            "transitions x %d bytes)", total / 1e6, shards, "s" if shards > 1 else "",
+            self.replay.capacity, per)
 
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
         algorithm_cls: Any = self.algorithm  # an OffPolicyAlgorithm: it takes the replay too

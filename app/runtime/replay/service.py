@@ -45,6 +45,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +53,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from app.runtime.algorithm import Algorithm, Record
+from app.runtime.checkpoints.replay_shards import dealt_shards, shard_path, write_shard
+from app.runtime.checkpoints.writes import BackgroundWrites
 from app.runtime.replay.buffer import RateLimiter, Replay, ReplaySettings
 from app.runtime.replay.client import RemoteReplay
 from app.runtime.replay.messages import (
@@ -62,6 +65,7 @@ from app.runtime.replay.messages import (
     PRIORITIES,
     REPLY_TAG,
     SAMPLE,
+    SAVE,
     STOP,
     allow_answer,
     batch_format,
@@ -87,13 +91,17 @@ log = logging.getLogger(__name__)
 
 
 class ReplayServer:
-    """One replay rank's shard, served in a thread (see the module's doc)."""
+    """One replay rank's shard, served in a thread (see the module's doc) once :meth:`start`
+    was called (a resumed run's shard restored first). ``checkpoints``: where its shard is
+    written beside each checkpoint (``loop.replay.checkpoint``: the lead trainer says SAVE)."""
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, settings: ReplaySettings,
                  records: Mapping[str, Record], gamma: float, segment_format: SegmentFormat,
-                 seed: int) -> None:
+                 seed: int, checkpoints: Path) -> None:
         self.group = ctx.get_group(ParallelMode.REPLAY)
         rank = ctx.get_global_rank()
+        self.holder = (plan.replay.index(rank), len(plan.replay))
+        self.checkpoints, self.saves = checkpoints, BackgroundWrites()
         self.share = batch_shares(settings.batch_size, len(plan.replay))[plan.replay.index(rank)]
         self.replay = Replay(dataclasses.replace(settings, batch_size=self.share), records, gamma)
         # The rate limiter, applied here (a trainer asks: ALLOW). A learner step is every
@@ -111,6 +119,18 @@ class ReplayServer:
 
     def start(self) -> None:
         self.thread.start()
+
+    def restore(self, picked: Path, update: int) -> None:
+        """The shards of the checkpoint ``picked`` (of ``update``) dealt to this replay rank,
+        with their counters (before :meth:`start`)."""
+        held = dealt_shards(picked, update, *self.holder)
+        self.replay.restore(held)
+        if held:  # the counters go on from the shard's own (the first, dealt or not)
+            self.replay.load_state_dict({"inserts": sum(int(h["inserts"]) for h in held),
+                                         "samples": sum(int(h["samples"]) for h in held),
+                                         "max_priority": self.replay.max_priority})
+        log.info("restored %d replay transitions from %d shard(s) of %s", self.replay.size,
+                 len(held), picked.name)
 
     def join(self, timeout_s: float) -> None:
         """Until every trainer and writer said STOP; re-raises what stopped the thread."""
@@ -165,8 +185,20 @@ class ReplayServer:
             self.replay.update_priorities(pairs[0].long(), pairs[1])
         elif kind == STOP:
             self.waiting.discard(src)
+            if not self.waiting:
+                self.saves.wait()  # a shard being written is durable before the rank ends
+        elif kind == SAVE:
+            self._save(count)
         else:
             raise RuntimeError(f"replay server: unknown message kind {kind} from rank {src}")
+
+    def _save(self, update: int) -> None:
+        """This rank's shard beside the checkpoint of ``update``, written in the background
+        (the previous one waited for; its error raised here, ending the serving)."""
+        contents = {**self.replay.contents(), "inserts": self.replay.inserts,
+                    "samples": self.replay.samples}
+        path = shard_path(self.checkpoints, update, self.holder[0])
+        self.saves.submit(lambda: write_shard(path, contents, self.holder[1]), path.name)
 
     def _stats(self) -> Tensor:
         replay = self.replay
@@ -185,7 +217,7 @@ class ReplayLink:
     it (``Algorithm.learn_from``), a replay rank serves; without replay ranks, nothing."""
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, algorithm: Algorithm[Any],
-                 segment_format: SegmentFormat, seed: int) -> None:
+                 segment_format: SegmentFormat, seed: int, checkpoints: Path) -> None:
         rank = ctx.get_global_rank()
         self.timeout_s = ctx.timeout.total_seconds()
         self.segment_format = segment_format
@@ -198,6 +230,7 @@ class ReplayLink:
         self.target: int | None = None
         self.remote: RemoteReplay | None = None
         self.server: ReplayServer | None = None
+        self.saves_shards = False
         # A collector writes to its replay rank, unless its trainer writes its segments on.
         if plan.replay and rank in collectors(plan) and not forwards(plan):
             self.target = replay_rank_of(plan, rank)
@@ -217,8 +250,24 @@ class ReplayLink:
         if rank in plan.replay:
             self.server = ReplayServer(ctx, plan, settings, algorithm.records,
                                        algorithm.settings.gamma, segment_format,
-                                       replay_seed(seed, rank))
-            self.server.start()
+                                       replay_seed(seed, rank), checkpoints)
+        self.saves_shards = settings.checkpoint
+
+    def begin(self, picked: Path | None, update: int) -> None:
+        """The run resumed from ``picked`` (a checkpoint of ``update``; None: a fresh start):
+        a replay rank restores its shard from it (``loop.replay.checkpoint``), then serves."""
+        if self.server is None:
+            return
+        if picked is not None and self.saves_shards:
+            self.server.restore(picked, update)
+        self.server.start()
+
+    def save_shards(self, update: int) -> None:
+        """The lead trainer, as it writes the checkpoint of ``update``: every replay rank
+        writes its shard beside it (``loop.replay.checkpoint``)."""
+        if self.remote is not None and self.saves_shards:
+            for server in self.remote.servers:
+                tell(SAVE, server, self.group, update)
 
     def put(self, packed: Tensor) -> Tensor:
         """A collector's packed segment, to its replay rank (:attr:`target`); what the hand-off

@@ -10,9 +10,12 @@ has them, and, on a trainer, checkpoints (its
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from typing import Any
 
+from app.runtime import stopping
 from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.evaluation.evaluator import Evaluations, evaluation_row
 from app.runtime.records.recorder import Recorder
@@ -21,6 +24,9 @@ from app.runtime.settings import RunSettings
 from app.runtime.state import RunState
 from app.runtime.worker import Agent, Episode
 from rlcomm import ParallelMode
+
+log = logging.getLogger(__name__)
+_CLOSING_WRITE_S = 10.0  # a failed run waits this long, at most, for a checkpoint in flight
 
 
 class Decider:
@@ -35,6 +41,7 @@ class Decider:
         self.recorder, self.checkpointer, self.evaluations = recorder, checkpointer, evaluations
         self.start, self.first_steps = started
         self.target = loop.target()  # with loop.stop_at_target=false: noted, not the end
+        self.stopped_by: str | None = None  # a stop asked from outside (SIGTERM), once agreed
 
     def more_steps(self) -> bool:
         return self.state.env_steps < self.loop.total_env_steps
@@ -46,25 +53,37 @@ class Decider:
             shared.update(evaluation_row(self.evaluations.share()))
 
     def after_update(self, version: int, new: list[Episode], losses: dict[str, float],
-                     shared: dict[str, float], transfer_s: float) -> bool:
+                     shared: dict[str, float], transfer_s: float, asked: bool) -> bool:
         """Records the update, notes the first time the target is reached (before a checkpoint
-        due now, which keeps it), checkpoints when due; True when the target is reached and ends
-        the run (``loop.stop_at_target``)."""
+        due now, which keeps it), checkpoints when the trainers agree one is due; True when the
+        run ends here: the target is reached (``loop.stop_at_target``), or a stop was asked
+        (SIGTERM) and the deciders agree on it (``asked``: on a static layout, any rank's ask
+        as the hand-off brought it; otherwise the trainers agree through their records)."""
         state, elapsed = self.state, time.perf_counter() - self.start
         record = UpdateRecord(
             update=state.update, env_steps=state.env_steps,
             attempt_steps=state.env_steps - self.first_steps, elapsed=elapsed, version=version,
             new=new, recent=state.recent_return(self.loop.window), transfer_s=transfer_s,
-            shared=shared, losses=losses)
-        row = self.recorder.record(record)
-        done = self.evaluations.done if self.evaluations is not None else []
-        self.recorder.show(row, record, len(state.episodes), done[-1] if done else None)
+            shared=shared, losses=losses, episodes_done=state.episodes_done)
+        checkpointer = self.checkpointer
+        due = checkpointer is not None and checkpointer.due(state)
+        row = self.recorder.record(record, {"checkpoint": due, "stop": stopping.asked()})
+        agreed = self.recorder.agreed
+        if self.over is not ParallelMode.GLOBAL:
+            asked = agreed["stop"]
+        last = self.evaluations.last if self.evaluations is not None else None
+        self.recorder.show(row, record, state.episodes_done, last)
         reached = self.target is not None and self._quantity() >= self.target
         if reached and state.reached_at is None:  # the first time counts, over every attempt
             state.reached_at = (state.training_s(), state.env_steps)
-        if self.checkpointer is not None and self.checkpointer.due(state.update):
-            self.checkpointer.save(state, self.recorder.rows)
-        return reached and self.loop.stop_at_target
+        if checkpointer is not None:
+            checkpointer.check()  # a background write that failed ends the run here
+            if agreed["checkpoint"] and not asked:  # a stop's checkpoint is the last one
+                checkpointer.save(state, self.recorder.mark().as_saved(), self.recorder.sync)
+        if asked:
+            self.stopped_by = stopping.reason() or "SIGTERM"  # another rank's, if not ours
+            log.info("stopped: asked by %s at update %d", self.stopped_by, state.update)
+        return (reached and self.loop.stop_at_target) or asked
 
     def evaluate(self, version: int, agent: Agent) -> None:
         """Every ``loop.eval_every`` updates: the weights just sent (with the normalisers'
@@ -75,8 +94,7 @@ class Decider:
             return
         if evaluations.process is None:
             return
-        best = (self.checkpointer.best(state, self.recorder.rows)
-                if self.checkpointer is not None else None)
+        best = self.checkpointer.best(state) if self.checkpointer is not None else None
         evaluations.submit(version, state.update, state.env_steps, agent.state_dict(), best)
 
     def finish(self, timeout_s: float) -> None:
@@ -85,13 +103,19 @@ class Decider:
             self.evaluations.finish(timeout_s)
 
     def save_final(self) -> None:
+        """The run's last checkpoint (unless the last update's holds it), durable."""
         if self.checkpointer is not None:
-            self.checkpointer.save_final(self.state, self.recorder.rows)
+            self.checkpointer.save_final(self.state, self.recorder.mark().as_saved(),
+                                         self.recorder.sync)
 
     def close(self) -> None:
-        """The run failed: the evaluator process ends with it."""
+        """The run failed: the evaluator process ends with it, and a checkpoint being written
+        is given a moment to become durable (it holds a good state)."""
         if self.evaluations is not None:
             self.evaluations.close()
+        if self.checkpointer is not None:
+            with contextlib.suppress(Exception):
+                self.checkpointer.writes.wait(_CLOSING_WRITE_S)
 
     def result(self, attempt: Attempt, declared: Any) -> dict[str, Any]:
         """This rank's decider part of result.json: the job's figures and the run's outcome."""
@@ -101,12 +125,14 @@ class Decider:
         # Rollout ranks that take no part in the decision sent their waits with their segments.
         if self.over is not ParallelMode.GLOBAL and attempt.elapsed:
             metrics["rollout_wait_fraction"] = self.recorder.rollout_wait_fraction(
-                attempt.updates, attempt.elapsed)
+                attempt.elapsed)
         evaluated = self.evaluations.result() if self.evaluations is not None else {}
         metrics.update(evaluated.pop("metrics", dict.fromkeys(("eval_return_mean",
                                                                "best_eval_return"))))
         return {
-            "episodes": len(self.state.episodes),
+            "episodes": self.state.episodes_done,
+            **({"stopped_by": self.stopped_by} if self.stopped_by else {}),
+            **(self.checkpointer.figures() if self.checkpointer is not None else {}),
             "mean_return_last_window": round(recent, 2),
             "reached_target": reached_at is not None,
             "time_to_target_s": round(reached_at[0], 2) if reached_at else None,
