@@ -29,6 +29,7 @@ from app.output import timeline
 from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
+from app.output.trackers import close_trackers, finish_trackers
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.elastic import TRAINER_SPACE, closing_members, mark_running
 from rlcomm.errors import MembersLostError, PeerLostError
@@ -73,6 +74,7 @@ def run_rank(
     except BaseException:
         # The traceback lands in this rank's log file; the console gets the launcher's error line.
         log.exception("rank %d failed", env.rank, extra=FILE_ONLY)
+        close_trackers(failed=True)  # rank 0's tracker runs, marked failed where they can be
         raise
 
 
@@ -124,10 +126,14 @@ def _run(
     # flush, app/output/background.py) is written before this rank reports success.
     wait_for_background(float(cfg.comm.timeout))
     if reports is None:
+        close_trackers(failed=False)  # none but on rank 0, which has the reports
         return None
     summary = _summary(cfg, plan, env, run_dir, loop, result, reports,
                        {"startup_s": round(startup_s, 3),
                         "group_creation_s": round(group_creation_s, 3)})
+    # The trackers get the summary's figures and files (every file written by now), then end:
+    # before result.json, so that a run that reports success has them all.
+    finish_trackers(summary["summary"])
     _write_result(run_dir / "result.json", json.dumps(summary, indent=2))
     # The launcher prints the closing summary (app.output.summary.format_summary) once the ranks end.
     log.info("all %d ranks succeeded; summary in %s", plan.world_size, run_dir / "result.json",

@@ -116,7 +116,8 @@ class RankRun:
         rule: StopRule | None = loop.stop_rule() if loop.progress else None
         trainers = rank.trainer.count if rank.trainer is not None else None
         recorder = Recorder(rank.ctx, rank.job.run_dir, self._name(), rank.algorithm.losses,
-                            trainers, rows, (rule, loop.tensorboard))
+                            trainers, rows, (rule, loop.tracking(self.state.resumed_from)),
+                            title=f"{self._name()} {loop.env.id}")
         if recorder.view is not None:
             self.hand_off.on_wait = recorder.waiting
         return Decider(loop, self.state, rank.deciders, recorder, rank.checkpointer,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -16,7 +17,8 @@ class RunState:
     resumed run starts from its checkpoint's. ``epoch_base``: a resumed elastic run's
     membership epochs count on from its checkpoint's. ``reached_at``: when (seconds trained)
     and at how many env steps the target was first reached; ``train_s_before``: seconds trained
-    by this run's earlier attempts, up to the checkpoint this one resumed from."""
+    by this run's earlier attempts, up to the checkpoint this one resumed from;
+    ``resumed_from``: that checkpoint (its run's trackers go on: app/output/trackers/)."""
 
     update: int = 0
     env_steps: int = 0
@@ -24,6 +26,7 @@ class RunState:
     epoch_base: int = 0
     reached_at: tuple[float, int] | None = None
     train_s_before: float = 0.0
+    resumed_from: Path | None = None
     attempt_start: float = field(default_factory=time.perf_counter)
 
     def training_s(self) -> float:

@@ -2,7 +2,8 @@
 
 Every rank that takes the stop decision keeps the metrics rows (trainers average their losses
 over TRAIN_DATA_PARALLEL here); rank 0 also writes them through to ``metrics.csv``, shows the
-progress line, writes TensorBoard scalars and draws ``learning_curve.png`` at the end.
+progress line, feeds its experiment trackers (TensorBoard, W&B, MLflow: app/output/trackers/)
+and draws ``learning_curve.png`` at the end.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from app.output import pictures
 from app.output.background import in_background
 from app.output.learning_curve import plot_learning_curve
 from app.output.progress import RunProgress, Snapshot, StopRule
-from app.output.tensorboard import ScalarLog
+from app.output.trackers import Tracking
 from app.runtime.evaluation.evaluator import Evaluation
 from app.runtime.records.metrics_file import MetricsFile
 from app.runtime.records.rows import (
@@ -34,21 +35,23 @@ class Recorder:
     ``trainers``: how many there are, on a trainer (its losses are averaged over them); None on
     a rank that trains not (its rows carry NaN losses, and it takes part in no collective here:
     a collective with the rollout ranks would make them wait every update). ``rows``: those a
-    resumed run recorded before this attempt. ``outputs``: (progress line, TensorBoard), as
-    ``loop.progress`` and ``loop.tensorboard`` ask; only rank 0 writes any file."""
+    resumed run recorded before this attempt. ``outputs``: (progress line, trackers), as
+    ``loop.progress`` and ``loop.trackers`` ask; only rank 0 writes any file. The trackers stay
+    open past :meth:`close`, until the run's summary is known (app/launch/rank.py)."""
 
     def __init__(self, ctx: CommContext, run_dir: Path, name: str, loss_names: tuple[str, ...],
                  trainers: int | None, rows: list[dict[str, float]],
-                 outputs: tuple[StopRule | None, bool]) -> None:
+                 outputs: tuple[StopRule | None, Tracking | None], title: str = "") -> None:
         self.ctx, self.run_dir, self.name = ctx, run_dir, name
         self.loss_names, self.trainers = loss_names, trainers
         self.rows = rows
         writes = ctx.get_global_rank() == 0
-        rule, tensorboard = outputs
+        rule, tracking = outputs
         self.metrics_file = (MetricsFile(run_dir / "metrics.csv", rows)
                              if writes and trainers is not None else None)
         self.view = RunProgress(rule, name) if writes and rule is not None else None
-        self.scalars = ScalarLog(run_dir, name) if writes and tensorboard else None
+        self.trackers = (tracking.open(run_dir, name, title or name)
+                         if writes and tracking is not None else None)
 
     def record(self, record: UpdateRecord) -> dict[str, float]:
         """The update's row, kept (and written through on rank 0)."""
@@ -71,10 +74,10 @@ class Recorder:
 
     def show(self, row: dict[str, float], record: UpdateRecord, episodes: int,
              evaluated: Evaluation | None) -> None:
-        """The row on rank 0's progress line and in TensorBoard. ``episodes``: finished so
+        """The row on rank 0's progress line and to its trackers. ``episodes``: finished so
         far; ``evaluated``: the last evaluation, if any."""
-        if self.scalars is not None:
-            self.scalars.write({**row, "mean_return_window": record.recent}, record.env_steps)
+        if self.trackers is not None:
+            self.trackers.log({**row, "mean_return_window": record.recent}, record.env_steps)
         if self.view is not None:
             self.view.update(_snapshot(row, record, episodes, evaluated))
 
@@ -84,12 +87,10 @@ class Recorder:
             self.view.waiting(what)
 
     def close(self, target: float | None, title: str) -> None:
-        """The run ended: the progress line's last state, the scalars flushed, metrics.csv
-        closed and the learning curve drawn from it (both in the background)."""
+        """The run ended: the progress line's last state, metrics.csv closed and the learning
+        curve drawn from it (in the background)."""
         if self.view is not None:
             self.view.close()  # after the last checkpoint notice: the bar is the run's last line
-        if self.scalars is not None:  # written before success is reported (app/launch/rank.py)
-            in_background(self.scalars.close, name="TensorBoard scalars")
         if self.metrics_file is None:
             return
         self.metrics_file.close()
