@@ -97,7 +97,7 @@ def test_wandb_offline_and_mlflow_file_store_get_the_config_every_row_the_summar
     assert run.summary["summary/eval.return_mean"] == pytest.approx(summary["eval"]["return_mean"])
     assert {name: sorted(files) for name, files in run.artifacts.items()} == {
         f"outputs-{run.run_id}": ["learning_curve.png", "videos/best.mp4", "videos/last.mp4"]}
-    assert run.exit_code == 0 and not run.resumable
+    assert run.exit_code == 0 and not run.resumable and run.project == "rlcomm"
 
     # MLflow: one run in the run dir's own file store.
     client = mlflow_client((run_dir / "mlruns").as_uri(), monkeypatch)
@@ -132,15 +132,16 @@ def test_a_resumed_run_goes_on_with_its_tracker_runs_and_logs_no_step_twice(
     # A store both runs reach (MLflow's own variable): the same MLflow run can go on.
     store = (tmp_path / "shared-mlruns").as_uri()
     env = offline(tmp_path, MLFLOW_TRACKING_URI=store)
-    trackers = "loop.trackers=[wandb,mlflow]"
-    proc = run_app(trackers, *SMALL, f"loop.total_env_steps={4 * PER_UPDATE}",
+    # Both named by loop.tracker_project: W&B's project, MLflow's experiment.
+    trackers = ("loop.trackers=[wandb,mlflow]", "loop.tracker_project=resumes")
+    proc = run_app(*trackers, *SMALL, f"loop.total_env_steps={4 * PER_UPDATE}",
                    "loop.checkpoint_every=2", f"hydra.run.dir={first}", env=env,
                    timeout=TIMEOUT_S)
     assert proc.returncode == 0, describe(proc)
     # From the checkpoint at update 2, while the trackers hold updates 1-4 (as after a run that
     # failed past its last checkpoint): updates 3 and 4 are trained again, not logged again.
     checkpoint = first / "checkpoints" / "ckpt_000002.pt"
-    proc = run_app(trackers, *SMALL, f"loop.total_env_steps={6 * PER_UPDATE}",
+    proc = run_app(*trackers, *SMALL, f"loop.total_env_steps={6 * PER_UPDATE}",
                    "loop.checkpoint_every=2", f"loop.resume={checkpoint}",
                    f"hydra.run.dir={resumed}", env=env, timeout=TIMEOUT_S)
     assert proc.returncode == 0, describe(proc)
@@ -151,6 +152,7 @@ def test_a_resumed_run_goes_on_with_its_tracker_runs_and_logs_no_step_twice(
     # second resumable and starting after the first's last step.
     (before,), (after,) = wandb_runs(first), wandb_runs(resumed)
     assert after.run_id == before.run_id and after.resumable
+    assert before.project == after.project == "resumes"
     assert sorted(before.history) == [PER_UPDATE * u for u in (1, 2, 3, 4)]
     assert sorted(after.history) == [PER_UPDATE * u for u in (5, 6)]
     new_rows = {int(r["env_steps"]): r for r in metrics(resumed)}
@@ -160,6 +162,7 @@ def test_a_resumed_run_goes_on_with_its_tracker_runs_and_logs_no_step_twice(
     # MLflow: one run, every step once, finished; its parameters are the first attempt's.
     client = mlflow_client(store, monkeypatch)
     (found,) = mlflow_runs(client)
+    assert client.get_experiment(found.info.experiment_id).name == "resumes"
     logged = [m.step for m in client.get_metric_history(found.info.run_id, "pg_loss")]
     assert sorted(logged) == [PER_UPDATE * u for u in range(1, 7)], logged
     assert found.info.status == "FINISHED"

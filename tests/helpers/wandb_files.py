@@ -51,6 +51,8 @@ class OfflineRun:
 
     run_id: str
     resumable: bool
+    project: str = ""
+    entity: str = ""
     history: dict[int, dict[str, Any]] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
@@ -65,7 +67,8 @@ def read_offline_run(folder: Path) -> OfflineRun:
     for record in records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run = OfflineRun(record.run.run_id, record.run.resume)
+            run = OfflineRun(record.run.run_id, record.run.resume, record.run.project,
+                             record.run.entity)
             run.config.update(_items(record.run.config.update))
         if run is None:  # the file's header, written before the run's record
             continue

@@ -31,14 +31,18 @@ def row(step: int) -> dict[str, float]:
 
 @pytest.mark.usefixtures("offline_wandb")
 def test_a_restart_in_the_same_run_dir_goes_on_with_its_failed_tracker_runs(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    tracking = Tracking(("tensorboard", "wandb", "mlflow"), params={"loop": {"window": 20}})
+    # The project from W&B's and MLflow's own variables, the entity from loop.tracker_entity.
+    monkeypatch.setenv("WANDB_PROJECT", "from-wandb-env")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-mlflow-env")
+    tracking = Tracking(("tensorboard", "wandb", "mlflow"), entity="my-team",
+                        params={"loop": {"window": 20}})
     first = tracking.open(run_dir, "ppo", "ppo CartPole-v1")
     for step in (100, 200, 300):
         first.log(row(step), step)
@@ -47,8 +51,11 @@ def test_a_restart_in_the_same_run_dir_goes_on_with_its_failed_tracker_runs(
     client = MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
     (failed,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert failed.info.status == "FAILED"
+    assert client.get_experiment(failed.info.experiment_id).name == "from-mlflow-env"
     (wandb_first,) = (run_dir / "wandb").glob("offline-run-*")
-    assert read_offline_run(wandb_first).exit_code == 1
+    first_run = read_offline_run(wandb_first)
+    assert first_run.exit_code == 1
+    assert (first_run.project, first_run.entity) == ("from-wandb-env", "my-team")
 
     # The restart resumes from its checkpoint at step 100 in the same run dir.
     restarted = Tracking(tracking.names, params=tracking.params,
