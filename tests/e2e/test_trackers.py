@@ -66,7 +66,8 @@ def test_wandb_offline_and_mlflow_file_store_get_the_config_every_row_the_summar
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run_dir = tmp_path / "run"
-    proc = run_app("loop.trackers=[wandb,mlflow]", *SMALL, f"loop.total_env_steps={4 * PER_UPDATE}",
+    proc = run_app("loop.trackers=[wandb,mlflow,tensorboard]", *SMALL,
+                   f"loop.total_env_steps={4 * PER_UPDATE}",
                    "loop.checkpoint_every=0", "loop.eval_every=2", "loop.eval_episodes=1",
                    "loop.eval_video=true", f"hydra.run.dir={run_dir}", env=offline(tmp_path),
                    timeout=TIMEOUT_S)
@@ -89,7 +90,7 @@ def test_wandb_offline_and_mlflow_file_store_get_the_config_every_row_the_summar
             (s, pytest.approx(v, rel=1e-12)) for s, v in points], name
     assert run.config["layout"]["world_size"] == 4 and run.config["layout"]["trainers"] == [0, 1]
     assert run.config["loop"]["total_env_steps"] == 4 * PER_UPDATE
-    assert run.config["loop"]["trackers"] == ["wandb", "mlflow"]
+    assert run.config["loop"]["trackers"] == ["wandb", "mlflow", "tensorboard"]
     assert run.config["comm"]["backend"] == "gloo"
     assert run.summary["summary/env_steps"] == 4 * PER_UPDATE
     assert run.summary["summary/solved"] == 0
@@ -110,7 +111,8 @@ def test_wandb_offline_and_mlflow_file_store_get_the_config_every_row_the_summar
         assert history == [(s, pytest.approx(v, rel=1e-12)) for s, v in points], name
     params = found.data.params
     assert (params["layout.world_size"], params["loop.total_env_steps"], params["comm.backend"],
-            params["loop.trackers"]) == ("4", str(4 * PER_UPDATE), "gloo", "['wandb', 'mlflow']")
+            params["loop.trackers"]) == ("4", str(4 * PER_UPDATE), "gloo",
+                                         "['wandb', 'mlflow', 'tensorboard']")
     assert params["loop.hparams.lr"] == str(run.config["loop"]["hparams"]["lr"]), params
     figures = found.data.metrics
     assert figures["summary/env_steps"] == 4 * PER_UPDATE and figures["summary/solved"] == 0
@@ -118,6 +120,19 @@ def test_wandb_offline_and_mlflow_file_store_get_the_config_every_row_the_summar
     shipped = {a.path for a in client.list_artifacts(run_id)} | {
         a.path for a in client.list_artifacts(run_id, "videos")}
     assert {"learning_curve.png", "videos/best.mp4", "videos/last.mp4"} <= shipped, shipped
+
+    # TensorBoard: the config as a text, the summary's figures as scalars at the last step and
+    # the learning curve as an image (every column: tests/e2e/test_run_view.py).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()
+    assert "ppo/learning_curve" in tags["images"], tags
+    assert "ppo/config/text_summary" in tags["tensors"], tags
+    (solved,) = events.Scalars("ppo/summary/env_steps")
+    assert (solved.step, solved.value) == (4 * PER_UPDATE, 4 * PER_UPDATE)
+    assert [e.step for e in events.Scalars("ppo/pg_loss")] == steps
 
     # What a resume needs: each tracker's run and its last step.
     side = json.loads((run_dir / "trackers.json").read_text())
