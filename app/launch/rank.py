@@ -122,8 +122,8 @@ def _run(
     result = _run_loop(loop, ctx, cfg, plan, env, run_dir, hosts, launched_here)
     timeline.mark("finished")
     reports = _gather_reports(ctx, cfg, plan, hosts, env.rank, result)
-    # What the loop handed off at its stop decision (the learning curve, TensorBoard's last
-    # flush, app/output/background.py) is written before this rank reports success.
+    # What the loop handed off at its stop decision (the learning curve,
+    # app/output/background.py) is written before this rank reports success.
     wait_for_background(float(cfg.comm.timeout))
     if reports is None:
         close_trackers(failed=False)  # none but on rank 0, which has the reports

@@ -381,7 +381,7 @@ class RunSettings:
         if not names:
             return None
         return Tracking(names, self.tracker_project, self.tracker_entity,
-                        params={"loop": _settings_params(self)}, resumes=resumed_from)
+                        params={"loop": asdict(self)}, resumes=resumed_from)
 
     def stop_rule(self) -> StopRule:
         """What ends a run: the target when there is one (and ``stop_at_target``), else the
@@ -429,11 +429,6 @@ class RunSettings:
             "best_checkpoint": ({k: best[k] for k in ("path", "return_mean", "version",
                                                       "update")} if best else None),
         }
-
-
-def _settings_params(loop: RunSettings) -> dict[str, Any]:
-    """The loop's settings as parameters, for a run whose dir holds no Hydra config."""
-    return asdict(loop)
 
 
 def plain(node: Any) -> dict[str, Any]:
