@@ -5,6 +5,7 @@ its checkpoint and logs no step they already hold."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,14 @@ def test_a_restart_in_the_same_run_dir_goes_on_with_its_failed_tracker_runs(
     first_run = read_offline_run(wandb_first)
     assert first_run.exit_code == 1
     assert (first_run.project, first_run.entity) == ("from-wandb-env", "my-team")
+
+    # As if rank 0 had died between MLflow's last log and the side file's write: the side file
+    # says 200, MLflow's store holds 300, and the store counts.
+    side = json.loads((run_dir / "trackers.json").read_text())
+    assert {name: record["last_step"] for name, record in side.items()} == {
+        "tensorboard": 300, "wandb": 300, "mlflow": 300}
+    side["mlflow"]["last_step"] = 200
+    (run_dir / "trackers.json").write_text(json.dumps(side))
 
     # The restart resumes from its checkpoint at step 100 in the same run dir.
     restarted = Tracking(tracking.names, params=tracking.params,
