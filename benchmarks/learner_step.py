@@ -7,8 +7,8 @@ The steps, in one process, on random data of the shapes the runs use:
 - **sac**: one learner step (``benchmarks.sac_step``'s: Hopper-v5, CleanRL's 256x256 networks,
   batches of 256), averaged over a cycle of ``policy_frequency`` steps;
 - **ppo**: one minibatch step of ``+experiment=hopper`` (64-wide tanh MLPs, minibatches of 128:
-  the default layout's 1,024 samples per trainer over 8 minibatches): the loss, its backward,
-  the gradient clip and Adam;
+  2t2r's 1,024 samples per trainer over 8 minibatches; on the experiment's own layout, 1t2r,
+  one trainer takes minibatches of 256): the loss, its backward, the gradient clip and Adam;
 - **dqn**: one learner step of ``loop=dqn`` on CartPole-v1 (CleanRL's 120x84 network, batches
   of 128, double DQN, Huber loss).
 

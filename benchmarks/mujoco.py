@@ -1,7 +1,9 @@
 """MuJoCo continuous control against CleanRL's published results: ``python -m app
 +experiment=hopper`` (PPO on Hopper-v5, 1M env steps, conf/experiment/hopper.yaml) on the
-default layout (2t2r: two DDP trainers, two rollout ranks) and on ``layout=single`` (one rank),
-``SEEDS`` each, one run of each per seed in alternating order. See docs/mujoco.md.
+experiment's own layout and compile setting (``layout=1t2r loop.compile=inductor``: one trainer,
+two rollout ranks, the update compiled; until 2026-12-06 the app's 2t2r, uncompiled) and on
+``layout=single`` (one rank, the same compile setting), ``SEEDS`` each, one run of each per seed
+in alternating order. See docs/mujoco.md.
 
 Per layout, over the seeds (median [min..max]):
 
@@ -252,7 +254,8 @@ def plot_learning_curves(outcomes: dict[str, list[Outcome]], png: Path) -> None:
                     ax.plot([c[column] for c in outcome.curve], [c[2] for c in outcome.curve],
                             label=f"seed {seed}")
             ax.set_xlabel(label)
-            ax.set_title(f"{ENV_ID}, {kind} layout" + (" (2t2r)" if kind == "default" else ""))
+            ax.set_title(f"{ENV_ID}, {kind} layout"
+                         + (" (1t2r, compiled)" if kind == "default" else ""))
         panel[0].set_ylabel("mean return of the last 20 episodes")
     axes[0][0].legend(loc="upper left", fontsize="small")
     fig.tight_layout()

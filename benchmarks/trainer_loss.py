@@ -1,8 +1,9 @@
 """A trainer lost mid-run: elastic trainers against the restart path, side by side.
 
-For each env (CartPole on the default 2t2r, Hopper with ``+experiment=hopper``), two runs back to
-back, each with trainer rank 1 (the process named ``rlcomm-rank1``) SIGKILLed ``KILL_AFTER_S``
-seconds after its first update:
+For each env (CartPole on the default 2t2r, Hopper with ``+experiment=hopper`` on 2t2r,
+uncompiled: the experiment's own 1t2r has one trainer), two runs back to back, each with trainer
+rank 1 (the process named ``rlcomm-rank1``) SIGKILLed ``KILL_AFTER_S`` seconds after its first
+update:
 
 - **elastic**: ``launcher.trainer_restarts=1`` (the survivors go on; a new process heals from
   the lead trainer and rejoins);
@@ -52,7 +53,9 @@ WINDOW_S = 30.0
 RUN_S = KILL_AFTER_S + 3 * WINDOW_S  # how long a run trains (its step budget, from its rate)
 ENVS = {
     "CartPole": ("loop.target_return=1e9", "loop.progress=false"),
-    "Hopper": ("+experiment=hopper", "loop.target_return=1e9", "loop.progress=false"),
+    # Two trainers to lose one of (the experiment's own layout, 1t2r, has one), as measured.
+    "Hopper": ("+experiment=hopper", "layout=2t2r", "loop.compile=off", "loop.target_return=1e9",
+               "loop.progress=false"),
 }
 PATHS = {
     "elastic": ("launcher.trainer_restarts=1",),

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from app.api import ConfigError
 from app.config import build_loop
 from app.evaluate.export import export_policy
+from app.output.trackers.fanout import RUN_CONFIG
 from app.runtime.algorithm import Spaces
 from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint
 from app.runtime.checkpoints.policy import load_policy_state
@@ -33,7 +34,7 @@ from app.runtime.evaluation.episodes import Episodes, run_episodes
 from app.runtime.evaluation.video import render_problem
 from app.runtime.worker import Agent
 
-CONFIG = Path(".hydra") / "config.yaml"
+CONFIG = RUN_CONFIG  # the run's composed config, as Hydra recorded it
 
 
 class EvaluationError(ValueError):

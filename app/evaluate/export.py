@@ -3,7 +3,9 @@
 The program takes a batch of raw observations, as the environment gives them (a float tensor
 ``[B, *obs_shape]``, uint8 for images; a policy with a history takes windows
 ``[B, context, obs_dim + 1]``), and returns the batch of greedy actions. Observation
-normalisation is part of it, with the statistics frozen at export.
+normalisation is part of it, with the statistics frozen at export. Its weights are exported as
+constants of inference (``requires_grad=False``): its actions carry no ``grad_fn``, so a caller
+records no autograd for them, with or without ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -39,8 +41,16 @@ def export_policy(algorithm: Algorithm, agent: Agent, example_obs: Tensor, path:
         raise FileExistsError(f"--export: {path} exists; choose a new file")
     policy = GreedyPolicy(algorithm, agent).eval()
     batch = torch.export.Dim("batch", min=1)
-    with torch.no_grad():
-        program = torch.export.export(policy, (example_obs,), dynamic_shapes=({0: batch},))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.export.save(program, path)
+    # Frozen while exported and saved (the program holds these very parameters), then given
+    # back: the agent may go on training or evaluating in this process.
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    policy.requires_grad_(False)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(policy, (example_obs,), dynamic_shapes=({0: batch},))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.export.save(program, path)
+    finally:
+        for parameter in trainable:
+            parameter.requires_grad_(True)
     return path

@@ -29,6 +29,7 @@ from app.output import timeline
 from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
+from app.output.trackers import close_trackers, finish_trackers
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
 from rlcomm.elastic import TRAINER_SPACE, closing_members, mark_running
 from rlcomm.errors import MembersLostError, PeerLostError
@@ -73,6 +74,7 @@ def run_rank(
     except BaseException:
         # The traceback lands in this rank's log file; the console gets the launcher's error line.
         log.exception("rank %d failed", env.rank, extra=FILE_ONLY)
+        close_trackers(failed=True)  # rank 0's tracker runs, marked failed where they can be
         raise
 
 
@@ -120,14 +122,18 @@ def _run(
     result = _run_loop(loop, ctx, cfg, plan, env, run_dir, hosts, launched_here)
     timeline.mark("finished")
     reports = _gather_reports(ctx, cfg, plan, hosts, env.rank, result)
-    # What the loop handed off at its stop decision (the learning curve, TensorBoard's last
-    # flush, app/output/background.py) is written before this rank reports success.
+    # What the loop handed off at its stop decision (the learning curve,
+    # app/output/background.py) is written before this rank reports success.
     wait_for_background(float(cfg.comm.timeout))
     if reports is None:
+        close_trackers(failed=False)  # none but on rank 0, which has the reports
         return None
     summary = _summary(cfg, plan, env, run_dir, loop, result, reports,
                        {"startup_s": round(startup_s, 3),
                         "group_creation_s": round(group_creation_s, 3)})
+    # The trackers get the summary's figures and files (every file written by now), then end:
+    # before result.json, so that a run that reports success has them all.
+    finish_trackers(summary["summary"])
     _write_result(run_dir / "result.json", json.dumps(summary, indent=2))
     # The launcher prints the closing summary (app.output.summary.format_summary) once the ranks end.
     done = "succeeded" if summary["status"] == "ok" else "stopped when asked"

@@ -1,4 +1,4 @@
-"""Files a run writes off its critical path: the learning curve, TensorBoard's last flush.
+"""Files a run writes off its critical path: the learning curve.
 
 At its stop decision a run hands such work to :func:`in_background` and goes on with its
 wind-down (the last checkpoint, the closing collectives, tearing down the groups), which mostly

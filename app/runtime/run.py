@@ -82,7 +82,7 @@ class RankRun:
         rank.replay_link.close()  # layout.replay's ranks serve until every rank said STOP
         if self.decider is not None:
             self.decider.save_final()
-            self.decider.recorder.close(self.loop.target(), f"{self._name()} {self.loop.env.id}")
+            self.decider.recorder.close(self.loop.target(), self._title())
         elapsed = time.perf_counter() - start
         cpu_s = time.process_time() - cpu_start
         if rank.collector is not None:
@@ -133,7 +133,8 @@ class RankRun:
         rule: StopRule | None = loop.stop_rule() if loop.progress else None
         trainers = rank.trainer.count if rank.trainer is not None else None
         recorder = Recorder(rank.ctx, rank.job.run_dir, self._name(), rank.algorithm.losses,
-                            trainers, resumed, (rule, loop.tensorboard))
+                            trainers, resumed, (rule, loop.tracking(self.state.resumed_from)),
+                            title=self._title())
         if recorder.view is not None:
             self.hand_off.on_wait = recorder.waiting
         return Decider(loop, self.state, rank.deciders, recorder, rank.checkpointer,
@@ -214,6 +215,10 @@ class RankRun:
 
     def _name(self) -> str:
         return type(self.rank.algorithm).__name__.lower()
+
+    def _title(self) -> str:
+        """The run's name on its learning curve and in its trackers: ``ppo CartPole-v1``."""
+        return f"{self._name()} {self.loop.env.id}"
 
     def _result(self, attempt: Attempt, cpu_s: float) -> dict[str, Any]:
         """This rank's entry in result.json."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pickle
 import typing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,7 +20,8 @@ from torch import nn
 from app.api import ConfigError, LoopMetrics, setting
 from app.output.logs import write_console
 from app.output.progress import StopRule
-from app.output.tensorboard import SUBDIR, check_tensorboard
+from app.output.trackers import FOLDERS, Tracking, check_trackers
+from app.output.trackers.tensorboard import check_tensorboard
 from app.runtime.algorithm import Algorithm, AlgorithmSettings, Spaces
 from app.runtime.checkpoints.cadence import DEFAULT_INTERVAL_S, DEFAULT_KEEP, Cadence
 from app.runtime.checkpoints.checkpoint import (
@@ -86,7 +87,16 @@ class RunSettings:
     )
     resume: str | None = setting(None, "a checkpoint file, or a run dir holding checkpoints/ (its newest valid one)")
     progress: bool = setting(True, "rank 0's progress line: a bar on a terminal, plain lines otherwise")
-    tensorboard: bool = setting(False, "TensorBoard scalars under <run dir>/tensorboard (the tensorboard extra)")
+    tensorboard: bool = setting(False, "TensorBoard scalars under <run dir>/tensorboard (the tensorboard extra); the same as trackers=[tensorboard]")
+    trackers: list[str] = setting(
+        doc="experiment trackers rank 0 feeds the config, every metrics row (stepped by env "
+        "steps), the summary and the learning curve: tensorboard, wandb, mlflow (each its "
+        "extra); docs/running.md", factory=list)
+    tracker_project: str | None = setting(
+        None, "the trackers' project: W&B's project and MLflow's experiment (null: "
+        "WANDB_PROJECT, MLFLOW_EXPERIMENT_NAME, else rlcomm)")
+    tracker_entity: str | None = setting(None, "W&B's entity, a team or user (null: WANDB_ENTITY, "
+                                         "else W&B's default)")
     env: EnvConfig = setting(doc="the environment (docs/environments.md)", factory=EnvConfig)
     max_staleness: int = setting(
         0, "weights versions a trainer's data may lag its own (0: lockstep; >= 1: rollouts "
@@ -239,6 +249,7 @@ class RunSettings:
                               f"{len(plan.rollouts)} rollout ranks")
         if self.tensorboard:
             check_tensorboard()
+        check_trackers(self.trackers)
 
     def validate_env(self, plan: LayoutPlan) -> None:
         """The checks of :meth:`validate` that need the env's spaces (one env probed), a
@@ -386,6 +397,16 @@ class RunSettings:
             return None
         return float(threshold) if threshold is not None else None
 
+    def tracking(self, resumed_from: Path | None) -> Tracking | None:
+        """The trackers rank 0 opens (``trackers`` and ``tensorboard``), None for none;
+        ``resumed_from``: the checkpoint the run resumed from, whose trackers go on."""
+        names = tuple(dict.fromkeys([*self.trackers, *(["tensorboard"] if self.tensorboard
+                                                       else [])]))
+        if not names:
+            return None
+        return Tracking(names, self.tracker_project, self.tracker_entity,
+                        params={"loop": asdict(self)}, resumes=resumed_from)
+
     def stop_rule(self) -> StopRule:
         """What ends a run: the target when there is one (and ``stop_at_target``), else the
         budget alone."""
@@ -415,7 +436,7 @@ class RunSettings:
             "files": {
                 name: str(run_dir / name)
                 for name in ("metrics.csv", "episodes.csv", "learning_curve.png", CHECKPOINT_DIR,
-                             SUBDIR,
+                             *FOLDERS,
                              "videos/best.mp4", "videos/last.mp4")
                 if (run_dir / name).exists()
             },

@@ -6,6 +6,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -30,7 +31,8 @@ class RunState:
     membership epochs count on from its checkpoint's; ``epoch``: the membership epoch of the
     last update (elastic runs; counted on over attempts). ``reached_at``: when (seconds trained)
     and at how many env steps the target was first reached; ``train_s_before``: seconds trained
-    by this run's earlier attempts, up to the checkpoint this one resumed from."""
+    by this run's earlier attempts, up to the checkpoint this one resumed from;
+    ``resumed_from``: that checkpoint (its run's trackers go on: app/output/trackers/)."""
 
     update: int = 0
     env_steps: int = 0
@@ -40,6 +42,7 @@ class RunState:
     epoch: int | None = None
     reached_at: tuple[float, int] | None = None
     train_s_before: float = 0.0
+    resumed_from: Path | None = None
     attempt_start: float = field(default_factory=time.perf_counter)
 
     @classmethod

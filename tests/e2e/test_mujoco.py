@@ -20,15 +20,22 @@ from tests.helpers.apprun import describe, metrics, read_result, run_app
 from tests.helpers.videos import read_frames
 
 # One layout of each kind the MuJoCo path takes: one process that collects and trains
-# (single), one trainer whose normaliser merges three rollout ranks' moments (1t3r), and DDP
-# trainers fed by rollout ranks (2t2r, the default). The other shipped layouts are these on one
-# host (1t1r; 2x2 and 2n_split place 2t2r's ranks on simulated nodes, whose groups the layout
-# tests cover); tp2dp2 splits the policy over TENSOR_PARALLEL and the MLP has no plan for it.
-LAYOUTS = ("single", "1t3r", "2t2r")
+# (single), one trainer whose normaliser merges three rollout ranks' moments (1t3r), DDP
+# trainers fed by rollout ranks (2t2r, the app's default), and the experiment's own (1t2r, one
+# trainer and two rollout ranks, with its compiled update: what `+experiment=hopper` runs). The
+# other shipped layouts are these on one host (1t1r; 2x2 and 2n_split place 2t2r's ranks on
+# simulated nodes, whose groups the layout tests cover); tp2dp2 splits the policy over
+# TENSOR_PARALLEL and the MLP has no plan for it. A layout named here runs uncompiled, as it
+# did before the experiment named its compile setting: compiling has tests of its own.
+LAYOUTS = {"single": ("layout=single", "loop.compile=off"),
+           "1t3r": ("layout=1t3r", "loop.compile=off"),
+           "2t2r": ("layout=2t2r", "loop.compile=off"),
+           "the experiment's own": ()}
 # A short run: the experiment's settings with a shorter rollout (64 steps per env and update,
 # so every layout makes 8-32 updates) and a budget of 16,384 env steps.
 SHORT = ("+experiment=hopper", "loop.hparams.num_steps=64", "loop.total_env_steps=16384",
          "loop.progress=false")
+UNCOMPILED = ("loop.compile=off",)
 TIMEOUT_S = 240  # a short run past this is stuck (each takes 10-30 s on a busy 2-core machine)
 
 
@@ -59,12 +66,16 @@ def learned(run_dir: Path) -> tuple[float, float]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_short_hopper_run_learns_on_each_kind_of_layout(layout: str, tmp_path: Path) -> None:
-    proc = run_app(*SHORT, f"layout={layout}", "loop.checkpoint_every=0",
+    proc = run_app(*SHORT, *LAYOUTS[layout], "loop.checkpoint_every=0",
                    f"hydra.run.dir={tmp_path}", timeout=TIMEOUT_S)
     assert proc.returncode == 0, describe(proc)
     result = read_result(tmp_path)
+    if not LAYOUTS[layout]:  # the start line says whose choice the layout was
+        assert "layout: 1t2r (+experiment=hopper's default; layout=... to choose another)" \
+            in proc.stdout + proc.stderr, describe(proc)
+        assert [r["role"] for r in result["ranks"]] == ["trainer", "rollout", "rollout"]
     assert result["summary"]["env_steps"] >= 16384
     # Learning, not a score: a random Hopper falls within ~20 steps (the first update's episodes
     # return 10-12); 8-32 updates later the last 20 episodes return 70-240 (every shipped layout, seed 0).
@@ -87,7 +98,7 @@ def test_a_resumed_hopper_run_restores_the_normalisers(tmp_path: Path) -> None:
     per_update = 8 * 64  # one rollout rank's env steps per update (1t1r)
     # The learning rate anneals over the experiment's budget (loop.total_env_steps) unless set:
     # a resume that extends the budget states the schedule it was written with.
-    base = (*SHORT, "layout=1t1r", "loop.checkpoint_every=1",
+    base = (*SHORT, *UNCOMPILED, "layout=1t1r", "loop.checkpoint_every=1",
             f"loop.hparams.anneal_env_steps={16 * per_update}")
     proc = run_app(*base, f"loop.total_env_steps={4 * per_update}", f"hydra.run.dir={first}",
                    timeout=TIMEOUT_S)
@@ -118,7 +129,8 @@ def test_a_short_hopper_run_is_evaluated_beside_training_and_watched(tmp_path: P
     ``python -m app.evaluate --video`` on its checkpoint; the videos render headless (EGL)."""
     run_dir = tmp_path / "run"
     # 8 updates of 512 env steps, evaluated twice: a best and a last video, no learning needed.
-    proc = run_app(*SHORT, "layout=single", "loop.total_env_steps=4096", "loop.eval_every=4",
+    proc = run_app(*SHORT, *UNCOMPILED, "layout=single", "loop.total_env_steps=4096",
+                   "loop.eval_every=4",
                    "loop.eval_episodes=2", "loop.eval_video=true", f"hydra.run.dir={run_dir}",
                    timeout=TIMEOUT_S)
     assert proc.returncode == 0, describe(proc)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from app.output.tensorboard import HINT
+from app.output.trackers.tensorboard import HINT
 from tests.helpers.apprun import REPO, describe, run_app, run_app_in_terminal
 from tests.helpers.screen import Screen
 

@@ -50,6 +50,8 @@ def test_sac_learns_pendulum_on_one_rank(tmp_path: Path) -> None:
     assert greedy["return_mean"] > -800, greedy  # uniform random play: about -1200
     actions = torch.export.load(str(export)).module()(torch.randn(7, 3))
     assert actions.shape == (7, 1) and bool((actions.abs() <= 2.0).all())  # Pendulum's Box
+    # Called as a user would, outside torch.no_grad(): the actions record no autograd.
+    assert not actions.requires_grad and actions.grad_fn is None, actions
 
 
 def test_sac_on_2t2r_runs_two_trainers_and_ends(tmp_path: Path) -> None:

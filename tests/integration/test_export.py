@@ -92,3 +92,58 @@ def test_export_never_overwrites_a_file(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="policy.pt2 exists"):
         export_policy(algorithm, agent, _observations(spaces, 8), target)
     assert target.read_bytes() == b"mine"
+
+
+# Every shipped algorithm, on an env whose actions it takes, and the transformer policy: the
+# loop's own build path, as `python -m app.evaluate RUN --export` takes it.
+EVERY_POLICY = {
+    "ppo": ("app.loops.ppo.PPOLoop", "CartPole-v1", {}),
+    "ppo-box": ("app.loops.ppo.PPOLoop", "Pendulum-v1", {"normalize_obs": True}),
+    "ppo-transformer": ("app.loops.ppo.PPOLoop", "CartPole-v1",
+                        {"model": {"kind": "transformer", "width": 16, "layers": 1, "heads": 2,
+                                   "context": 4}}),
+    "vtrace": ("app.loops.vtrace.VTraceLoop", "CartPole-v1", {}),
+    "dqn": ("app.loops.dqn.DQNLoop", "CartPole-v1", {}),
+    "sac": ("app.loops.sac.SACLoop", "Pendulum-v1", {}),
+}
+
+# In a torch-only process, outside torch.no_grad(): the actions must not record autograd.
+ACTIONS_ALONE = RUN_ALONE.replace(
+    "torch.save(policy(torch.load({obs!r})), {out!r})",
+    "actions = policy(torch.load({obs!r}))\n"
+    "torch.save({{'requires_grad': actions.requires_grad, 'grad_fn': repr(actions.grad_fn),\n"
+    "            'params': [p.requires_grad for p in policy.parameters()]}}, {out!r})")
+
+
+@pytest.mark.parametrize("case", list(EVERY_POLICY))
+def test_the_exported_policy_of_every_algorithm_records_no_autograd(
+    case: str, tmp_path: Path
+) -> None:
+    from app.config.registry import build_loop
+    from app.evaluate.cli import _example
+
+    target, env_id, extra = EVERY_POLICY[case]
+    model = extra.get("model", {})
+    loop = build_loop({"_target_": target, "model": model,
+                       "env": {"id": env_id, "normalize_obs": extra.get("normalize_obs", False)}})
+    spaces = loop.spaces
+    torch.manual_seed(0)
+    algorithm = loop.build_algorithm(spaces)
+    agent = Agent(loop.build_policy(algorithm, spaces), spaces, loop.env,
+                  context=loop.model.history)
+    learns = [p.requires_grad for p in agent.parameters()]
+    assert any(learns)  # a trainer's policy (SAC's target networks learn not)
+    program = export_policy(algorithm, agent, _example(agent, spaces), tmp_path / "policy.pt2")
+    # Exporting froze nothing of the agent's own: it may go on training in this process.
+    assert [p.requires_grad for p in agent.parameters()] == learns
+    obs = torch.cat([_example(agent, spaces)] * 3)  # another batch size than the example's
+    torch.save(obs, tmp_path / "obs.pt")
+    script = ACTIONS_ALONE.format(site=str(Path(torch.__file__).parents[1]),
+                                  program=str(program), obs=str(tmp_path / "obs.pt"),
+                                  out=str(tmp_path / "out.pt"))
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", script], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    got = torch.load(tmp_path / "out.pt")
+    assert got == {"requires_grad": False, "grad_fn": "None", "params": got["params"]}, got
+    assert got["params"] and not any(got["params"]), got

@@ -150,6 +150,10 @@ BAD_OVERRIDES = [
       "+loop.env._target_=tests.helpers.image_env.make_image_env", "loop.env.normalize_obs=false"],
      "loop.eval_video: RlcommImage-v0 cannot render: TypeError: "),
     (["loop=ppo", "loop.resume=/nonexistent/run"], "loop.resume: '/nonexistent/run' does not exist"),
+    # Experiment trackers (docs/running.md).
+    (["loop=ppo", "loop.trackers=[wandb,neptune]"],
+     "loop.trackers: unknown tracker 'neptune'; one of tensorboard, wandb, mlflow"),
+    (["loop=sac", "loop.trackers=tensorboard"], "loop.trackers"),  # a list, not a name
     (["loop.latency_iters=0"], "loop.latency_iters: must be a positive integer, got 0"),
     (["loop=ppo", "loop._target_=app.loops.commcheck.CommCheck"],
      "loop.total_env_steps: not a setting of app.loops.commcheck.CommCheck; to run your own loop start from loop=custom"),

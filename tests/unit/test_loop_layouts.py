@@ -29,19 +29,39 @@ def _hydra() -> Iterator[None]:
 @pytest.mark.parametrize(("overrides", "world_size", "trainers", "who"), [
     (["loop=dqn"], 1, [0], "loop=dqn"),
     (["loop=sac"], 1, [0], "loop=sac"),
-    (["+experiment=hopper_sac"], 1, [0], "loop=sac"),  # the experiment picks loop=sac
+    # Each MuJoCo experiment names the layout measured fastest for it (docs/mujoco.md).
+    (["+experiment=hopper_sac"], 1, [0], "+experiment=hopper_sac"),
+    (["+experiment=halfcheetah_sac"], 1, [0], "+experiment=halfcheetah_sac"),
+    (["+experiment=hopper"], 3, [0], "+experiment=hopper"),
+    (["+experiment=halfcheetah"], 3, [0], "+experiment=halfcheetah"),
+    (["+experiment=walker2d"], 3, [0], "+experiment=walker2d"),
+    (["+experiment=hopper", "layout=single"], 1, [0], "command line"),
+    (["+experiment=hopper_sac", "layout=2t2r"], 4, [0, 1], "command line"),
     (["loop=dqn", "layout=2t2r"], 4, [0, 1], "command line"),
     (["loop=sac", "layout=2t2r"], 4, [0, 1], "command line"),
     (["loop=sac", "layout=1t1r"], 2, [0], "command line"),
     ([], 4, [0, 1], "app"),  # PPO trains fastest on the app's default, 2t2r
     (["loop=vtrace"], 4, [0, 1], "app"),
-], ids=["dqn", "sac", "hopper_sac", "dqn 2t2r", "sac 2t2r", "sac 1t1r", "ppo", "vtrace"])
+], ids=["dqn", "sac", "hopper_sac", "halfcheetah_sac", "hopper", "halfcheetah", "walker2d",
+        "hopper single", "hopper_sac 2t2r", "dqn 2t2r", "sac 2t2r", "sac 1t1r", "ppo", "vtrace"])
 def test_a_loop_plans_its_own_layout_unless_the_command_line_names_one(
         overrides: list[str], world_size: int, trainers: list[int], who: str) -> None:
     plan = validate(compose("config", overrides=overrides))
     assert (plan.world_size, list(plan.trainers)) == (world_size, trainers)
     choice = choice_for("layout", overrides)
     assert choice is not None and choice.chosen_by == who, choice
+
+
+@pytest.mark.parametrize(("experiment", "compile_mode"), [
+    ("hopper", "inductor"), ("halfcheetah", "inductor"), ("walker2d", "inductor"),
+    ("hopper_sac", "off"), ("halfcheetah_sac", "off"),
+])
+def test_a_mujoco_experiment_names_its_compile_setting_and_the_command_line_wins(
+        experiment: str, compile_mode: str) -> None:
+    assert compose("config", overrides=[f"+experiment={experiment}"]).loop.compile == compile_mode
+    other = "off" if compile_mode == "inductor" else "inductor"
+    mine = compose("config", overrides=[f"+experiment={experiment}", f"loop.compile={other}"])
+    assert mine.loop.compile == other
 
 
 def test_the_start_line_names_the_layout_and_whose_choice_it_was() -> None:
@@ -51,6 +71,8 @@ def test_the_start_line_names_the_layout_and_whose_choice_it_was() -> None:
         "layout: 2t2r (layout=2t2r on the command line)")
     assert Choice("layout", "2t2r", "app").line() == (
         "layout: 2t2r (the app's default; layout=... to choose another)")
+    assert Choice("layout", "1t2r", "+experiment=hopper").line() == (
+        "layout: 1t2r (+experiment=hopper's default; layout=... to choose another)")
 
 
 def test_help_lists_each_loops_layout() -> None:

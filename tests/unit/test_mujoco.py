@@ -37,8 +37,11 @@ def test_each_experiment_composes_and_validates_with_cleanrls_choices(
     monkeypatch.chdir(tmp_path)
     cfg = composed(f"+experiment={name}")
     plan = validate(cfg)  # what python -m app checks before any rank starts (spaces included)
-    assert plan.world_size == 4 and plan.trainers == (0, 1)  # the default layout
+    # The experiment's own layout and compile setting, measured fastest to 1M on 2 cores: 1t2r
+    # (one trainer, two rollout ranks), the update compiled by Inductor.
+    assert (plan.world_size, plan.trainers, plan.rollouts) == (3, (0,), (1, 2))
     loop = cfg.loop
+    assert loop.compile == "inductor"
     assert loop.env.id == EXPERIMENTS[name]
     assert loop.env.normalize_obs and loop.env.normalize_reward
     assert loop.total_env_steps == 1_000_000
@@ -52,8 +55,13 @@ def test_each_experiment_composes_and_validates_with_cleanrls_choices(
     assert hp.anneal_env_steps == loop.total_env_steps  # anneals over whatever budget is set
     longer = composed(f"+experiment={name}", "loop.total_env_steps=3000000")
     assert longer.loop.hparams.anneal_env_steps == 3_000_000
-    # Several envs per collecting rank: 2,048 env steps per update on the default layout.
+    # Several envs per collecting rank: 2,048 env steps per update (CleanRL's), in minibatches
+    # of 256 for the one trainer.
     assert hp.num_envs * hp.num_steps * len(plan.rollouts) == 2048
+    assert 2048 // hp.num_minibatches == 256
+    # An explicit layout and compile setting still win.
+    mine = composed(f"+experiment={name}", "layout=2t2r", "loop.compile=off")
+    assert validate(mine).trainers == (0, 1) and mine.loop.compile == "off"
 
 
 def test_the_layout_sweep_composes_and_every_job_validates() -> None:
@@ -73,3 +81,4 @@ def test_the_layout_sweep_composes_and_every_job_validates() -> None:
             # The first part of the 1M-step schedule: the learning rate anneals over 1M.
             assert loop.hparams.anneal_env_steps == 1_000_000
             assert loop.total_env_steps < 1_000_000
+            assert loop.compile == "off"  # as the sweep was measured: the layouts alone differ

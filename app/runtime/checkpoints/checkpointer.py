@@ -280,6 +280,7 @@ def resume(ctx: CommContext, job: JobInfo, source: str | None, over: ParallelMod
         agent.net.load_state_dict(picked.state["policy"])  # transfer, as they do anyway
     saved = picked.state
     restore_counters(saved, agent, state)
+    state.resumed_from = picked.path
     if saved.get("epoch") is not None:  # a new epoch from whoever is there
         state.epoch_base = int(saved["epoch"]) + 1
     log.info("resumed from %s at update %d (%d env steps)", picked.path, state.update,

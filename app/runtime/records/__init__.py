@@ -1,4 +1,4 @@
-"""What a run records: one metrics row per update (``metrics.csv``, TensorBoard, the progress
+"""What a run records: one metrics row per update (``metrics.csv``, the trackers, the progress
 line), one row per finished episode (``episodes.csv``), the figures that compare jobs
 (``result["metrics"]``) and ``learning_curve.png``, drawn from ``metrics.csv``
 (app/output/learning_curve.py). The :class:`Recorder` owns them."""

@@ -3,13 +3,13 @@
 Every rank that takes the stop decision makes the update's metrics row (trainers average their
 losses over TRAIN_DATA_PARALLEL here) and keeps what its figures read: the last row and a few
 sums, never the run's history. Rank 0 writes the history through to ``metrics.csv`` and
-``episodes.csv`` (app/runtime/records/history.py), shows the progress line, writes TensorBoard
-scalars and draws ``learning_curve.png`` at the end.
+``episodes.csv`` (app/runtime/records/history.py), shows the progress line, feeds its experiment
+trackers (TensorBoard, W&B, MLflow: app/output/trackers/) and draws ``learning_curve.png`` at
+the end.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +20,7 @@ from app.output import pictures
 from app.output.background import in_background
 from app.output.learning_curve import plot_learning_curve
 from app.output.progress import RunProgress, Snapshot, StopRule
-from app.output.tensorboard import ScalarLog
+from app.output.trackers import Tracking
 from app.runtime.evaluation.evaluator import Evaluation
 from app.runtime.records.history import (
     EPISODE_COLUMNS,
@@ -50,7 +50,6 @@ class RecordsMark:
 
     files: Mapping[str, Offset] = field(default_factory=dict)
     learner_wait_updates: int = 0
-    env_steps: int = 0  # the checkpoint's: TensorBoard hides the events a restart makes again
 
     def as_saved(self) -> dict[str, Any]:
         return {"files": {name: o.as_list() for name, o in self.files.items()},
@@ -65,11 +64,10 @@ class RecordsMark:
     def of_checkpoint(cls, saved: Mapping[str, Any], run_dir: Path) -> RecordsMark:
         """The mark a checkpoint of this run recorded; one written before checkpoints recorded
         it (format 4) held every metrics row instead: metrics.csv is cut after its update."""
-        steps = int(saved["env_steps"])
         if "history" in saved:
-            return dataclasses.replace(cls.from_saved(saved["history"]), env_steps=steps)
+            return cls.from_saved(saved["history"])
         offset = offset_after_update(run_dir / METRICS_CSV, int(saved["update"]))
-        return cls({METRICS_CSV: offset}, env_steps=steps)
+        return cls({METRICS_CSV: offset})
 
 
 class Recorder:
@@ -79,16 +77,17 @@ class Recorder:
     a rank that trains not (its rows carry NaN losses, and it takes part in no collective here:
     a collective with the rollout ranks would make them wait every update). ``resumed``: where
     the records of this run stood at the checkpoint a restart resumed from (None: a new run, or
-    one resumed from another run's checkpoint). ``outputs``: (progress line, TensorBoard), as
-    ``loop.progress`` and ``loop.tensorboard`` ask; only rank 0 writes any file."""
+    one resumed from another run's checkpoint). ``outputs``: (progress line, trackers), as
+    ``loop.progress`` and ``loop.trackers`` ask; only rank 0 writes any file. The trackers stay
+    open past :meth:`close`, until the run's summary is known (app/launch/rank.py)."""
 
     def __init__(self, ctx: CommContext, run_dir: Path, name: str, loss_names: tuple[str, ...],
                  trainers: int | None, resumed: RecordsMark | None,
-                 outputs: tuple[StopRule | None, bool]) -> None:
+                 outputs: tuple[StopRule | None, Tracking | None], title: str = "") -> None:
         self.ctx, self.run_dir, self.name = ctx, run_dir, name
         self.loss_names, self.trainers = loss_names, trainers
         writes = ctx.get_global_rank() == 0
-        rule, tensorboard = outputs
+        rule, tracking = outputs
         at = resumed.files if resumed is not None else {}
         self.files: dict[str, HistoryFile] = {} if not writes or trainers is None else {
             METRICS_CSV: HistoryFile(run_dir / METRICS_CSV, COUNT_COLUMNS, at.get(METRICS_CSV)),
@@ -96,8 +95,8 @@ class Recorder:
                                       at.get(EPISODES_CSV)),
         }
         self.view = RunProgress(rule, name) if writes and rule is not None else None
-        after = resumed.env_steps + 1 if resumed is not None else None
-        self.scalars = ScalarLog(run_dir, name, after) if writes and tensorboard else None
+        self.trackers = (tracking.open(run_dir, name, title or name)
+                         if writes and tracking is not None else None)
         # What the figures read: the last row, and sums over this attempt or the whole run.
         self.last: dict[str, float] | None = None
         self.rollout_wait_s = 0.0  # this attempt's rows
@@ -144,10 +143,10 @@ class Recorder:
 
     def show(self, row: dict[str, float], record: UpdateRecord, episodes: int,
              evaluated: Evaluation | None) -> None:
-        """The row on rank 0's progress line and in TensorBoard. ``episodes``: finished so
+        """The row on rank 0's progress line and to its trackers. ``episodes``: finished so
         far; ``evaluated``: the last evaluation, if any."""
-        if self.scalars is not None:
-            self.scalars.write({**row, "mean_return_window": record.recent}, record.env_steps)
+        if self.trackers is not None:
+            self.trackers.log({**row, "mean_return_window": record.recent}, record.env_steps)
         if self.view is not None:
             self.view.update(_snapshot(row, record, episodes, evaluated))
 
@@ -157,12 +156,10 @@ class Recorder:
             self.view.waiting(what)
 
     def close(self, target: float | None, title: str) -> None:
-        """The run ended: the progress line's last state, the scalars flushed, the history
-        files closed and the learning curve drawn from metrics.csv (both in the background)."""
+        """The run ended: the progress line's last state, the history files closed and the
+        learning curve drawn from metrics.csv (in the background)."""
         if self.view is not None:
             self.view.close()  # after the last checkpoint notice: the bar is the run's last line
-        if self.scalars is not None:  # written before success is reported (app/launch/rank.py)
-            in_background(self.scalars.close, name="TensorBoard scalars")
         if not self.files:
             return
         for history in self.files.values():
