@@ -179,6 +179,13 @@ class Loop(Protocol):
         ``result``. Default: None, nothing added."""
         return None
 
+    def reporting_ranks(self, ctx: CommContext, plan: LayoutPlan,
+                        timeout_s: float) -> list[int]:
+        """The ranks whose reports rank 0 collects through the store at the end of a run with
+        elastic groups (no group spans every rank then), waiting up to ``timeout_s`` for the
+        loop's own records of who was there. Default: every rank of the plan."""
+        return list(range(plan.world_size))
+
 
 _ABSENT = object()
 
@@ -238,3 +245,7 @@ class LoopHooks:
     def summary(self, result: dict[str, Any], run_dir: Path) -> dict[str, Any] | None:
         figures: dict[str, Any] | None = self._method("summary")(result, run_dir)
         return figures
+
+    def reporting_ranks(self, ctx: CommContext, plan: LayoutPlan, timeout_s: float) -> list[int]:
+        ranks: list[int] = self._method("reporting_ranks")(ctx, plan, timeout_s)
+        return ranks

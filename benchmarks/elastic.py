@@ -1,4 +1,4 @@
-"""11. Elastic rollout ranks (app/runtime/handoff/membership_epochs.py, rlcomm.elastic).
+"""11. Elastic rollout ranks (app/runtime/membership/rollouts.py, rlcomm.elastic).
 
 - **Overhead.** Steady-state env steps/s of elastic rollouts (the default) against static
   groups (``layout.elastic_rollouts=false``), on 1t3r and 2t2r, seeds ``SEEDS``, each pair run

@@ -7,7 +7,7 @@ position inside the group use ``ctx.get_ranks_in_group(mode)[group_rank]`` (and
 ``.index(global_rank)`` for the way back). ``src``/``dst`` default to the group's leader: the first
 rank the layout declared (e.g. the trainer of a WEIGHT_TRANSFER group).
 
-A membership epoch's group (rlcomm.elastic, :meth:`CommContext.register_epoch_group`) is a gloo
+A membership epoch's group (rlcomm.elastic, ``CommContext.epochs``) is a gloo
 backend outside torch's world maps: its calls go to the backend itself, by group rank. Where the
 context recovers a mode's group (``CommContext.recovery``, rlcomm/recovery.py), a call whose group failed
 waits for the next group and runs again on it, from the same input.
@@ -89,7 +89,7 @@ def all_reduce(
 
     def call(group: Any) -> None:
         with ctx.recorder.call(mode, "all_reduce", tensor):
-            if ctx.is_elastic(mode):
+            if ctx.epochs.holds(mode):
                 options = dist.AllreduceOptions()
                 options.reduceOp = op
                 _await(ctx, mode, group.allreduce([tensor], options))
@@ -122,7 +122,7 @@ def broadcast(
 
     def call(group: Any) -> None:
         with ctx.recorder.call(mode, "broadcast", tensor, src):
-            if ctx.is_elastic(mode):
+            if ctx.epochs.holds(mode):
                 options = dist.BroadcastOptions()
                 options.rootRank = _position(ctx, mode, src)
                 _await(ctx, mode, group.broadcast([tensor], options))
@@ -154,7 +154,7 @@ def all_gather(ctx: CommContext, mode: Mode, tensor: torch.Tensor) -> torch.Tens
         shape = (size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (size,)
         out = tensor.new_empty(shape)
         with ctx.recorder.call(mode, "all_gather", tensor):
-            if ctx.is_elastic(mode):
+            if ctx.epochs.holds(mode):
                 _await(ctx, mode, group.allgather([list(out.chunk(size))], [tensor.contiguous()]))
             else:
                 dist.all_gather_single(out, tensor.contiguous(), group=group)
@@ -176,7 +176,7 @@ def gather(
         size = ctx.get_world_size(mode)
         out = [torch.empty_like(tensor) for _ in range(size)] if is_dst else None
         with ctx.recorder.call(mode, "gather", tensor, dst):
-            if ctx.is_elastic(mode):
+            if ctx.epochs.holds(mode):
                 options = dist.GatherOptions()
                 options.rootRank = _position(ctx, mode, dst)
                 _await(ctx, mode, group.gather([out] if out is not None else [], [tensor], options))
@@ -208,7 +208,7 @@ def scatter(
 def barrier(ctx: CommContext, mode: Mode) -> None:
     def call(group: Any) -> None:
         with ctx.recorder.call(mode, "barrier"):
-            if ctx.is_elastic(mode):
+            if ctx.epochs.holds(mode):
                 _await(ctx, mode, group.barrier(dist.BarrierOptions()))
             else:
                 dist.barrier(group=group)

@@ -27,6 +27,7 @@ from rlcomm.mesh import GRID_MODES, default_mesh_modes, planned_mesh
 from rlcomm.net import env
 from rlcomm.plan.layout import LayoutPlan, plan_digest
 
+from .elastic.groups import EpochGroups
 from .errors import (
     EnvironmentConfigError,
     GroupRegistrationError,
@@ -36,7 +37,7 @@ from .errors import (
 )
 from .group_initializer import get_initializer, group_description
 from .modes import CommMode, Mode, mode_name
-from .recovery import Broken, Recoveries
+from .recovery import Recoveries
 from .utils import SingletonMeta
 
 if TYPE_CHECKING:
@@ -81,11 +82,7 @@ class CommContext(metaclass=SingletonMeta):
         # A sub-world's (form_subworld): global rank -> rank in this process's default group.
         self._world_ranks: dict[int, int] = {}
         self._timeout: datetime.timedelta | None = None
-        self._elastic: set[str] = set()  # modes whose group is a membership epoch's (elastic.py)
-        # Epoch groups a newer epoch's replaced: kept for the life of the process. gloo cannot
-        # abort a group, and freeing one while a transfer on it is still posted (a lost member's)
-        # frees memory that transfer goes on using.
-        self._retired_groups: list[ProcessGroup] = []
+        self.epochs = EpochGroups()  # the modes whose group is a membership epoch's
         self.recovery = Recoveries()  # per mode: what re-forms a failed group (elastic ones)
         self.recorder = FlightRecorder()
         self.watchdog: Watchdog | None = None
@@ -218,7 +215,7 @@ class CommContext(metaclass=SingletonMeta):
 
     def get_device(self, comm_mode: Mode) -> torch.device:
         """Where tensors for this mode's group live: the current GPU for nccl, else the CPU."""
-        if self.is_elastic(comm_mode):  # a membership epoch's group: gloo
+        if self.epochs.holds(comm_mode):  # a membership epoch's group: gloo
             return torch.device("cpu")
         if dist.get_backend(self.get_group(comm_mode)) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
@@ -408,7 +405,7 @@ class CommContext(metaclass=SingletonMeta):
                          timeout: int) -> None:
         """A process that joins a running job as ``rank`` (a replacement rollout rank): it has
         the job's store but no default group (the world was formed without it); its groups are
-        membership epochs (:meth:`register_epoch_group`, rlcomm.elastic)."""
+        membership epochs (:attr:`epochs`, rlcomm.elastic)."""
         if self.is_initialized() or self._store is not None:
             raise RlcommError("CommContext is already initialized; call destroy() first")
         self._store = store
@@ -422,29 +419,19 @@ class CommContext(metaclass=SingletonMeta):
         """This process joined a running job as a replacement (no default group)."""
         return self._store is not None and not self.is_initialized()
 
-    def register_epoch_group(self, mode: Mode, group: ProcessGroup, ranks: list[int],
-                             broken: Broken | None = None) -> None:
-        """Make ``group``, a membership epoch's (``ranks``: leader first, in group-rank order,
-        validated by rlcomm.elastic.build_epoch_group), this rank's group of ``mode``, replacing
-        the one before, which is kept alive, never freed. Its collectives take group ranks (it
-        is not in torch's world maps). ``broken()``: whether a member declared the group broken
-        (a call of rlcomm.collectives waiting on it then gives up: gloo sees a lost member only
-        on the connections to it, so the others could wait out the group's timeout)."""
+    def replace_group(self, mode: Mode, group: ProcessGroup,
+                      ranks: list[int]) -> ProcessGroup | None:
+        """Make ``group`` (``ranks``: its members in group-rank order) this rank's group of
+        ``mode`` in place of the one before, which is returned (None: none); a membership
+        epoch's group (rlcomm.elastic: :attr:`epochs` registers them)."""
         key = mode_name(mode)
-        self.recovery.watch(mode, broken)
-        rank = self.get_global_rank()
-        if key in self._elastic:
-            self._retired_groups.append(self._groups[key])
+        before = self._groups.get(key)
         self._groups[key] = group
-        self._local_ranks[key] = ranks.index(rank)
+        self._local_ranks[key] = ranks.index(self.get_global_rank())
         self._world_sizes[key] = len(ranks)
         self._ranks_in_group[key] = list(ranks)
         self._declared_ranks[key] = list(ranks)
-        self._elastic.add(key)
-
-    def is_elastic(self, comm_mode: Mode) -> bool:
-        """Whether this rank's group of ``comm_mode`` has members that come and go."""
-        return mode_name(comm_mode) in self._elastic
+        return before
 
     def describe(self) -> dict[str, GroupInfo]:
         """This rank's registry as data: mode -> local rank, group size, ranks."""

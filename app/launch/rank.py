@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import logging
@@ -31,7 +30,7 @@ from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
 from app.output.trackers import close_trackers, finish_trackers
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
-from rlcomm.elastic import TRAINER_SPACE, closing_members, mark_running
+from rlcomm.elastic import mark_running
 from rlcomm.errors import MembersLostError, PeerLostError
 from rlcomm.net.gloo_words import gist
 from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
@@ -235,7 +234,7 @@ def _gather_reports(
         "timeline": timeline.marks(),
     }
     if plan.elastic_modes:  # rollout ranks came and went: no group spans every rank now
-        reports = _reports_through_store(ctx, plan, report, float(cfg.comm.timeout))
+        reports = _reports_through_store(ctx, plan, report, float(cfg.comm.timeout), cfg.loop)
         ctx.destroy(barrier=False)
     else:
         reports = collectives.gather_json(ctx, CommMode.GLOBAL, report, dst=0)
@@ -321,28 +320,23 @@ def _join_running_job(
               "pid": os.getpid(),
               "groups": {mode: info.__dict__ for mode, info in ctx.describe().items()},
               "result": result, "timeline": timeline.marks()}
-    _reports_through_store(ctx, plan, report, float(cfg.comm.timeout))
+    _reports_through_store(ctx, plan, report, float(cfg.comm.timeout), loop)
     ctx.destroy(barrier=False)
     wait_for_background(float(cfg.comm.timeout))
 
 
 def _reports_through_store(
-    ctx: CommContext, plan: LayoutPlan, report: dict[str, Any], timeout_s: float
+    ctx: CommContext, plan: LayoutPlan, report: dict[str, Any], timeout_s: float, loop: Loop,
 ) -> list[dict[str, Any]] | None:
-    """Every rank's report, on rank 0, through the store: the trainers' and replay ranks', and
-    those of the rollout ranks each trainer had at the end (rlcomm.elastic: its ``final``
-    record)."""
+    """Every rank's report, on rank 0, through the store: those of the ranks the loop says
+    were there at the end (``Loop.reporting_ranks``: the RL runtime's trainers, replay ranks
+    and the rollout ranks each trainer had)."""
     store = ctx.store
     store.set(f"report/{report['rank']}", json.dumps(report))
     if report["rank"] != 0:
         return None
     deadline = time.monotonic() + timeout_s
-    # With elastic trainers, those the lead closed the run with (app/runtime/trainers/).
-    trainers = closing_members(store, plan.trainers[0], TRAINER_SPACE) or list(plan.trainers)
-    wanted = [*trainers, *plan.replay]
-    for trainer in trainers:
-        store.wait([f"elastic/{trainer}/final"], datetime.timedelta(seconds=timeout_s))
-        wanted += json.loads(store.get(f"elastic/{trainer}/final"))["members"]
+    wanted = LoopHooks(loop).reporting_ranks(ctx, plan, timeout_s)
     reports = []
     for rank in sorted(wanted):
         key = f"report/{rank}"

@@ -23,7 +23,9 @@ from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.checkpoints.replay_shards import ReplayShard
 from app.runtime.evaluation.evaluator import Evaluations
 from app.runtime.handoff import HandOff, HandOffSettings, ReplayHooks, build_hand_off
-from app.runtime.handoff.membership_epochs import EpochLeader, epoch_timeout
+from app.runtime.membership.replicas import form_replica_world
+from app.runtime.membership.rollouts import EpochLeader, epoch_timeout
+from app.runtime.membership.trainers import TrainerGroup
 from app.runtime.replay.service import ReplayLink, collectors
 from app.runtime.roles.collector import Collector
 from app.runtime.roles.trainer import Trainer
@@ -32,8 +34,6 @@ from app.runtime.segments import with_episodes
 from app.runtime.settings import RunSettings
 from app.runtime.sharding import TrainedModule, is_sharded
 from app.runtime.state import RunState
-from app.runtime.trainers.group import TrainerGroup
-from app.runtime.trainers.rebuild import form_replica_world
 from app.runtime.worker import Agent, RolloutWorker, build_segment_format
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api import JobInfo
+from app.runtime.membership.reports import reporting_ranks
 from app.runtime.run import run_rank
 from app.runtime.settings import RunSettings
-from rlcomm import CommContext
+from rlcomm import CommContext, LayoutPlan
 
 
 @dataclass
@@ -35,3 +36,8 @@ class RLLoop(RunSettings):
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
         return run_rank(self, ctx, job)
+
+    def reporting_ranks(self, ctx: CommContext, plan: LayoutPlan,
+                        timeout_s: float) -> list[int]:
+        """Who reports at the end of an elastic run (app/runtime/membership/reports.py)."""
+        return reporting_ranks(ctx, plan, timeout_s)

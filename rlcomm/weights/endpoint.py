@@ -72,7 +72,7 @@ class Endpoint:
 
     def _broadcast(self, tensor: Tensor) -> None:
         with self._ctx.recorder.call(self._mode, "broadcast", tensor, self._src):
-            if self._ctx.is_elastic(self._mode):
+            if self._ctx.epochs.holds(self._mode):
                 for work in self._point_to_point(tensor):
                     work.wait()
             else:
@@ -82,7 +82,7 @@ class Endpoint:
         """Launch the broadcast of ``wire`` (header and data); the caller waits on the works and
         then marks the recorded call finished."""
         with self._ctx.recorder.call(self._mode, "broadcast", wire, self._src) as call:
-            if self._ctx.is_elastic(self._mode):
+            if self._ctx.epochs.holds(self._mode):
                 works = self._point_to_point(wire)
             else:
                 work = dist.broadcast(wire, src=self._src, group=self._group, async_op=True)
@@ -108,7 +108,7 @@ class Endpoint:
         flags = torch.zeros(len(self._declared), dtype=torch.int64, device=self._device)
         flags[self._ctx.get_local_rank(self._mode)] = 0 if ok else 1
         with self._ctx.recorder.call(self._mode, "all_reduce", flags):
-            if self._ctx.is_elastic(self._mode):  # possibly not in torch's world maps
+            if self._ctx.epochs.holds(self._mode):  # possibly not in torch's world maps
                 self._group.allreduce([flags]).wait()
             else:
                 dist.all_reduce(flags, group=self._group)

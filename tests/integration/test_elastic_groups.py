@@ -22,8 +22,8 @@ from torch import nn
 
 from rlcomm import CommContext, ParallelMode
 from rlcomm.elastic import (
+    EpochRecords,
     Join,
-    Membership,
     MembershipError,
     await_admission,
     build_epoch_group,
@@ -126,7 +126,7 @@ def test_every_member_refuses_an_epoch_group_one_member_disagrees_on(disagreemen
 
 def _admission(rank: int, store: dist.Store) -> dict[str, Any]:
     if rank == 0:  # the leader
-        membership = Membership(store, LEADER, planned=[0, 1, 2])
+        membership = EpochRecords(store, LEADER, planned=[0, 1, 2])
         records = {"epoch 0": epoch_members(store, LEADER, 0), "latest 0": latest_epoch(store, LEADER)}
         before = membership.pending_joins()
         store.set("test/membership", "1")
@@ -231,9 +231,9 @@ def _elastic_weights(rank: int, store: dist.Store, moved: bool) -> dict[str, Any
     try:
         joined = ctx.joined_running_job and not ctx.is_initialized()
         group = build_epoch_group(store, LEADER, 1, [0, 1, 2], rank, ctx.timeout)
-        ctx.register_epoch_group(WT, group, [0, 1, 2])
+        ctx.epochs.register(ctx, WT, group, [0, 1, 2])
         graveyard.append(group)
-        seen = {"joined": joined, "elastic": ctx.is_elastic(WT),
+        seen = {"joined": joined, "elastic": ctx.epochs.holds(WT),
                 "local": ctx.get_local_rank(WT), "ranks": ctx.get_ranks_in_group(WT)}
         if rank == LEADER:
             module = linear(seed=0)
@@ -288,7 +288,7 @@ def _epoch_change(rank: int, store: dist.Store) -> dict[str, Any]:
             return _leader_changes_epoch(ctx, store)
         members = epoch_members(store, LEADER, 0)  # waits for the leader's record
         group = build_epoch_group(store, LEADER, 0, members, rank, ctx.timeout)
-        ctx.register_epoch_group(WT, group, members)
+        ctx.epochs.register(ctx, WT, group, members)
         module = linear(seed=rank)
         receiver = CountingReceiver(ctx, WT)
         first = receiver.receive_into(module)
@@ -302,12 +302,12 @@ def _epoch_change(rank: int, store: dist.Store) -> dict[str, Any]:
             return {"ended": "another version"}
         except TransfersEnded as err:
             moved = err.moved
-        # app/runtime/handoff/membership_epochs.py's EpochMember._follow, then _enter
+        # app/runtime/membership/rollouts.py's EpochMember._follow, then _enter
         graveyard.append((receiver, ctx.get_group(WT), receiver.abandon()))
         epoch = latest_epoch(store, LEADER)
         members = epoch_members(store, LEADER, epoch)
         group = build_epoch_group(store, LEADER, epoch, members, rank, ctx.timeout)
-        ctx.register_epoch_group(WT, group, members)
+        ctx.epochs.register(ctx, WT, group, members)
         graveyard.append(group)
         receiver = CountingReceiver(ctx, WT)
         version = receiver.receive_into(module)
@@ -319,20 +319,20 @@ def _epoch_change(rank: int, store: dist.Store) -> dict[str, Any]:
 
 
 def _leader_changes_epoch(ctx: CommContext, store: dist.Store) -> dict[str, Any]:
-    membership = Membership(store, LEADER, planned=[0, 1, 2])
+    membership = EpochRecords(store, LEADER, planned=[0, 1, 2])
     old = membership.group(LEADER, ctx.timeout)
-    ctx.register_epoch_group(WT, old, [LEADER, *membership.members])
+    ctx.epochs.register(ctx, WT, old, [LEADER, *membership.members])
     module = linear(seed=0)
     sender = WeightSender(ctx, WT, verify_every=0)
     first = sender.send(module, wait=True)
     buffers = {m: torch.zeros(6, dtype=torch.float64) for m in membership.members}
     store.set("test/receiving", "1")
     lost = receive_from_members(old, buffers, {1: 1, 2: 2})
-    # app/runtime/handoff/membership_epochs.py's EpochLeader.change: the record, then "moved"
+    # app/runtime/membership/rollouts.py's EpochLeader.change: the record, then "moved"
     epoch = membership.announce([m for m in membership.members if m not in lost], [])
     graveyard.append((sender, old, sender.end(moved=True)))
     new = membership.group(LEADER, ctx.timeout)
-    ctx.register_epoch_group(WT, new, [LEADER, *membership.members])
+    ctx.epochs.register(ctx, WT, new, [LEADER, *membership.members])
     graveyard.append(new)
     with torch.no_grad():
         for param in module.parameters():
@@ -372,11 +372,11 @@ def _replaced_group(rank: int, store: dist.Store) -> dict[str, Any]:
     ctx.join_running_job(store, rank, 2, timeout=int(GROUP_TIMEOUT.total_seconds()))
     try:
         old = build_epoch_group(store, LEADER, 1, [0, 1], rank, ctx.timeout)
-        ctx.register_epoch_group(WT, old, [0, 1])
+        ctx.epochs.register(ctx, WT, old, [0, 1])
         kept = weakref.ref(old)
         del old
         new = build_epoch_group(store, LEADER, 2, [0, 1], rank, ctx.timeout)
-        ctx.register_epoch_group(WT, new, [0, 1])
+        ctx.epochs.register(ctx, WT, new, [0, 1])
         del new
         gc.collect()
         # Nobody put the old group in the graveyard: the context keeps it (a lost member's

@@ -17,8 +17,8 @@ import torch
 from torch import distributed as dist
 from torch import nn
 
+from app.runtime.membership.trainers import TrainerGroup
 from app.runtime.trainers.gradients import AveragedGradients
-from app.runtime.trainers.group import TrainerGroup
 from rlcomm import CommContext, ParallelMode, collectives
 from tests.helpers.store_processes import meet, run_processes
 

@@ -1,5 +1,5 @@
-"""app/runtime/trainers/commit.py: a call over the trainers' group (replica groups of sharded
-trainers) is committed in the rendezvous store: it returns once every member marked it done, and
+"""rlcomm/elastic/commit.py: a call over an epoch's group (the trainers' of replica groups of
+sharded trainers) is committed in the rendezvous store: it returns once every member marked it done, and
 fails on a member that completed it when the group was declared broken or a member's process
 ended. On a real TCPStore in this process, members in threads, a real ended process."""
 
@@ -14,16 +14,18 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from app.runtime.trainers.commit import CallCommit
-from app.runtime.trainers.liveness import Liveness
+from rlcomm.elastic import CallCommit, Keys, Liveness
 from rlcomm.errors import GroupBrokenError
 
 pytestmark = pytest.mark.unit
 MEMBERS = [0, 1, 2]
 
 
+KEYS = Keys(0, "trainers/")
+
+
 def key(name: str) -> str:
-    return f"elastic/0/trainers/{name}"
+    return KEYS.key(name)
 
 
 @pytest.fixture
@@ -34,9 +36,9 @@ def store() -> dist.Store:
 def commit_of(store: dist.Store, rank: int, pids: dict[int, int]) -> CallCommit:
     for member, pid in pids.items():
         store.set(key(f"process/{member}"), str(pid))
-    liveness = Liveness(store, key, dict.fromkeys(MEMBERS, socket.gethostname()))
+    liveness = Liveness(store, KEYS, dict.fromkeys(MEMBERS, socket.gethostname()))
     liveness.note(MEMBERS)
-    return CallCommit(store, key, rank, liveness, lambda: 0, lambda: MEMBERS)
+    return CallCommit(store, KEYS, rank, liveness, lambda: 0, lambda: MEMBERS)
 
 
 def run_all(commits: dict[int, CallCommit]) -> dict[int, str]:

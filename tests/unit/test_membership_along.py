@@ -1,5 +1,5 @@
-"""rlcomm.elastic's Membership.confirm with ``along``: members that answered leave with the
-missing ones (a lost rank's replica group, app/runtime/trainers/group.py), and each reads that it
+"""rlcomm.elastic's EpochRecords.confirm with ``along``: members that answered leave with the
+missing ones (a lost rank's replica group, app/runtime/membership/trainers.py), and each reads that it
 is out. On a real store in this process (torch's HashStore), members answering from threads."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from rlcomm.elastic import Membership, acknowledge
+from rlcomm.elastic import EpochRecords, acknowledge
 
 pytestmark = pytest.mark.unit
 LEADER = 0
@@ -18,7 +18,7 @@ LEADER = 0
 
 def test_members_along_with_a_missing_one_are_out_and_read_it() -> None:
     store = dist.HashStore()
-    membership = Membership(store, LEADER, planned=[0, 1, 2, 3])
+    membership = EpochRecords(store, LEADER, planned=[0, 1, 2, 3])
     epoch = membership.announce([1, 2, 3], [])
     answers: dict[int, list[int] | None] = {}
 
@@ -41,7 +41,7 @@ def test_members_along_with_a_missing_one_are_out_and_read_it() -> None:
 
 def test_without_along_only_the_missing_leave() -> None:
     store = dist.HashStore()
-    membership = Membership(store, LEADER, planned=[0, 1, 2])
+    membership = EpochRecords(store, LEADER, planned=[0, 1, 2])
     epoch = membership.announce([1, 2], [])
     store.set(f"elastic/{LEADER}/ack/{epoch}/1", "1")
     assert membership.confirm(0.05) == [2]

@@ -33,9 +33,6 @@ from torch import nn
 from app.api import JobInfo
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, ReplayHooks, Round
 from app.runtime.handoff.handoff import HandOff
-from app.runtime.handoff.membership import Membership, StaticMembership
-from app.runtime.handoff.membership_epochs import EpochLeader, EpochMember, epoch_timeout
-from app.runtime.handoff.quorum import Quorum
 from app.runtime.handoff.route import (
     FollowTrainersRoute,
     GatherRoute,
@@ -46,6 +43,9 @@ from app.runtime.handoff.route import (
 from app.runtime.handoff.route_p2p import LeaderRoute, MemberRoute
 from app.runtime.handoff.weights import FlatReceiver, FlatSender, NoWeights, WeightChannel
 from app.runtime.handoff.weights_sharded import ShardReceiver, ShardSender
+from app.runtime.membership.base import Membership, StaticMembership
+from app.runtime.membership.quorum import Quorum
+from app.runtime.membership.rollouts import EpochLeader, EpochMember, epoch_timeout
 from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from app.runtime.handoff.base import HandOffStats, Round
-from app.runtime.handoff.membership import Membership
 from app.runtime.handoff.route import SegmentRoute
 from app.runtime.handoff.weights import WeightChannel
+from app.runtime.membership.base import Membership
 from app.runtime.worker import Episode
 
 

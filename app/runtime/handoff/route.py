@@ -25,10 +25,11 @@ import torch
 from app.runtime import stopping
 from app.runtime.algorithm import Segment
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round, check_staleness
-from app.runtime.handoff.membership import Unchanging
+from app.runtime.membership.base import Unchanging
 from app.runtime.segments import SegmentFormat
 from app.runtime.worker import Episode, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
+from rlcomm.elastic import Keys
 
 WT, GLOBAL = ParallelMode.WEIGHT_TRANSFER, ParallelMode.GLOBAL
 Version = Callable[[int], int]  # the weights version after so many updates
@@ -36,7 +37,7 @@ Version = Callable[[int], int]  # the weights version after so many updates
 
 class SegmentRoute(Protocol):
     """One rank's end of the data's way; it follows the membership's groups as a weight
-    channel does (app/runtime/handoff/membership.py's Follower)."""
+    channel does (app/runtime/membership/base.py's Follower)."""
 
     def exchange(self, own: torch.Tensor | None, mine: list[Episode],
                  updates: int) -> Round | None:
@@ -191,7 +192,7 @@ class FollowTrainersRoute(Unchanging):
     def exchange(self, own: torch.Tensor | None, mine: list[Episode], updates: int) -> None:
         """None once the run stopped: every trainer said STOP to this rank's server."""
         self.served()
-        self.final = json.loads(self.ctx.store.get(f"elastic/{self.lead}/final"))
+        self.final = json.loads(self.ctx.store.get(Keys(self.lead).stopped()))
 
     def result(self) -> dict[str, Any]:
         """The job's counts, as the lead trainer stopped at, like every rank reports them."""

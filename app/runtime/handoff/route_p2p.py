@@ -1,5 +1,5 @@
 """Segments point to point, from each member to its leader, over the leader's membership epochs
-(app/runtime/handoff/membership_epochs.py): elastic rollout ranks to their trainer.
+(app/runtime/membership/rollouts.py): elastic rollout ranks to their trainer.
 
 Per update a leader receives one segment from each live member: a member whose transfer fails
 is dropped (the membership's leave) and what it had in flight is discarded and counted;
@@ -19,9 +19,9 @@ import torch
 
 from app.runtime.algorithm import Segment
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round, check_staleness
-from app.runtime.handoff.membership import Unchanging
-from app.runtime.handoff.membership_epochs import EpochLeader, EpochMember
 from app.runtime.handoff.route import Version
+from app.runtime.membership.base import Unchanging
+from app.runtime.membership.rollouts import EpochLeader, EpochMember
 from app.runtime.segments import EPISODE_FIELDS, SegmentFormat, pack_episodes, unpack_episodes
 from app.runtime.sharding import share_segments
 from app.runtime.worker import Episode, as_segment
@@ -86,7 +86,7 @@ class LeaderRoute:
 
     def _segments(self, updates: int) -> tuple[list[Segment], list[Episode], float]:
         """This update's segments from the live members, their episodes and mean waiting time;
-        the job's quorum of live members first (app/runtime/handoff/membership_epochs.py)."""
+        the job's quorum of live members first (app/runtime/membership/rollouts.py)."""
         self.membership.update = updates
         tick = time.perf_counter()
         received = self._receive()

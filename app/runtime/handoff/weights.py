@@ -6,7 +6,7 @@ has the protocol, the flat channel (a trainer's whole weights, zero-copy from th
 over WEIGHT_TRANSFER) and the channel of ranks that neither send nor take weights; the sharded
 one (each shard owner's slices) is app/runtime/handoff/weights_sharded.py.
 
-A channel follows its group's membership (app/runtime/handoff/membership.py): ``begin`` opens
+A channel follows its group's membership (app/runtime/membership/base.py): ``begin`` opens
 it on the first group, ``end`` closes it (``moved``: to a new epoch), ``renew`` reopens it on
 the next epoch's group with a first version verified whatever ``verify_every`` says. On a
 static layout only ``begin`` is ever called.
@@ -19,7 +19,7 @@ from typing import Protocol
 from torch import nn
 
 from app.runtime.handoff.base import HandOffSettings, HandOffStats
-from app.runtime.handoff.membership import Unchanging
+from app.runtime.membership.base import Unchanging
 from rlcomm import CommContext, ParallelMode
 from rlcomm.elastic import graveyard
 from rlcomm.weights import WeightReceiver, WeightSender, WeightTransferError

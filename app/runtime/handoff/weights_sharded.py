@@ -46,21 +46,21 @@ from app.runtime.handoff.slices import (
 )
 from app.runtime.handoff.weights import receive_weights
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives, register_initializer
-from rlcomm.elastic import build_epoch_group, describe_loss, graveyard
+from rlcomm.elastic import ShardKeys, build_epoch_group, graveyard
 from rlcomm.group_initializer import WeightTransferGroupInitializer
+from rlcomm.net.gloo_words import describe_loss
 from rlcomm.weights import WeightReceiver, WeightSender
 
 TDP, GLOBAL = ParallelMode.TRAIN_DATA_PARALLEL, ParallelMode.GLOBAL
 log = logging.getLogger(__name__)
 SPACE = "shards/"  # the shard groups' series of epochs beside an owner's own (rlcomm.elastic)
-OWNERS, INDICES, GENERATION = ("elastic/shards/owners", "elastic/shards/indices/",
-                               "elastic/shards/gen/")
+KEYS = ShardKeys()
 Indices = dict[str, Tensor | None]
 
 
 def generation_of(leader: int, epoch: int) -> str:
     """The store key naming the shard generation a leader's epoch belongs to."""
-    return f"elastic/{leader}/gen/{epoch}"
+    return KEYS.leader_generation(leader, epoch)
 
 
 def shard_group(ctx: CommContext, owner: int, generation: int, members: list[int],
@@ -70,7 +70,7 @@ def shard_group(ctx: CommContext, owner: int, generation: int, members: list[int
     ranks = [owner, *members]
     group = build_epoch_group(ctx.store, owner, generation, ranks, ctx.get_global_rank(),
                               timeout, space=SPACE)
-    ctx.register_epoch_group(shards_mode(owner), group, ranks)
+    ctx.epochs.register(ctx, shards_mode(owner), group, ranks)
     return ranks
 
 
@@ -138,10 +138,10 @@ class ShardSender:
         if self.rank in owners:  # where its slices go, for every acting rank, once
             payload = io.BytesIO()
             torch.save(owned.indices(), payload)
-            self.ctx.store.set(INDICES + str(self.rank),
+            self.ctx.store.set(KEYS.indices(self.rank),
                                base64.b64encode(payload.getvalue()).decode())
         if self.rank == min(trainers):
-            self.ctx.store.set(OWNERS, json.dumps(owners))
+            self.ctx.store.set(KEYS.owners(), json.dumps(owners))
         return owners
 
     def version_after(self, updates: int) -> int:
@@ -162,7 +162,7 @@ class ShardSender:
         everyone = collectives.all_gather(self.ctx, TDP, row).reshape(-1).tolist()
         job = sorted({int(r) for r in everyone if r >= 0})
         if self.rank == min(self.ctx.get_ranks_in_group(TDP)):
-            self.ctx.store.set(GENERATION + str(self.generation), json.dumps(job))
+            self.ctx.store.set(KEYS.generation(self.generation), json.dumps(job))
         if self.owned is None:
             return
         assert self.patience is not None
@@ -260,14 +260,14 @@ class ShardReceiver:
 
     def _enter_generation(self, generation: int) -> None:
         store = self.ctx.store
-        self.owners = [int(r) for r in json.loads(store.get(OWNERS))]
-        members = [int(r) for r in json.loads(store.get(GENERATION + str(generation)))]
+        self.owners = [int(r) for r in json.loads(store.get(KEYS.owners()))]
+        members = [int(r) for r in json.loads(store.get(KEYS.generation(generation)))]
         self.receivers = []
         assert self.patience is not None
         for owner in self.owners:  # every rank builds the groups in owner order
             shard_group(self.ctx, owner, generation, members, self.patience)
             if owner not in self.indices:
-                raw = base64.b64decode(store.get(INDICES + str(owner)))
+                raw = base64.b64decode(store.get(KEYS.indices(owner)))
                 self.indices[owner] = torch.load(io.BytesIO(raw))
             self.receivers.append(self._part(owner, self.indices[owner]))
         self.generation = generation

@@ -91,9 +91,10 @@ log = logging.getLogger(__name__)
 
 
 class ReplayServer:
-    """One replay rank's shard, served in a thread (see the module's doc) once :meth:`start`
-    was called (a resumed run's shard restored first). ``checkpoints``: where its shard is
-    written beside each checkpoint (``loop.replay.checkpoint``: the lead trainer says SAVE)."""
+    """One replay rank's shard, served in a thread (see the module's doc) once :attr:`ready`
+    is set (a resumed run's shard restored first: :meth:`restore`). ``checkpoints``: where its
+    shard is written beside each checkpoint (``loop.replay.checkpoint``: the lead trainer says
+    SAVE)."""
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, settings: ReplaySettings,
                  records: Mapping[str, Record], gamma: float, segment_format: SegmentFormat,
@@ -115,6 +116,7 @@ class ReplayServer:
         self.generator = torch.Generator().manual_seed(seed)
         self.segments = self.batches = 0
         self.error: BaseException | None = None
+        self.ready = threading.Event()  # serving may begin: nothing more to restore
         self.thread = threading.Thread(target=self._serve, name="replay server", daemon=True)
 
     def start(self) -> None:
@@ -158,6 +160,7 @@ class ReplayServer:
                                   "batches": self.batches}}
 
     def _serve(self) -> None:
+        self.ready.wait()
         try:
             received = header(0)
             while self.waiting:
@@ -251,6 +254,7 @@ class ReplayLink:
             self.server = ReplayServer(ctx, plan, settings, algorithm.records,
                                        algorithm.settings.gamma, segment_format,
                                        replay_seed(seed, rank), checkpoints)
+            self.server.start()  # it serves once begun (a resumed shard restored first)
         self.saves_shards = settings.checkpoint
 
     def begin(self, picked: Path | None, update: int) -> None:
@@ -260,7 +264,7 @@ class ReplayLink:
             return
         if picked is not None and self.saves_shards:
             self.server.restore(picked, update)
-        self.server.start()
+        self.server.ready.set()
 
     def save_shards(self, update: int) -> None:
         """The lead trainer, as it writes the checkpoint of ``update``: every replay rank
@@ -287,6 +291,7 @@ class ReplayLink:
         for server in sorted(told):  # once each: a replay rank stops at its last STOP
             tell(STOP, server, self.group)
         if self.server is not None:
+            self.server.ready.set()  # a rank that never began (it failed first) serves its STOPs
             self.server.join(self.timeout_s)
 
     def served(self) -> None:

@@ -2,7 +2,7 @@
 (sharded trainers in replica groups: :class:`AveragedAcrossReplicas`).
 
 DDP binds its process group when it wraps the module; elastic trainers re-form theirs
-(app/runtime/trainers/group.py), so their gradients are averaged over the current
+(app/runtime/membership/trainers.py), so their gradients are averaged over the current
 TRAIN_DATA_PARALLEL group by a hook instead: DDP's average, at DDP's moment. Each parameter the
 optimizer steps gets a post-accumulate-grad hook; the first to fire in a backward pass queues
 one callback for the pass's end (torch autograd's execution engine, as DDP's Python reducer and
@@ -72,7 +72,7 @@ class AveragedAcrossReplicas:
     One all_reduce over TRAIN_DATA_PARALLEL (every live trainer) per unit: each rank fills the
     slot of its ``place`` in its ``replica`` group, so the ranks that hold the same shard sum
     it, and the slot is divided by the live replica groups. A loss during it fails the call on
-    every trainer alike (app/runtime/trainers/commit.py), so each replica group's ranks recover
+    every trainer alike (rlcomm/elastic/commit.py), so each replica group's ranks recover
     together; the survivors average the same shard again over their next group
     (rlcomm.collectives). A unit averaged before the loss keeps the old group's average: every
     parameter's gradient is a whole average, over one set of replica groups."""

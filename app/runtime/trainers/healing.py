@@ -1,6 +1,6 @@
 """A joining trainer heals from the lead trainer, not from disk.
 
-At the update boundary where the trainers admitted it (app/runtime/trainers/group.py) the lead
+At the update boundary where the trainers admitted it (app/runtime/membership/trainers.py) the lead
 sends its whole state over the new TRAIN_DATA_PARALLEL group, as a flat checkpoint holds it
 (app/runtime/checkpoints/checkpoint.py's ``checkpoint_content``, with its checksum): the
 weights, the optimizer's state, the normalisers' statistics, the algorithm's own state, the

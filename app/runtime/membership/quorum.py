@@ -1,6 +1,6 @@
 """The job's quorum of live members (``loop.min_rollouts``): how many the leaders need, whether a
 lost one can still come back, and the leaders' wait for joiners below it
-(app/runtime/handoff/membership_epochs.py's ``EpochLeader.await_quorum``)."""
+(app/runtime/membership/rollouts.py's ``EpochLeader.await_quorum``)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,17 @@
-"""Membership epochs (rlcomm.elastic): a leader's group re-formed as members leave and join.
+"""The rollout ranks' membership: each trainer leads a group of rollout ranks, re-formed as
+they leave and join (rlcomm.elastic's one membership; this module is the RL runtime's policy).
 
-The leader (:class:`EpochLeader`) drops a member whose transfer failed (at once when its
-connection closes; when its link is down, after the epoch group's timeout,
-rlcomm.elastic.patience_s). At an update boundary it admits the processes that asked to join
-(rlcomm.elastic.request_join); any change forms the next epoch: the record goes in the store,
-the followers end the old group (the members are told "moved" on it), the members acknowledge
-the record, everyone builds the new group and the followers renew on it. Below the
-:class:`Quorum` of live members in the whole job the leaders wait that long for joiners, if one
-can come, then end the run naming who was lost. A member (:class:`EpochMember`) follows its
-leader to each new epoch, or asks to be admitted when it replaces a lost process.
-
-Which group the epochs are of (``mode``) and what the members are called are the caller's: the
-members are acting ranks today; nothing here depends on it.
+The leader (:class:`EpochLeader`, a trainer) drops a member whose transfer failed (at once when
+its connection closes; when its link is down, after the epoch group's timeout,
+rlcomm.elastic.patience_s). At an update boundary it admits the processes that asked to join;
+any change forms the next epoch: the record goes in the store, the followers (the weight channel
+and the segment route) end the old group (the members are told "moved" on it), the members
+acknowledge the record, everyone builds the new group and the followers renew on it. Below the
+:class:`~app.runtime.membership.quorum.Quorum` of live members in the whole job the leaders wait
+that long for joiners, if one can come, then end the run naming who was lost. A member
+(:class:`EpochMember`, a rollout rank) follows its leader to each new epoch, asks to be admitted
+when it replaces a lost process, and goes to the trainer that takes it over when its own is lost
+(app/runtime/membership/trainers.py).
 """
 
 from __future__ import annotations
@@ -20,35 +20,25 @@ import datetime
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from app.runtime.handoff.membership import Follower, Transfer
-from app.runtime.handoff.quorum import Quorum, QuorumWait, rejoinable
+from app.runtime.membership.base import Follower, Transfer
+from app.runtime.membership.quorum import Quorum, QuorumWait, rejoinable
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.diagnostics.watchdog import default_hang_timeout
-from rlcomm.elastic import (
-    Join,
-    acknowledge,
-    await_admission,
-    build_epoch_group,
-    describe_loss,
-    latest_epoch,
-    patience_s,
-    request_join,
-)
-from rlcomm.elastic import Membership as EpochRecords
+from rlcomm.elastic import Change, Join, Leader, Member, latest_epoch, moved, patience_s
+from rlcomm.net.gloo_words import describe_loss
 from rlcomm.weights import TransfersEnded
 
 log = logging.getLogger(__name__)
 REPLACED = "replaced by a new process"
-# The leader that takes over a rollout rank whose trainer was lost (app/runtime/trainers/).
-ADOPT = "elastic/adopt/{rank}"
+# What a joining rollout rank's record adds: its first segment's version lag, and seconds from
+# its admission to that segment trained.
+JOIN_DETAILS = ("first_segment_lag", "first_trained_s")
 
 
 def epoch_timeout(ctx: CommContext, timeout_s: float) -> datetime.timedelta:
@@ -59,43 +49,6 @@ def epoch_timeout(ctx: CommContext, timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=patience_s(timeout_s, hang))
 
 
-@dataclass
-class Change:
-    """A join or a leave, for result.json."""
-
-    event: str  # "join" | "leave"
-    rank: int
-    host: str
-    reason: str
-    epoch: int
-    update: int
-    time: float = field(default_factory=time.time)
-    # Leave: seconds from it being noticed to the next update done with the survivors.
-    # Join: its first segment's version lag, and seconds from admission to that segment trained.
-    next_update_s: float | None = None
-    first_segment_lag: int | None = None
-    first_trained_s: float | None = None
-    # A lost trainer's: the transitions of its own replay shard, lost with it (off-policy).
-    lost_transitions: int | None = None
-
-    def record(self) -> dict[str, Any]:
-        record = {"event": self.event, "rank": self.rank, "host": self.host,
-                  "reason": self.reason, "epoch": self.epoch, "update": self.update,
-                  "time": round(self.time, 3)}
-        if self.event == "leave":
-            record["next_update_s"] = _rounded(self.next_update_s)
-            if self.lost_transitions is not None:
-                record["lost_transitions"] = self.lost_transitions
-        else:
-            record["first_segment_lag"] = self.first_segment_lag
-            record["first_trained_s"] = _rounded(self.first_trained_s)
-        return record
-
-
-def _rounded(value: float | None) -> float | None:
-    return round(value, 3) if value is not None else None
-
-
 class EpochLeader:
     """A leader's side (see the module's doc). ``mode``: the group the epochs are of;
     ``leaders``: the group of every leader of the job (they share counts and wait together)."""
@@ -103,16 +56,12 @@ class EpochLeader:
     def __init__(self, ctx: CommContext, mode: ParallelMode, leaders: ParallelMode,
                  quorum: Quorum, hosts: dict[int, str], patience: datetime.timedelta,
                  planned: list[int], replacing: bool = False) -> None:
-        self.ctx, self.mode, self.leaders, self.quorum = ctx, mode, leaders, quorum
+        self.ctx, self.leaders, self.quorum = ctx, leaders, quorum
         self.rank = ctx.get_global_rank()
-        self.patience, self.patience_s = patience, patience.total_seconds()
-        self.hosts = dict(hosts)  # rank -> host, as last known
+        self.patience_s = patience.total_seconds()
         # ``replacing``: this process replaces a lost leader, whose members went to the other
         # leaders: it starts with none, on an epoch after its predecessor's.
-        first = latest_epoch(ctx.store, self.rank) + 1 if replacing else 0
-        self.records = EpochRecords(ctx.store, self.rank, planned, epoch=first,
-                                    members=[] if replacing else None)
-        self.changes: list[Change] = []
+        self.side = Leader(ctx, mode, planned, hosts, patience, replacing=replacing)
         self.dropped: dict[int, str] = {}  # lost since the current epoch formed
         self.counts: list[int] = []  # each leader's live members this update
         self.update = 0
@@ -121,7 +70,7 @@ class EpochLeader:
 
     @property
     def members(self) -> list[int]:
-        return self.records.members
+        return self.side.members
 
     @property
     def live(self) -> list[int]:
@@ -130,17 +79,17 @@ class EpochLeader:
 
     @property
     def epoch(self) -> int:
-        return self.records.epoch
+        return self.side.epoch
+
+    @property
+    def changes(self) -> list[Change]:
+        return self.side.changes
 
     def begin(self, followers: list[Follower]) -> None:
         self.followers = followers
-        self._register()  # epoch 0
+        self.side.form()  # epoch 0
         for follower in followers:
             follower.begin(self.members)
-
-    def _register(self) -> None:
-        group = self.records.group(self.rank, self.patience)
-        self.ctx.register_epoch_group(self.mode, group, [self.rank, *self.members])
 
     def _agree(self, changing: bool) -> bool:
         for follower in self.followers:
@@ -150,7 +99,7 @@ class EpochLeader:
     def sync(self, transfer: Transfer, first: bool) -> bool:
         """Admits joiners and drops the lost (a new epoch, whose first weights the followers
         send), else the next ``transfer``."""
-        joins = self.records.pending_joins()
+        joins = self.side.pending_joins()
         if self._agree(bool(joins or self.dropped)):
             self.change(joins)
         else:
@@ -164,21 +113,20 @@ class EpochLeader:
             if join.rank in survivors:  # a new process for a rank we still count as live
                 survivors.remove(join.rank)
                 self.leave(join.rank, REPLACED)
-                self.ctx.store.set(f"elastic/{self.rank}/replaced/{join.rank}", str(join.pid))
+                self.ctx.store.set(self.side.keys.replaced(join.rank), str(join.pid))
             if join.rank not in joining:
                 joining.append(join.rank)
-            self.hosts[join.rank] = join.host
         # The record first: a member told "moved" reads it at once.
-        epoch = self.records.announce(sorted(survivors + joining), joins)
+        epoch = self.side.propose(sorted(survivors + joining), joins)
         for follower in self.followers:
             follower.end(moved=True, epoch=epoch)
         tick = time.perf_counter()
-        for rank in self.records.confirm(self.patience_s):  # gone since, or cut off
+        for rank in self.side.settle(self.patience_s):  # gone since, or cut off
             if rank in joining:
                 joining.remove(rank)
             else:
                 self.leave(rank, f"did not answer epoch {epoch} within {self.patience_s:g} s")
-        self._register()
+        self.side.form()
         for rank in joining:
             self._joined(rank, epoch)
         self.dropped = {}
@@ -188,37 +136,38 @@ class EpochLeader:
                  time.perf_counter() - tick, self.members)
 
     def _joined(self, rank: int, epoch: int) -> None:
-        host = self.hosts.get(rank, "?")
-        self.changes.append(Change("join", rank, host, "admitted", epoch, self.update))
-        log.warning("rank %d (%s) joined rank %d's group: epoch %d, %d %s", rank, host,
+        change = self.side.note("join", rank, "admitted", self.update, epoch)
+        change.details = dict.fromkeys(JOIN_DETAILS)
+        log.warning("rank %d (%s) joined rank %d's group: epoch %d, %d %s", rank, change.host,
                     self.rank, epoch, len(self.members), self.quorum.members)
 
     def leave(self, rank: int, reason: str) -> None:
         """``rank`` is lost (``reason``): dropped at the next boundary."""
         self.dropped[rank] = reason
-        host = self.hosts.get(rank, "?")
-        self.changes.append(Change("leave", rank, host, reason, self.epoch, self.update))
-        log.warning("rank %d (%s) left rank %d's group (%s); %d %s go on", rank, host,
+        change = self.side.note("leave", rank, reason, self.update)
+        log.warning("rank %d (%s) left rank %d's group (%s); %d %s go on", rank, change.host,
                     self.rank, reason, len(self.live), self.quorum.members)
 
     def adopt(self, ranks: list[int]) -> None:
         """``ranks``, members of a lost leader, may join this group (they ask to)."""
-        self.records.planned += [r for r in ranks if r not in self.records.planned]
+        self.side.admit(ranks)
 
     def first_segment(self, rank: int, lag: int) -> None:
         """A joiner's first data arrived, of this version lag."""
         for change in self.changes:
-            if change.event == "join" and change.rank == rank and change.first_segment_lag is None:
-                change.first_segment_lag = lag
+            if change.event == "join" and change.rank == rank and \
+                    change.details.get("first_segment_lag") is None:
+                change.details["first_segment_lag"] = lag
 
     def update_done(self) -> None:
         """After an update: the times to re-form (result.json's joins and leaves)."""
         now = time.time()
+        self.side.changes.settled(now)
         for change in self.changes:
-            if change.event == "leave" and change.next_update_s is None:
-                change.next_update_s = now - change.time
-            elif change.first_segment_lag is not None and change.first_trained_s is None:
-                change.first_trained_s = now - change.time
+            details = change.details
+            if details.get("first_segment_lag") is not None and \
+                    details.get("first_trained_s") is None:
+                details["first_trained_s"] = now - change.time
 
     def await_quorum(self, received: int, receive_more: Callable[[], int]) -> None:
         """Returns once the job has the quorum's live members (``received``: this leader's
@@ -233,7 +182,7 @@ class EpochLeader:
                 self.counts = counts
                 return
             wait.check(live, self._lost(), joinable)
-            joins = self.records.pending_joins()
+            joins = self.side.pending_joins()
             if self._agree(bool(joins)):
                 self.change(joins)
                 received += receive_more()
@@ -241,9 +190,7 @@ class EpochLeader:
             time.sleep(0.05)
 
     def _lost(self) -> str:
-        return ", ".join(f"rank {c.rank} on {c.host} ({c.reason})"
-                         for c in self.changes if c.event == "leave") or \
-            f"by the other {self.quorum.leaders}' groups"
+        return self.side.changes.lost() or f"by the other {self.quorum.leaders}' groups"
 
     def _job_counts(self, received: int) -> tuple[list[int], bool]:
         """Each leader's live members this update, and whether a lost one can still come
@@ -259,7 +206,7 @@ class EpochLeader:
     def stop(self, updates: int, env_steps: int) -> None:
         """The job's counts go in the store (the members report them, and rank 0 collects the
         reports of the members listed there), then the followers end the group."""
-        self.ctx.store.set(f"elastic/{self.rank}/final", json.dumps(
+        self.ctx.store.set(self.side.keys.stopped(), json.dumps(
             {"members": self.live, "updates": updates, "env_steps": env_steps}))
         for follower in self.followers:
             follower.end(moved=False, epoch=self.epoch)
@@ -267,7 +214,7 @@ class EpochLeader:
     def result(self) -> dict[str, Any]:
         """Who left and joined this leader's group."""
         return {"epoch": self.epoch, "members": list(self.live),
-                "changes": [c.record() for c in self.changes]}
+                "changes": self.side.changes.records()}
 
 
 class EpochMember:
@@ -276,10 +223,10 @@ class EpochMember:
 
     def __init__(self, ctx: CommContext, mode: ParallelMode, leader: int, timeout_s: float,
                  joining: bool, patience: datetime.timedelta) -> None:
-        self.ctx, self.mode, self.leader = ctx, mode, leader
+        self.ctx, self.mode = ctx, mode
         self.rank = ctx.get_global_rank()
-        self.timeout_s, self.joining, self.patience = timeout_s, joining, patience
-        self.epoch = 0
+        self.timeout_s, self.joining = timeout_s, joining
+        self.side = Member(ctx, mode, leader, patience)
         # Lost with its group while sending, this rank followed its leader to a new epoch and
         # holds that epoch's first weights: the next sync has nothing to take.
         self.followed = False
@@ -288,6 +235,14 @@ class EpochMember:
         self.followers: list[Follower] = []
         self.on_wait: Callable[[str], None] | None = None  # a member waits for nobody
 
+    @property
+    def leader(self) -> int:
+        return self.side.leader
+
+    @property
+    def epoch(self) -> int:
+        return self.side.epoch
+
     def begin(self, followers: list[Follower]) -> None:
         self.followers = followers
         if self.joining:
@@ -295,9 +250,7 @@ class EpochMember:
             return
         planned = [self.leader, *[r for r in self.ctx.get_declared_ranks(self.mode)
                                   if r != self.leader]]
-        group = build_epoch_group(self.ctx.store, self.leader, 0, planned, self.rank,
-                                  self.patience)
-        self.ctx.register_epoch_group(self.mode, group, planned)
+        self.side.enter(0, planned)
         for follower in followers:
             follower.begin(planned[1:])
 
@@ -331,7 +284,7 @@ class EpochMember:
         log.warning("rank %d: its trainer, rank %d, was lost; rank %d takes it over", self.rank,
                     self.leader, leader)
         self._end(moved=True)
-        self.leader = leader
+        self.side.move_to(leader)
         self.epochs_followed += 1
         self._join()
         return True
@@ -341,49 +294,35 @@ class EpochMember:
             follower.end(moved=moved, epoch=self.epoch)
 
     def _join(self) -> None:
-        while True:
-            join = request_join(self.ctx.store, self.leader, self.rank)
-            log.info("rank %d (%s) asks rank %d to admit it", self.rank, socket.gethostname(),
-                     self.leader)
-            epoch, _ = await_admission(self.ctx.store, self.leader, join, self.timeout_s)
-            members = acknowledge(self.ctx.store, self.leader, epoch, self.rank,
-                                  self.ctx.timeout)
-            if members is not None:
-                self._enter(epoch, members)
-                return
-            log.warning("rank %d: answered epoch %d too late; asking again", self.rank, epoch)
+        members = self.side.join(self.timeout_s)
+        assert members is not None  # it asks again until admitted
+        self._entered(members)
 
-    def _enter(self, epoch: int, members: list[int]) -> None:
-        group = build_epoch_group(self.ctx.store, self.leader, epoch, members, self.rank,
-                                  self.patience)
-        self.ctx.register_epoch_group(self.mode, group, members)
-        self.epoch = epoch
+    def _entered(self, members: list[int]) -> None:
         for follower in self.followers:
-            follower.renew(epoch, members[1:])
-        log.info("rank %d: in epoch %d of rank %d's group (members %s)", self.rank, epoch,
+            follower.renew(self.epoch, members[1:])
+        log.info("rank %d: in epoch %d of rank %d's group (members %s)", self.rank, self.epoch,
                  self.leader, members[1:])
 
     def _follow(self) -> bool:
         """The leader moved to a new epoch: go with it, or ask to join again if it has
         dropped this rank (it took it for lost); False if a newer process replaced this one."""
         self._end(moved=True)
-        epoch = latest_epoch(self.ctx.store, self.leader)
-        deadline = time.monotonic() + self.timeout_s
-        while epoch <= self.epoch and time.monotonic() < deadline:  # not written yet
-            time.sleep(0.01)
-            epoch = latest_epoch(self.ctx.store, self.leader)
+        epoch = self.side.newer_epoch(self.timeout_s)
         self.epochs_followed += 1
         if self._replaced():
             return False
-        members = acknowledge(self.ctx.store, self.leader, epoch, self.rank, self.ctx.timeout)
+        assert epoch is not None  # nothing stops the wait
+        members = self.side.acknowledge(epoch)
         if members is not None:
-            self._enter(epoch, members)
+            self.side.enter(epoch, members)
+            self._entered(members)
             return True
         self._join()
         return True
 
     def _replaced(self) -> bool:
-        replaced = f"elastic/{self.leader}/replaced/{self.rank}"
+        replaced = self.side.keys.replaced(self.rank)
         if not self.ctx.store.check([replaced]):
             return False
         newer = int(self.ctx.store.get(replaced))
@@ -403,11 +342,11 @@ class EpochMember:
         elastic trainers, for the trainer that takes this rank over (its rank: join it);
         re-raises if none of these comes (it is lost)."""
         deadline = time.monotonic() + self.timeout_s
-        store, prefix = self.ctx.store, f"elastic/{self.leader}/"
-        adopted = ADOPT.format(rank=self.rank)
+        store, keys = self.ctx.store, self.side.keys
+        adopted = moved(self.rank)
         try:
             while latest_epoch(store, self.leader) <= self.epoch:
-                if store.check([prefix + "final"]):  # the run stopped meanwhile
+                if store.check([keys.stopped()]):  # the run stopped meanwhile
                     return self._stopped()
                 if store.check([adopted]) and int(store.get(adopted)) != self.leader:
                     return int(store.get(adopted))
@@ -422,7 +361,7 @@ class EpochMember:
 
     def _stopped(self) -> bool:
         """The run stopped: the job's counts, as the leader left them in the store."""
-        self.final = json.loads(self.ctx.store.get(f"elastic/{self.leader}/final"))
+        self.final = json.loads(self.ctx.store.get(self.side.keys.stopped()))
         return False
 
     def update_done(self) -> None:

@@ -4,7 +4,7 @@ Each of its ranks starts again (``launcher.trainer_restarts``, or by hand) and j
 job without a default group, as any replacement does. A tensor-parallel or FSDP grid needs one:
 the group's new processes form a world of their own over a fresh store prefix (one per rebuild,
 counted by their arrivals), with the plan's grid groups inside it (``CommContext.form_subworld``).
-The lead admits the group only once every rank of it asked (app/runtime/trainers/group.py), and
+The lead admits the group only once every rank of it asked (app/runtime/membership/trainers.py), and
 each then heals from the lead's replica group (app/runtime/trainers/healing.py).
 """
 
@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 
 from rlcomm import CommContext, LayoutPlan
+from rlcomm.elastic import subworld
 from rlcomm.errors import PeerLostError
 
 log = logging.getLogger(__name__)
@@ -23,12 +24,13 @@ def form_replica_world(ctx: CommContext, plan: LayoutPlan) -> None:
     """This joining trainer's replica group's world, with the group's other new processes."""
     rank = ctx.get_global_rank()
     replica = plan.replica_of(rank)
-    arrivals = int(ctx.store.add(f"elastic/replicas/{replica[0]}/arrivals", 1))
+    counter, prefix = subworld(replica[0])
+    arrivals = int(ctx.store.add(counter, 1))
     generation = (arrivals - 1) // len(replica)
     log.info("rank %d (trainer) rebuilds its replica group %s (rebuild %d): waiting for its "
              "other ranks", rank, list(replica), generation + 1)
     try:
-        ctx.form_subworld(plan, replica, f"elastic/replicas/{replica[0]}/{generation}/")
+        ctx.form_subworld(plan, replica, f"{prefix}{generation}/")
     except RuntimeError as err:  # a rank of the group that never started again
         raise PeerLostError(
             f"rank {rank} (trainer): its replica group {list(replica)} was not rebuilt within "

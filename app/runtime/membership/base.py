@@ -1,11 +1,11 @@
-"""Membership: who is in a group now, and how the group changes as members leave and join.
+"""Membership as the hand-off sees it: who is in a group now, and how the group changes as
+members leave and join.
 
 A group has one leader and its members. The parts whose groups follow the membership (a
 weight channel, a segment route: :class:`Follower`) are told when the first group forms, when
-a group ends and when the next one forms. :class:`StaticMembership` never changes; the
-membership epochs of rlcomm.elastic (a leader's group re-formed around lost members and
-admitted joiners, store-based) are app/runtime/handoff/membership_epochs.py. Nothing here
-assumes what the members do: acting ranks today, trainers as well tomorrow.
+a group ends and when the next one forms. :class:`StaticMembership` never changes; the rollout
+ranks' membership epochs (rlcomm.elastic's one membership, with the RL runtime's policy) are
+app/runtime/membership/rollouts.py.
 """
 
 from __future__ import annotations

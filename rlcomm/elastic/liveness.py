@@ -1,7 +1,7 @@
-"""Whether a trainer's process lives, as the lead trainer asks when the trainers' group failed
-(app/runtime/trainers/group.py): each trainer's heartbeat, a store counter a thread of it
-advances every ``BEAT_S`` under a key of its own process (a replacement's beats are not its
-predecessor's), and, for a process on the lead's own host, the process itself (at once)."""
+"""Whether a member's process lives, as its leader asks when their group failed: each member's
+heartbeat, a store counter a thread of it advances every ``BEAT_S`` under a key of its own
+process (a replacement's beats are not its predecessor's), and, for a process on the leader's
+own host, the process itself (at once)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-BEAT_S = 0.2  # how often each trainer beats its heartbeat
-BEAT_LOST_S = 1.5  # a trainer that did not answer and whose heartbeat stood still this long is lost
+from rlcomm.elastic.keys import Keys
+
+BEAT_S = 0.2  # how often each member beats its heartbeat
+BEAT_LOST_S = 1.5  # a member that did not answer and whose heartbeat stood still this long is lost
 
 
 def process_ended(pid: int) -> bool:
@@ -35,15 +37,14 @@ def process_ended(pid: int) -> bool:
 
 
 class Heartbeat:
-    """A counter in the store that a thread of this trainer advances every ``BEAT_S``, over a
+    """A counter in the store that a thread of this member advances every ``BEAT_S``, over a
     connection of its own (the main thread's store calls may wait long). A stopped or killed
     process stops it."""
 
     def __init__(self, store: Any, key: str) -> None:
         self.store, self.key = store.clone(), key
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._beat, name="rlcomm-trainer-heartbeat",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._beat, name="rlcomm-heartbeat", daemon=True)
         self.thread.start()
 
     def _beat(self) -> None:
@@ -58,22 +59,22 @@ class Heartbeat:
 
 
 class Liveness:
-    """The trainers' processes as one trainer sees them. ``key(name)``: the trainers' store
-    key of ``name``; ``hosts``: rank -> host, as the trainers' membership keeps it."""
+    """The members' processes as one of them sees them. ``keys``: their series' store keys;
+    ``hosts``: rank -> host, as the membership keeps it."""
 
-    def __init__(self, store: Any, key: Callable[[str], str], hosts: dict[int, str]) -> None:
-        self.store, self.key, self.hosts = store, key, hosts
+    def __init__(self, store: Any, keys: Keys, hosts: dict[int, str]) -> None:
+        self.store, self.keys, self.hosts = store, keys, hosts
         self.processes: dict[int, int] = {}  # rank -> pid, of the current epoch
         self.heartbeat: Heartbeat | None = None
 
     def start(self, rank: int) -> None:
         """This process, as ``rank``: published, and its heartbeat beating."""
-        self.store.set(self.key(f"process/{rank}"), str(os.getpid()))
-        self.heartbeat = Heartbeat(self.store, self.key(f"beat/{rank}/{os.getpid()}"))
+        self.store.set(self.keys.process(rank), str(os.getpid()))
+        self.heartbeat = Heartbeat(self.store, self.keys.beat(rank, os.getpid()))
 
     def note(self, members: list[int]) -> None:
         """The processes of a new epoch's ``members`` (each published its own before)."""
-        self.processes = {r: int(self.store.get(self.key(f"process/{r}"))) for r in members}
+        self.processes = {r: int(self.store.get(self.keys.process(r))) for r in members}
 
     def watch(self, ranks: list[int]) -> Callable[[list[int]], list[int]]:
         """From now: ``gone(waiting)``, those of ``waiting`` (among ``ranks``) whose process on
@@ -97,4 +98,4 @@ class Liveness:
         return process_ended(self.processes[rank])
 
     def _beat_of(self, rank: int) -> int:
-        return int(self.store.add(self.key(f"beat/{rank}/{self.processes[rank]}"), 0))
+        return int(self.store.add(self.keys.beat(rank, self.processes[rank]), 0))
