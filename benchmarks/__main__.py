@@ -34,10 +34,11 @@ SECTIONS = (
     "replay_layouts",
     "learner_speed",
     "trainer_loss",
+    "seeds",
 )
-# Run only when named (--only): hours of side-by-side runs against CleanRL's scripts, and
-# minutes of runs that each lose a trainer.
-ONLY_BY_NAME = ("learner_speed", "trainer_loss")
+# Run only when named (--only): hours of side-by-side runs against CleanRL's scripts, minutes
+# of runs that each lose a trainer, and hours of every shipped configuration over ten seeds.
+ONLY_BY_NAME = ("learner_speed", "trainer_loss", "seeds")
 NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation",
                 "replay_layouts")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
