@@ -116,9 +116,10 @@ def plot(config: Config, runs: Sequence[SeedRun], summary: dict[str, Any], path:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 4.5))
-    ax = fig.subplots(gridspec_kw={"left": 0.1, "right": 0.97, "bottom": 0.12, "top": 0.88})
+    ax = fig.subplots(gridspec_kw={"left": 0.1, "right": 0.97, "bottom": 0.12, "top": 0.86})
     curves = [r.curve for r in runs]
-    end = max([summary["budget"] or 0] + [c[-1][0] for c in curves if c])
+    # To the last run's end: the budget when a seed did not solve, else where the last solved.
+    end = max([c[-1][0] for c in curves if c], default=summary["budget"] or 1)
     for r in runs:
         if r.curve:
             ax.plot([p[0] for p in r.curve], [p[2] for p in r.curve], linewidth=0.8, alpha=0.5,
@@ -132,13 +133,15 @@ def plot(config: Config, runs: Sequence[SeedRun], summary: dict[str, Any], path:
         ax.plot(grid[have], mid, color="tab:blue", linewidth=2, label="median over seeds")
     if summary["target"] is not None:
         ax.axhline(summary["target"], linestyle="--", color="grey", label="target")
-    if summary["budget"]:
+    if summary["budget"] and summary["budget"] <= end:
         ax.axvline(summary["budget"], linestyle=":", color="black", label="budget")
     ax.set_xlabel("env steps")
     ax.set_ylabel("mean return of the last 20 episodes")
     ax.legend(loc="lower right", fontsize="small")
-    fig.suptitle(f"{config.command}: {summary['solved']} of {summary['seeds']} seeds solved "
-                 "(green: solved, red: not)", fontsize="medium")
+    budget = f" within {summary['budget']:,} env steps" if summary["budget"] else ""
+    fig.suptitle(f"{config.command}: {summary['solved']} of {summary['seeds']} seeds solved"
+                 f"{budget}\n(green: solved, red: not; a run that stopped is held at its last "
+                 "value)", fontsize="medium")
     fig.savefig(path)
 
 
