@@ -63,7 +63,7 @@ CONFIGS = (
     Config("vtrace", ("loop=vtrace", "loop.max_staleness=1"), "V-trace, CartPole-v1"),
     Config("dqn", ("loop=dqn",), "DQN, CartPole-v1"),
     Config("sac", ("loop=sac",), "SAC, Pendulum-v1"),
-    Config("ppo_1t3r", ("layout=1t3r",), "PPO on 1t3r (lockstep)", variant=True),
+    Config("ppo_1t3r", ("layout=1t3r",), "PPO on 1t3r, lockstep", variant=True),
     Config("ppo_async_1t3r", ("layout=1t3r", "loop.max_staleness=1"),
            "asynchronous PPO on 1t3r", variant=True),
     Config("vtrace_1t3r", ("layout=1t3r", "loop=vtrace", "loop.max_staleness=1"),
