@@ -37,7 +37,8 @@ SECTIONS = (
     "seeds",
 )
 # Run only when named (--only): hours of side-by-side runs against CleanRL's scripts, minutes
-# of runs that each lose a trainer, and hours of every shipped configuration over ten seeds.
+# of runs that each lose a trainer, and half an hour (or more, under load) of every shipped
+# configuration over ten seeds.
 ONLY_BY_NAME = ("learner_speed", "trainer_loss", "seeds")
 NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation",
                 "replay_layouts")

@@ -10,9 +10,9 @@ target over the solved seeds, each with a 95% stratified-bootstrap confidence in
 (benchmarks/aggregates.py), and one learning-curve picture with every seed and the spread
 (benchmarks/seeds_report.py). The 1-minute load average is read before and after every run.
 
-Hours on 2 cores (SAC on Pendulum is most of it), so it runs only when named. Alone, with a
-choice of configurations and seeds, and resumable (a run dir that holds a ``result.json`` is
-read, not run again)::
+Half an hour on 2 idle cores, over an hour under load (DQN and SAC are most of it), so it
+runs only when named. Alone, with a choice of configurations and seeds, and resumable (a run
+dir that holds a ``result.json`` is read, not run again)::
 
     python -m benchmarks.seeds [--configs ppo,sac] [--seeds 0-9] [--out DIR] [--override K=V]
 """
