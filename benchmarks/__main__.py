@@ -34,11 +34,13 @@ SECTIONS = (
     "replay_layouts",
     "learner_speed",
     "trainer_loss",
+    "seeds",
     "long_run",
 )
 # Run only when named (--only): hours of side-by-side runs against CleanRL's scripts, minutes
-# of runs that each lose a trainer, and the long runs (an hour and more).
-ONLY_BY_NAME = ("learner_speed", "trainer_loss", "long_run")
+# of runs that each lose a trainer, half an hour (or more, under load) of every shipped
+# configuration over ten seeds, and the long runs (an hour and more).
+ONLY_BY_NAME = ("learner_speed", "trainer_loss", "seeds", "long_run")
 NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation",
                 "replay_layouts")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes

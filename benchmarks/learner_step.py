@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import app.loops.sac.core as sac_core
 from app.loops.dqn import DQN, DQNSettings
-from app.loops.ppo.core import PPO, PPOSettings, _Batch, minibatch_step
+from app.loops.ppo.core import PPO, PPOBatch, PPOSettings, minibatch_step
 from app.runtime.algorithm import Spaces, UpdateInfo
 from app.runtime.compiling import COMPILE_MODES
 from app.runtime.replay.buffer import Batch
@@ -88,8 +88,8 @@ class PPOLearner:
             torch.randn(batch, PPO_ACT, generator=g)
         with torch.no_grad():
             logprobs, _, values = self.net(obs, actions)
-        self.batch = _Batch(obs, actions, logprobs, None, torch.randn(batch, generator=g),
-                            values + torch.randn(batch, generator=g), values)
+        self.batch = PPOBatch(obs, actions, logprobs, None, torch.randn(batch, generator=g),
+                              values + torch.randn(batch, generator=g), values)
 
     def step(self) -> None:
         _minibatch_step(self.model, self.optimizer, self.batch, self.settings, self.ppo.loss_fn)

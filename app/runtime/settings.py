@@ -100,7 +100,8 @@ class RunSettings:
     env: EnvConfig = setting(doc="the environment (docs/environments.md)", factory=EnvConfig)
     max_staleness: int = setting(
         0, "weights versions a trainer's data may lag its own (0: lockstep; >= 1: rollouts "
-        "collect while trainers update)"
+        "collect while trainers update, which learn from data up to that many versions old: "
+        "docs/async-rollout.md)"
     )
     verify_weights_every: int = setting(
         10, "every N-th weights version, rollouts check what they loaded against the "

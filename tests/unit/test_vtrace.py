@@ -11,7 +11,8 @@ from gymnasium import spaces as gym_spaces
 
 from app.loops.vtrace import VTraceLoop
 from app.loops.vtrace.core import VTrace, VTraceSettings, discounts_from_dones, vtrace_targets
-from app.runtime import Spaces, UpdateInfo
+from app.runtime import Segment, Spaces, UpdateInfo
+from app.runtime.algorithm import Peers
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.worker import Agent, as_segment
 from tests.helpers.single_process import vtrace_parts
@@ -148,10 +149,11 @@ def test_settings_range_errors_name_each_bad_field_and_the_minibatch_columns() -
     assert errors == ["gamma: must be in (0, 1], got 0.0", "rho_bar: must be > 0, got 0.0",
                       "trace_lambda: must be in [0, 1], got 1.5",
                       "max_grad_norm: must be > 0, got -1.0"]
-    # Minibatches split whole env columns: 16 envs x 64 steps give 16 columns, not 1024.
+    # Minibatches split whole env columns: 16 envs x 64 steps give 16 columns, not 1024; so many
+    # per segment, whatever number of segments a trainer gets.
     assert VTraceSettings(num_minibatches=16).range_errors(16 * 64) == []
-    assert VTraceSettings(num_minibatches=17).range_errors(16 * 64) == [
-        "num_minibatches: must be at most the 16 env columns each trainer gets per update, got 17"]
+    assert VTraceSettings(num_minibatches=17).range_errors(3 * 16 * 64) == [
+        "num_minibatches: must be at most the 16 env columns of a segment (num_envs), got 17"]
 
 
 def test_the_loop_declares_vtrace_and_its_settings() -> None:
@@ -201,3 +203,43 @@ def test_an_update_returns_its_losses_and_takes_a_fixed_number_of_steps() -> Non
     assert no_bootstrap.value(agent.net, obs) is None
 
 
+
+
+class _FewerElsewhere(Peers):
+    """Another trainer, handed ``fewest`` segments this update."""
+
+    def __init__(self, fewest: int) -> None:
+        self.elsewhere = fewest
+
+    def fewest(self, count: int) -> int:
+        return min(count, self.elsewhere)
+
+
+def test_a_trainer_handed_more_segments_takes_more_steps_of_the_same_size() -> None:
+    """``num_minibatches`` is per segment: a trainer fed by three collectors (layout=1t3r) takes
+    three times the steps of one fed by one, each on as many env columns, so it learns as much
+    per env step; with another trainer handed fewer segments, every trainer takes that one's."""
+    settings = VTraceSettings(num_envs=8, num_steps=16, num_minibatches=4)
+    algorithm, agent, worker = vtrace_parts(0, settings)
+    segments: list[Segment] = []
+    for version in range(3):
+        packed, _ = worker.collect(agent, version)
+        segments.append(as_segment(worker.segment_format, packed.clone()))
+    worker.close()
+    optimizer = algorithm.optimizer(agent.net)
+    sizes: list[int] = []
+    optimizer.register_step_post_hook(lambda *_: sizes.append(seen[-1]))
+    seen: list[int] = []
+    agent.net.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[0]))
+
+    def steps(handed: list[Segment], peers: Peers) -> list[int]:
+        sizes.clear()
+        info = UpdateInfo(optimizer, torch.Generator().manual_seed(0), 0, 0, 1, peers)
+        algorithm.update(agent.net, agent.net, handed, info)
+        return list(sizes)
+
+    column = settings.num_envs // settings.num_minibatches * settings.num_steps  # 2 columns
+    assert steps(segments[:1], Peers()) == [column] * 4
+    assert steps(segments, Peers()) == [column] * 12
+    # Another trainer was handed two: both take 8 steps; this one's hold 3 columns each.
+    assert steps(segments, _FewerElsewhere(2)) == [3 * settings.num_steps] * 8

@@ -116,10 +116,12 @@ class PPO(Algorithm[PPOSettings]):
 
 
 def compute_gae(
-    segment: Segment, next_value: Tensor, gamma: float, lam: float
+    segment: Segment, next_value: Tensor, gamma: float, lam: float, values: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimates and value targets, both [T, N]."""
-    rewards, values, dones = segment["rewards"], segment["values"], segment["dones"]
+    """Generalized advantage estimates and value targets, both [T, N], with ``values`` [T, N]
+    as the baseline (by default the values the segment recorded as it was collected)."""
+    rewards, dones = segment["rewards"], segment["dones"]
+    values = segment["values"] if values is None else values
     T = rewards.shape[0]
     advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(next_value)
@@ -172,12 +174,13 @@ def ppo_update(
 ) -> dict[str, float]:
     """Run ``settings.update_epochs`` x ``num_minibatches`` clipped-PPO steps on ``segments``.
 
-    The behaviour policy is the one that collected the data: its log-probs were recorded then.
-    With ``decoupled`` (data collected with older weights than ``policy``'s), the clip is
-    centred on ``policy``'s weights as the update starts (the proximal policy), and each
-    sample's objective is weighted by proximal / behaviour probability (decoupled PPO, Hilton
-    et al. 2021): the update stays importance-corrected for the behaviour policy while its step
-    is bounded around the current weights, not around stale ones.
+    The behaviour policy is the one that collected the data: its log-probs and values were
+    recorded then. With ``decoupled`` (data collected with older weights than ``policy``'s),
+    the clip and the value clip are centred on ``policy``'s weights as the update starts (the
+    proximal policy), whose values are GAE's baseline too, and each sample's objective is
+    weighted by proximal / behaviour probability (decoupled PPO, Hilton et al. 2021): the update
+    stays importance-corrected for the behaviour policy while its step is bounded around the
+    current weights, not around stale ones (:func:`ppo_batch`).
 
     ``model`` is ``policy`` or a DDP wrapper around it: losses go through
     ``model(...)`` so gradient all-reduce hooks fire, while the no-grad value
@@ -187,7 +190,7 @@ def ppo_update(
     """
     if not segments:
         raise ValueError("ppo_update needs at least one segment")
-    batch = _batch(policy, segments, settings, decoupled)
+    batch = ppo_batch(policy, segments, settings, decoupled)
     batch_size = batch.obs.shape[0]
     minibatch_size = batch_size // settings.num_minibatches
     sums: dict[str, Tensor] = {}
@@ -203,7 +206,7 @@ def ppo_update(
     return {k: v / n for k, v in zip(sums, torch.stack(list(sums.values())).tolist(), strict=True)}
 
 
-def minibatch_step(model: nn.Module, optimizer: torch.optim.Optimizer, mb: _Batch,
+def minibatch_step(model: nn.Module, optimizer: torch.optim.Optimizer, mb: PPOBatch,
                    settings: PPOSettings, loss_fn: LossFn | None = None) -> dict[str, Tensor]:
     """One clipped-PPO optimizer step on the minibatch ``mb``: the loss (``loss_fn``, e.g.
     :func:`minibatch_loss` compiled; by default that function as written), its backward, the
@@ -217,7 +220,7 @@ def minibatch_step(model: nn.Module, optimizer: torch.optim.Optimizer, mb: _Batc
 
 
 @dataclass
-class _Batch:
+class PPOBatch:
     """One update's samples, flattened over segments and steps."""
 
     obs: Tensor
@@ -226,40 +229,54 @@ class _Batch:
     weight: Tensor | None  # decoupled PPO's proximal / behaviour probability
     advantages: Tensor
     returns: Tensor
-    values: Tensor
+    values: Tensor  # the values the value clip is centred on
 
-    def take(self, mb: Tensor) -> _Batch:
+    def take(self, mb: Tensor) -> PPOBatch:
         """The samples at indices ``mb``."""
-        return _Batch(self.obs[mb], self.actions[mb], self.anchor[mb],
-                      None if self.weight is None else self.weight[mb], self.advantages[mb],
-                      self.returns[mb], self.values[mb])
+        return PPOBatch(self.obs[mb], self.actions[mb], self.anchor[mb],
+                        None if self.weight is None else self.weight[mb], self.advantages[mb],
+                        self.returns[mb], self.values[mb])
 
 
-def _batch(policy: nn.Module, segments: list[Segment], settings: PPOSettings,
-           decoupled: bool) -> _Batch:
-    """GAE per segment (bootstrapped from ``policy``'s values), then one flat batch."""
-    obs_l, act_l, logp_l, adv_l, ret_l, val_l = [], [], [], [], [], []
+def ppo_batch(policy: nn.Module, segments: list[Segment], settings: PPOSettings,
+              decoupled: bool) -> PPOBatch:
+    """GAE per segment (bootstrapped from ``policy``'s values), then one flat batch.
+
+    In lockstep the data is ``policy``'s own: the clip and the value clip are centred on the
+    log-probs and values recorded as it was collected, and those values are GAE's baseline.
+    ``decoupled`` (the data lags ``policy``'s weights): everything is centred on ``policy`` as
+    the update starts (the proximal policy): the clip on its log-probs, the value clip on its
+    values, which are GAE's baseline too; each sample's objective is weighted by proximal /
+    behaviour probability. Centred on the behaviour's recorded values instead, the value clip
+    would hold most samples' value loss at its bound from the first step (the critic has moved
+    more than ``clip_coef`` since they were recorded), so they would give the critic no
+    gradient (docs/async-rollout.md, "A segment that lags the weights").
+    """
+    obs_l, act_l, logp_l, anchor_l, adv_l, ret_l, val_l = [], [], [], [], [], [], []
     with torch.no_grad():
         for s in segments:
+            obs, actions, values = _steps(s["obs"]), _steps(s["actions"]), s["values"]
+            logprobs = s["logprobs"].reshape(-1)
+            anchor = logprobs
+            if decoupled:
+                anchor, _, proximal = policy.evaluate(obs, actions)  # type: ignore[operator]
+                values = proximal.reshape(values.shape)
             next_value = policy.value(s["next_obs"])  # type: ignore[operator]
-            adv, ret = compute_gae(s, next_value, settings.gamma, settings.gae_lambda)
-            obs_l.append(_steps(s["obs"]))
-            act_l.append(_steps(s["actions"]))
-            logp_l.append(s["logprobs"].reshape(-1))
-            val_l.append(s["values"].reshape(-1))
+            adv, ret = compute_gae(s, next_value, settings.gamma, settings.gae_lambda, values)
+            obs_l.append(obs)
+            act_l.append(actions)
+            logp_l.append(logprobs)
+            anchor_l.append(anchor)
+            val_l.append(values.reshape(-1))
             adv_l.append(adv.reshape(-1))
             ret_l.append(ret.reshape(-1))
-    b_obs, b_actions, b_logprobs = torch.cat(obs_l), torch.cat(act_l), torch.cat(logp_l)
-    b_anchor, b_weight = b_logprobs, None
-    if decoupled:
-        with torch.no_grad():
-            b_anchor, _, _ = policy.evaluate(b_obs, b_actions)  # type: ignore[operator]
-        b_weight = (b_anchor - b_logprobs).exp()
-    return _Batch(b_obs, b_actions, b_anchor, b_weight, torch.cat(adv_l), torch.cat(ret_l),
-                  torch.cat(val_l))
+    b_logprobs, b_anchor = torch.cat(logp_l), torch.cat(anchor_l)
+    b_weight = (b_anchor - b_logprobs).exp() if decoupled else None
+    return PPOBatch(torch.cat(obs_l), torch.cat(act_l), b_anchor, b_weight, torch.cat(adv_l),
+                    torch.cat(ret_l), torch.cat(val_l))
 
 
-def minibatch_loss(model: nn.Module, mb: _Batch, settings: PPOSettings
+def minibatch_loss(model: nn.Module, mb: PPOBatch, settings: PPOSettings
                    ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped-PPO loss on the minibatch ``mb`` and its figures (0-d tensors, detached)."""
     newlogprob, entropy, newvalue = model(mb.obs, mb.actions)
@@ -292,7 +309,7 @@ def minibatch_loss(model: nn.Module, mb: _Batch, settings: PPOSettings
     return loss, {k: v.detach() for k, v in figures.items()}
 
 
-LossFn = Callable[[nn.Module, _Batch, PPOSettings], tuple[Tensor, dict[str, Tensor]]]
+LossFn = Callable[[nn.Module, PPOBatch, PPOSettings], tuple[Tensor, dict[str, Tensor]]]
 
 
 def _steps(x: Tensor) -> Tensor:

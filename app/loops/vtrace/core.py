@@ -65,9 +65,13 @@ class VTraceSettings(AlgorithmSettings):
     # slower or collapsed.
     update_epochs: int = setting(1, "passes over each batch")
     # Whole env columns per minibatch: V-trace's recursion runs along each column's time axis.
-    # More, smaller steps learnt faster than one large one. Fixed by config, so every DDP rank
-    # does the same number of optimizer steps.
-    num_minibatches: int = setting(8, "minibatches per pass and trainer (split over env columns)")
+    # More, smaller steps learnt faster than one large one. Per segment, so that a step is the
+    # same size on every layout: a trainer that several collectors feed (1t3r: three segments
+    # per update) takes as many steps per env step as one fed by one. Eight per trainer on 1t3r
+    # (steps of 6 columns, a third as many per env step) solved 7 of 10 seeds, at a median of
+    # 190k env steps; 8 per segment, 9 of 10 at 95k (benchmarks/results/2026-12-06-seeds.md).
+    num_minibatches: int = setting(
+        8, "minibatches per pass, per segment the trainer is handed (split over env columns)")
     # At this learning rate normalised advantages collapsed the policy onto one action (4/4
     # seeds); at lower rates they kept it drifting off the optimum.
     normalize_advantages: bool = setting(False, "normalise the policy-gradient advantages per minibatch")
@@ -92,11 +96,10 @@ class VTraceSettings(AlgorithmSettings):
         errors = super().range_errors(batch_per_trainer) + [
             f"{name}: must be {want}, got {getattr(self, name)}" for name, ok, want in checks if not ok
         ]
-        columns = batch_per_trainer // self.num_steps if self.num_steps >= 1 else 0
-        if not errors and self.num_minibatches > columns:
+        if not errors and self.num_minibatches > self.num_envs:
             errors.append(
-                f"num_minibatches: must be at most the {columns} env columns each trainer gets "
-                f"per update, got {self.num_minibatches}"
+                f"num_minibatches: must be at most the {self.num_envs} env columns of a segment "
+                f"(num_envs), got {self.num_minibatches}"
             )
         return errors
 
@@ -188,7 +191,8 @@ class VTrace(Algorithm[VTraceSettings]):
     def update(
         self, model: nn.Module, module: nn.Module, segments: list[Segment], info: UpdateInfo
     ) -> dict[str, float]:
-        """``update_epochs`` x ``num_minibatches`` V-trace steps on ``segments``."""
+        """``update_epochs`` x ``num_minibatches`` V-trace steps per segment on ``segments``
+        (every trainer takes as many: those of the trainer handed the fewest segments)."""
         s = self.settings
         for group in info.optimizer.param_groups:
             group["lr"] = lr_at(s, info.env_steps)
@@ -203,12 +207,13 @@ class VTrace(Algorithm[VTraceSettings]):
         next_done = torch.cat([seg["next_done"] for seg in segments])
         discounts = discounts_from_dones(cat("dones"), next_done, s.gamma)
         N = rewards.shape[1]
-        columns = N // s.num_minibatches
+        minibatches = s.num_minibatches * info.peers.fewest(len(segments))
+        columns = N // minibatches
 
         stats = dict.fromkeys(self.losses, 0.0)
         for _ in range(s.update_epochs):
             perm = torch.randperm(N, generator=info.generator)
-            for k in range(s.num_minibatches):
+            for k in range(minibatches):
                 # Whole columns: each minibatch keeps its time sequences for the recursion.
                 mb = perm[k * columns : (k + 1) * columns]
                 with torch.no_grad():
@@ -225,7 +230,7 @@ class VTrace(Algorithm[VTraceSettings]):
                 for name, part in parts.items():
                     stats[name] += part.item()
 
-        steps = s.update_epochs * s.num_minibatches
+        steps = s.update_epochs * minibatches
         return {name: total / steps for name, total in stats.items()}
 
     def _minibatch_loss(
