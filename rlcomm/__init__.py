@@ -32,7 +32,7 @@ from .modes import CommMode, ParallelMode, mode_name
 
 _LAZY = {
     "CommContext": "context",
-    "GroupInfo": "context",
+    "GroupInfo": "registry",
     "GroupInitializer": "group_initializer",
     "register_initializer": "group_initializer",
     "collectives": "collectives",
@@ -64,8 +64,9 @@ __all__ = [
 
 if TYPE_CHECKING:
     from . import collectives
-    from .context import CommContext, GroupInfo
+    from .context import CommContext
     from .group_initializer import GroupInitializer, register_initializer
+    from .registry import GroupInfo
     from .weights import WeightReceiver, WeightSender
 
 

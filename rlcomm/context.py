@@ -12,8 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import distributed as dist
@@ -23,66 +22,39 @@ from rlcomm.backends import FAKE, resolve_backend
 from rlcomm.diagnostics.agreement import agree_on_call
 from rlcomm.diagnostics.recorder import FlightRecorder
 from rlcomm.diagnostics.watchdog import Watchdog, default_hang_timeout, timeout_problem
-from rlcomm.mesh import GRID_MODES, default_mesh_modes, planned_mesh
+from rlcomm.mesh import default_mesh_modes, planned_mesh
 from rlcomm.net import env
 from rlcomm.plan.layout import LayoutPlan, plan_digest
 
-from .elastic.groups import EpochGroups
-from .errors import (
-    EnvironmentConfigError,
-    GroupRegistrationError,
-    LayoutError,
-    ModeNotRegisteredError,
-    RlcommError,
-)
-from .group_initializer import get_initializer, group_description
+from .elastic.world import RunningJob
+from .errors import EnvironmentConfigError, LayoutError, RlcommError
+from .group_initializer import get_initializer
 from .modes import CommMode, Mode, mode_name
 from .recovery import Recoveries
+from .registry import GroupRegistry
 from .utils import SingletonMeta
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-@dataclass(frozen=True)
-class GroupInfo:
-    """One registered group as plain data (what ``describe`` returns per mode)."""
-
-    local_rank: int
-    world_size: int
-    ranks: list[int]
-    declared_ranks: list[int]
-
-
-class CommContext(metaclass=SingletonMeta):
+class CommContext(GroupRegistry, RunningJob, metaclass=SingletonMeta):
     """Singleton communication context for PyTorch distributed.
 
     What belongs to one mode's group is a ``get_<what>(comm_mode)`` method, as in the original
     API (``get_group``, ``get_device``, ``get_declared_ranks``); what the context holds once
-    is a read-only property (``backend``, ``timeout``, ``store``, ``joined_running_job``).
-
-    Attributes:
-        _local_ranks: Mapping from mode to this rank's rank inside the group.
-        _global_ranks: Mapping from mode to global rank (GLOBAL only).
-        _world_sizes: Mapping from mode to group size.
-        _ranks_in_group: Mapping from mode to the group's global ranks, in torch's (sorted) order.
-        _groups: Mapping from mode to ProcessGroup.
+    is a read-only property (``backend``, ``timeout``, ``store``, ``joined_running_job``). The
+    table of groups is :class:`~rlcomm.registry.GroupRegistry`'s; joining a running job,
+    :class:`~rlcomm.elastic.world.RunningJob`'s.
     """
 
     def __init__(self) -> None:
-        self._local_ranks: dict[str, int] = {}
-        self._global_ranks: dict[str, int] = {}
-        self._world_sizes: dict[str, int] = {}
-        self._ranks_in_group: dict[str, list[int]] = {}
-        self._declared_ranks: dict[str, list[int]] = {}
+        GroupRegistry.__init__(self)
+        RunningJob.__init__(self)
         self._node_cuda_num: int = torch.cuda.device_count()
-        self._groups: dict[str, ProcessGroup] = {}
         self._backend: str = ""
         self._store: dist.Store | None = None
         self._plan: LayoutPlan | None = None
-        # A sub-world's (form_subworld): global rank -> rank in this process's default group.
-        self._world_ranks: dict[int, int] = {}
         self._timeout: datetime.timedelta | None = None
-        self.epochs = EpochGroups()  # the modes whose group is a membership epoch's
         self.recovery = Recoveries()  # per mode: what re-forms a failed group (elastic ones)
         self.recorder = FlightRecorder()
         self.watchdog: Watchdog | None = None
@@ -172,67 +144,6 @@ class CommContext(metaclass=SingletonMeta):
         torch.cuda.set_device(device_id)
         return device_id
 
-    def _register_group(
-        self,
-        local_rank: int | None,
-        world_size: int,
-        process_group: ProcessGroup | None,
-        ranks_in_group: list[int],
-        mode: Mode,
-        declared_ranks: list[int] | None = None,
-    ) -> None:
-        """Record this rank's group of ``mode``; a second group of one mode is an error."""
-        if local_rank is None or process_group is None:
-            return
-        key = mode_name(mode)
-        if key in self._groups:
-            raise GroupRegistrationError(
-                f"rank {self._global_ranks.get(CommMode.GLOBAL, '?')} is already in "
-                f"{group_description(key, self._declared_ranks[key])} and cannot also join "
-                f"{group_description(key, declared_ranks or ranks_in_group)}: "
-                f"a rank belongs to at most one group per mode"
-            )
-        self._local_ranks[key] = local_rank
-        self._world_sizes[key] = world_size
-        self._groups[key] = process_group
-        self._ranks_in_group[key] = list(ranks_in_group)
-        self._declared_ranks[key] = list(declared_ranks or ranks_in_group)
-
-    def _lookup(self, table: dict[str, Any], comm_mode: Mode) -> Any:
-        key = mode_name(comm_mode)
-        if key not in table:
-            rank = self._global_ranks.get(CommMode.GLOBAL)
-            who = f"rank {rank}" if rank is not None else "this process (not initialized)"
-            have = ", ".join(self._groups) or "none"
-            raise ModeNotRegisteredError(
-                f"{who} is not a member of any {key} group; its modes: {have}"
-            )
-        return table[key]
-
-    def get_group(self, comm_mode: Mode) -> ProcessGroup:
-        """The process group of ``comm_mode`` this rank belongs to."""
-        return self._lookup(self._groups, comm_mode)
-
-    def get_device(self, comm_mode: Mode) -> torch.device:
-        """Where tensors for this mode's group live: the current GPU for nccl, else the CPU."""
-        if self.epochs.holds(comm_mode):  # a membership epoch's group: gloo
-            return torch.device("cpu")
-        if dist.get_backend(self.get_group(comm_mode)) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def get_world_size(self, comm_mode: Mode) -> int:
-        """Size of this rank's group of ``comm_mode``."""
-        return self._lookup(self._world_sizes, comm_mode)
-
-    def get_global_rank(self) -> int:
-        """This process's rank in the global group."""
-        return self._lookup(self._global_ranks, CommMode.GLOBAL)
-
-    def get_local_rank(self, comm_mode: Mode) -> int:
-        """This rank's position in its ``comm_mode`` group (torch's: sorted by global rank)."""
-        return self._lookup(self._local_ranks, comm_mode)
-
     def get_in_node_rank(self) -> int:
         """Rank within this node: LOCAL_RANK, else SLURM_LOCALID, else the INTRA_NODE group."""
         from_env = env.in_node_rank()
@@ -244,10 +155,6 @@ class CommContext(metaclass=SingletonMeta):
             "LOCAL_RANK is not set and cannot be derived: set LOCAL_RANK or register an "
             "INTRA_NODE group first"
         )
-
-    def get_ranks_in_group(self, comm_mode: Mode) -> list[int]:
-        """Global ranks of this rank's ``comm_mode`` group, in group-rank order."""
-        return list(self._lookup(self._ranks_in_group, comm_mode))
 
     def get_local_world_size(self) -> int:
         """Ranks on this node: LOCAL_WORLD_SIZE, else the INTRA_NODE group's size."""
@@ -372,83 +279,6 @@ class CommContext(metaclass=SingletonMeta):
             [self.get_group(name) for name in names], device, mesh=in_world,
             mesh_dim_names=tuple(names)
         )
-
-    def form_subworld(self, plan: LayoutPlan, ranks: Sequence[int], prefix: str) -> None:
-        """A process that joined a running job (:meth:`join_running_job`) with the other
-        ``ranks`` (a rebuilt replica group of sharded trainers): a default group of their own,
-        over the store under ``prefix`` (fresh for each rebuild), and the plan's grid groups
-        inside ``ranks``, so that :meth:`device_mesh` works for them. Calls keep taking global
-        ranks; :meth:`world_ranks` maps them onto this default group's."""
-        if not self.joined_running_job:
-            raise RlcommError("form_subworld: for a process that joined a running job")
-        members, me = list(ranks), self.get_global_rank()
-        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store),
-                                rank=members.index(me), world_size=len(members),
-                                timeout=self.timeout)
-        self._world_ranks = {rank: i for i, rank in enumerate(members)}
-        for spec in plan.groups:  # the same order in every process of the sub-world
-            if spec.mode not in GRID_MODES:
-                continue
-            for group in (g for g in spec.rank_lists if set(g) <= set(members)):
-                created = dist.new_group(self.world_ranks(group))
-                if me in group:
-                    self._register_group(list(group).index(me), len(group), created,
-                                         list(group), spec.mode)
-        self._plan = plan
-
-    def world_ranks(self, ranks: Sequence[int]) -> list[int]:
-        """Global ranks as this process's default group numbers them (themselves, but in a
-        sub-world: :meth:`form_subworld`)."""
-        return [self._world_ranks.get(rank, rank) for rank in ranks]
-
-    def join_running_job(self, store: dist.Store, rank: int, world_size: int,
-                         timeout: int) -> None:
-        """A process that joins a running job as ``rank`` (a replacement rollout rank): it has
-        the job's store but no default group (the world was formed without it); its groups are
-        membership epochs (:attr:`epochs`, rlcomm.elastic)."""
-        if self.is_initialized() or self._store is not None:
-            raise RlcommError("CommContext is already initialized; call destroy() first")
-        self._store = store
-        self._backend = "gloo"
-        self._timeout = datetime.timedelta(seconds=timeout)
-        self._global_ranks[CommMode.GLOBAL] = rank
-        self._world_sizes[CommMode.GLOBAL] = world_size
-
-    @property
-    def joined_running_job(self) -> bool:
-        """This process joined a running job as a replacement (no default group)."""
-        return self._store is not None and not self.is_initialized()
-
-    def replace_group(self, mode: Mode, group: ProcessGroup,
-                      ranks: list[int]) -> ProcessGroup | None:
-        """Make ``group`` (``ranks``: its members in group-rank order) this rank's group of
-        ``mode`` in place of the one before, which is returned (None: none); a membership
-        epoch's group (rlcomm.elastic: :attr:`epochs` registers them)."""
-        key = mode_name(mode)
-        before = self._groups.get(key)
-        self._groups[key] = group
-        self._local_ranks[key] = ranks.index(self.get_global_rank())
-        self._world_sizes[key] = len(ranks)
-        self._ranks_in_group[key] = list(ranks)
-        self._declared_ranks[key] = list(ranks)
-        return before
-
-    def describe(self) -> dict[str, GroupInfo]:
-        """This rank's registry as data: mode -> local rank, group size, ranks."""
-        return {
-            mode: GroupInfo(
-                self._local_ranks[mode],
-                self._world_sizes[mode],
-                list(self._ranks_in_group[mode]),
-                list(self._declared_ranks[mode]),
-            )
-            for mode in self._groups
-        }
-
-    def get_declared_ranks(self, comm_mode: Mode) -> list[int]:
-        """The group's ranks in the order the layout listed them (the first is its leader,
-        e.g. the trainer of a WEIGHT_TRANSFER group)."""
-        return list(self._lookup(self._declared_ranks, comm_mode))
 
     @property
     def timeout(self) -> datetime.timedelta:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +63,118 @@ class ReceiveBuffer:
         return self.flat.metadata
 
 
+class ReceiveBuffers:
+    """A receiver's buffers of the current metadata, in the order they were allocated, and the
+    module bound to them (:meth:`WeightReceiver.bind`): which one the module points at, which
+    one is spare, and pointing the module at one. ``name``: the receiver's, for errors."""
+
+    def __init__(self, name: str, device: torch.device, direct: frozenset[str]) -> None:
+        self.name, self.device, self.direct = name, device, direct
+        self.all: list[ReceiveBuffer] = []
+        self.newest: ReceiveBuffer | None = None  # its header slot carries the next header
+        self.landing: dict[str, Tensor] = {}  # the bound module's direct tensors, when bound
+        self.bound: nn.Module | None = None
+
+    def bind(self, module: nn.Module) -> None:
+        """``module``'s tensors are pointed at the buffers from now on."""
+        self.bound = module
+        named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        self.landing = {name: named[name].detach() for name in self.direct if name in named}
+        for buffer in self.all:
+            buffer.pairs = None  # of the module bound before
+
+    def renew(self, metadata: Metadata) -> None:
+        """The buffers of new ``metadata``: the old metadata's go (the bound module keeps the
+        ones it points at until its next load); the data that follows lands in the first."""
+        self.newest = ReceiveBuffer(FlatBuffers(metadata, self.device, self.direct, self.landing))
+        self.all = [self.newest]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.flat.nbytes for buffer in self.all)
+
+    def landing_buffer(self) -> ReceiveBuffer | None:
+        """The buffer whose direct views are the bound module's own memory, if any."""
+        return next((buffer for buffer in self.all if buffer.flat.landed), None)
+
+    def in_module(self) -> ReceiveBuffer | None:
+        """The buffer of the current metadata the bound module points at, if any."""
+        return next((buffer for buffer in self.all if buffer.in_module), None)
+
+    def spare(self) -> ReceiveBuffer:
+        """A buffer of the current metadata that holds nothing in use (allocated when none is
+        free): neither the newest version, nor the bound module's, nor a posted receive's."""
+        assert self.newest is not None
+        for buffer in self.all:
+            if (buffer is not self.newest and not buffer.in_module and not buffer.busy
+                    and not buffer.flat.landed):  # landing: the caller's memory, in place only
+                return buffer
+        spare = ReceiveBuffer(FlatBuffers(self.newest.metadata, self.device, self.direct))
+        self.all.append(spare)
+        return spare
+
+    @torch.no_grad()
+    def point(self, module: nn.Module, buffer: ReceiveBuffer) -> None:
+        """Point the bound module's tensors at ``buffer``'s views (a swap of pointers). The
+        module's tensors are looked up once per buffer: replacing a parameter object (not its
+        ``.data``) after the first load needs :meth:`bind` again."""
+        if buffer.pairs is None:
+            buffer.pairs = self.pair_up(module, buffer.flat)
+        for tensor, view in buffer.pairs:
+            if tensor.data_ptr() != view.data_ptr():
+                tensor.data = view
+        for each in self.all:
+            each.in_module = each is buffer
+
+    def pair_up(self, module: nn.Module, flat: FlatBuffers) -> list[tuple[Tensor, Tensor]]:
+        """The bound module's tensor for each tensor of the metadata, in its order, with its
+        view in ``flat``; checks names, shapes and dtypes."""
+        named = {
+            **dict(module.named_parameters(remove_duplicate=False)),
+            **dict(module.named_buffers(remove_duplicate=False)),
+        }
+        pairs: list[tuple[Tensor, Tensor]] = []
+        for meta in flat.metadata:
+            tensor, view = named.get(meta.name), flat.views[meta.name]
+            if tensor is None:
+                raise WeightTransferError(
+                    f"{self.name}: the bound module has no parameter or buffer {meta.name!r}"
+                )
+            if tensor.shape != view.shape or tensor.dtype != view.dtype:
+                raise WeightTransferError(
+                    f"{self.name}: cannot load {meta.name!r}: the module holds "
+                    f"{list(tensor.shape)} {tensor.dtype}, the weights have "
+                    f"{list(view.shape)} {view.dtype}"
+                )
+            pairs.append((tensor, view))
+        return pairs
+
+    def verify(self, module: nn.Module, buffer: ReceiveBuffer, rank: int,
+               helper: Any) -> None:
+        """Each loaded tensor's checksum against the sender's; names the first that differs."""
+        flat = buffer.flat
+        pairs = buffer.pairs if module is self.bound else None
+        if pairs is not None:
+            # The module's tensors are these buffers' views (``_point`` just made sure), so
+            # their checksums are the views', summed in one batch; names only on a mismatch.
+            if bool(torch.equal(flat.view_checksums(helper), flat.checksums)):
+                return
+            state = {m.name: t for m, (t, _) in zip(flat.metadata, pairs)}
+        else:
+            state = module.state_dict()
+        theirs = flat.checksums.tolist()
+        for meta, want in zip(flat.metadata, theirs):
+            if meta.name not in state:  # not loaded (strict=False): nothing to compare
+                continue
+            got = tensor_checksum(state[meta.name])
+            if got != want:
+                raise WeightTransferError(
+                    f"{self.name}: weights version {buffer.version} loaded on rank {rank} "
+                    f"differ from the sender's: first differing tensor {meta.name!r} "
+                    f"(checksum {got:#x}, sender's {want:#x})"
+                )
+
+
 class WeightReceiver(Endpoint):
     """Receives the state dicts the first rank of this rank's ``mode`` group sends.
 
@@ -97,15 +209,12 @@ class WeightReceiver(Endpoint):
         super().__init__(ctx, mode, device)
         self._expected = expected
         self._direct = frozenset(direct)
-        self._landing: dict[str, Tensor] = {}  # the bound module's direct tensors, when bound
         # Posted direct receives whose data never came (the sender ended instead): kept alive
         # until abandon() hands them to the caller.
         self._orphans: list[dist.Work] = []
-        self._bound: nn.Module | None = None
-        # Every receive buffer of the current metadata, in the order they were allocated; a spare
-        # is one that is neither the newest, nor the bound module's, nor a posted receive's.
-        self._buffers: list[ReceiveBuffer] = []
-        self._newest: ReceiveBuffer | None = None  # its header slot carries the next header
+        # Every receive buffer of the current metadata; a spare is one that is neither the
+        # newest, nor the bound module's, nor a posted receive's.
+        self._buffers = ReceiveBuffers(self._name, self._device, self._direct)
         self._posted: deque[ReceiveBuffer] = deque()  # in the order they were posted
         # The accepted metadata's steady sender's ``verify_every`` (None: not a steady one).
         self._steady: int | None = None
@@ -124,13 +233,14 @@ class WeightReceiver(Endpoint):
         be idle until the receive is done), else beside it."""
         if self._posted:
             return self._complete_posted()
-        carrier = self._newest  # the buffers this receiver holds carry the header
+        carrier = self._buffers.newest  # the buffers this receiver holds carry the header
         if carrier is not None:
-            in_module = self._in_module()
+            in_module = self._buffers.in_module()
             if in_place:
-                carrier = self._landing_buffer() or in_module or carrier
+                carrier = self._buffers.landing_buffer() or in_module or carrier
             elif carrier is in_module or carrier.flat.landed:
-                carrier = self._spare()  # the bound module acts with these: receive beside them
+                # The bound module acts with these: receive beside them.
+                carrier = self._buffers.spare()
             if self._routine(self._version + 1):  # no header comes: only the direct tensors
                 self._receive_direct(carrier.flat)
                 return self._completed(carrier, self._version + 1, checksummed=0)
@@ -143,7 +253,7 @@ class WeightReceiver(Endpoint):
         version, flag, length, checksummed = self._check_header(header)
         if flag == NEW_METADATA:
             self._accept_metadata(version, length)
-            newest = self._newest
+            newest = self._buffers.newest
             assert newest is not None
             self._receive_wire(newest.flat.wire)
             checksummed = int(newest.flat.header[3])
@@ -154,7 +264,7 @@ class WeightReceiver(Endpoint):
                 f"WeightReceiver before the sender's first send and keep using it"
             )
         else:
-            newest = self._newest = carrier
+            newest = self._buffers.newest = carrier
             self._receive_direct(newest.flat)
         self._version = newest.version = version
         newest.checksummed = bool(checksummed)
@@ -171,13 +281,13 @@ class WeightReceiver(Endpoint):
         be issued in the same order on all members. Needs the metadata of a completed receive and a
         sender whose metadata does not change while receives are posted.
         """
-        if self._newest is None:
+        if self._buffers.newest is None:
             raise WeightTransferError(
                 f"{self._name}: post() needs the metadata of a completed receive first"
             )
-        carrier = (self._landing_buffer() or self._in_module()) if in_place else None
+        carrier = (self._buffers.landing_buffer() or self._buffers.in_module()) if in_place else None
         if carrier is None or carrier.busy:
-            carrier = self._spare()
+            carrier = self._buffers.spare()
         version = self._version + len(self._posted) + 1
         if self._routine(version):  # no header comes: only the direct tensors
             carrier.routine = version
@@ -216,7 +326,7 @@ class WeightReceiver(Endpoint):
     def buffer_bytes(self) -> int:
         """The bytes of the receive buffers this receiver holds (direct tensors landing in the
         bound module's memory are the caller's: not in them)."""
-        return sum(buffer.flat.nbytes for buffer in self._buffers)
+        return self._buffers.nbytes
 
     def ready(self) -> bool:
         """Whether the oldest posted receive has arrived (completing it will not block)."""
@@ -234,15 +344,15 @@ class WeightReceiver(Endpoint):
         version's buffer (no copy); any other module is copied into (``load_state_dict``)."""
         while self.ready():
             self._complete_posted()
-        newest = self._newest
+        newest = self._buffers.newest
         if newest is None:
             raise WeightTransferError(f"{self._name}: nothing received yet to load")
-        if module is self._bound:
-            self._point(module, newest)
+        if module is self._buffers.bound:
+            self._buffers.point(module, newest)
         else:
             module.load_state_dict(newest.flat.views, strict=strict)
         if newest.checksummed:
-            self._verify(module, newest)
+            self._buffers.verify(module, newest, self._rank, self._checksum_helper)
         return self._version
 
     def receive_into(self, module: nn.Module, strict: bool = True) -> int:
@@ -252,7 +362,7 @@ class WeightReceiver(Endpoint):
         already points at, so there is no second buffer to fill and nothing to swap, but the
         module must not be used until this returns (use :meth:`post` to act meanwhile).
         """
-        self._receive(in_place=module is self._bound)
+        self._receive(in_place=module is self._buffers.bound)
         return self.load(module, strict=strict)
 
     def bind(self, module: nn.Module) -> None:
@@ -263,11 +373,7 @@ class WeightReceiver(Endpoint):
         :meth:`receive_into`, which receives in place)."""
         if self._expected is None:
             self._expected = {k: v.detach() for k, v in module.state_dict().items()}
-        self._bound = module
-        named = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        self._landing = {name: named[name].detach() for name in self._direct if name in named}
-        for buffer in self._buffers:
-            buffer.pairs = None  # of the module bound before
+        self._buffers.bind(module)
 
     def _receive_wire(self, wire: Tensor) -> None:
         works, call = self._launch(wire)
@@ -277,10 +383,6 @@ class WeightReceiver(Endpoint):
         """The direct tensors of the version whose buffers ``flat`` just received, side by side."""
         for works, call in [self._launch(tensor) for tensor in flat.direct_views()]:
             finish(works, call)
-
-    def _landing_buffer(self) -> ReceiveBuffer | None:
-        """The buffer whose direct views are the bound module's own memory, if any."""
-        return next((buffer for buffer in self._buffers if buffer.flat.landed), None)
 
     def _complete_posted(self) -> tuple[int, dict[str, Tensor]]:
         buffer = self._posted.popleft()
@@ -314,7 +416,7 @@ class WeightReceiver(Endpoint):
     def _completed(self, buffer: ReceiveBuffer, version: int,
                    checksummed: int) -> tuple[int, dict[str, Tensor]]:
         """``buffer`` holds ``version`` now: the newest."""
-        self._newest = buffer
+        self._buffers.newest = buffer
         self._version = buffer.version = version
         buffer.checksummed = bool(checksummed)
         return version, dict(buffer.flat.views)
@@ -323,7 +425,8 @@ class WeightReceiver(Endpoint):
         """Whether ``version`` comes from a steady sender without a header (protocol.py, step 4):
         its tensors with bytes are all direct and its schedule does not checksum it."""
         every = self._steady
-        return (every is not None and self._newest is not None and self._newest.flat.all_direct
+        newest = self._buffers.newest
+        return (every is not None and newest is not None and newest.flat.all_direct
                 and not (every and version % every == 0))
 
     def _check_header(self, header: Tensor) -> tuple[int, int, int, int]:
@@ -345,82 +448,6 @@ class WeightReceiver(Endpoint):
                 f"{self._name}: malformed header {header.tolist()} after version {self._version}"
             )
         return version, flag, length, checksummed
-
-    def _in_module(self) -> ReceiveBuffer | None:
-        """The buffer of the current metadata the bound module points at, if any."""
-        return next((buffer for buffer in self._buffers if buffer.in_module), None)
-
-    def _spare(self) -> ReceiveBuffer:
-        """A buffer of the current metadata that holds nothing in use (allocated when none is
-        free): neither the newest version, nor the bound module's, nor a posted receive's."""
-        assert self._newest is not None
-        for buffer in self._buffers:
-            if (buffer is not self._newest and not buffer.in_module and not buffer.busy
-                    and not buffer.flat.landed):  # landing: the caller's memory, in place only
-                return buffer
-        spare = ReceiveBuffer(FlatBuffers(self._newest.metadata, self._device, self._direct))
-        self._buffers.append(spare)
-        return spare
-
-    @torch.no_grad()
-    def _point(self, module: nn.Module, buffer: ReceiveBuffer) -> None:
-        """Point the bound module's tensors at ``buffer``'s views (a swap of pointers). The
-        module's tensors are looked up once per buffer: replacing a parameter object (not its
-        ``.data``) after the first load needs :meth:`bind` again."""
-        if buffer.pairs is None:
-            buffer.pairs = self._pair_up(module, buffer.flat)
-        for tensor, view in buffer.pairs:
-            if tensor.data_ptr() != view.data_ptr():
-                tensor.data = view
-        for each in self._buffers:
-            each.in_module = each is buffer
-
-    def _pair_up(self, module: nn.Module, flat: FlatBuffers) -> list[tuple[Tensor, Tensor]]:
-        """The bound module's tensor for each tensor of the metadata, in its order, with its
-        view in ``flat``; checks names, shapes and dtypes."""
-        named = {
-            **dict(module.named_parameters(remove_duplicate=False)),
-            **dict(module.named_buffers(remove_duplicate=False)),
-        }
-        pairs: list[tuple[Tensor, Tensor]] = []
-        for meta in flat.metadata:
-            tensor, view = named.get(meta.name), flat.views[meta.name]
-            if tensor is None:
-                raise WeightTransferError(
-                    f"{self._name}: the bound module has no parameter or buffer {meta.name!r}"
-                )
-            if tensor.shape != view.shape or tensor.dtype != view.dtype:
-                raise WeightTransferError(
-                    f"{self._name}: cannot load {meta.name!r}: the module holds "
-                    f"{list(tensor.shape)} {tensor.dtype}, weights version {self._version} has "
-                    f"{list(view.shape)} {view.dtype}"
-                )
-            pairs.append((tensor, view))
-        return pairs
-
-    def _verify(self, module: nn.Module, buffer: ReceiveBuffer) -> None:
-        """Each loaded tensor's checksum against the sender's; names the first that differs."""
-        flat = buffer.flat
-        pairs = buffer.pairs if module is self._bound else None
-        if pairs is not None:
-            # The module's tensors are these buffers' views (``_point`` just made sure), so
-            # their checksums are the views', summed in one batch; names only on a mismatch.
-            if bool(torch.equal(flat.view_checksums(self._checksum_helper), flat.checksums)):
-                return
-            state = {m.name: t for m, (t, _) in zip(flat.metadata, pairs)}
-        else:
-            state = module.state_dict()
-        theirs = flat.checksums.tolist()
-        for meta, want in zip(flat.metadata, theirs):
-            if meta.name not in state:  # not loaded (strict=False): nothing to compare
-                continue
-            got = tensor_checksum(state[meta.name])
-            if got != want:
-                raise WeightTransferError(
-                    f"{self._name}: weights version {buffer.version} loaded on rank {self._rank} "
-                    f"differ from the sender's: first differing tensor {meta.name!r} "
-                    f"(checksum {got:#x}, sender's {want:#x})"
-                )
 
     def _accept_metadata(self, version: int, length: int) -> None:
         raw = torch.empty(length, dtype=torch.uint8, device=self._device)
@@ -447,9 +474,5 @@ class WeightReceiver(Endpoint):
             )
         self._steady = steady
         if metadata != self._metadata:
-            # The old metadata's buffers go (the bound module keeps the ones it points at until
-            # its next load); the data that follows lands in the new metadata's first buffer.
             self._metadata = metadata
-            self._newest = ReceiveBuffer(
-                FlatBuffers(metadata, self._device, self._direct, self._landing))
-            self._buffers = [self._newest]
+            self._buffers.renew(metadata)

@@ -69,7 +69,8 @@ class TrainerGroup:
     """This trainer's side of the trainers' membership (see the module's doc). ``trainers``:
     the planned ones, lead first; ``adopt``: told which lost trainers' rollout ranks this one
     takes; ``joining``: this process replaces a lost trainer; ``holds``: what this trainer alone
-    holds (its own replay shard's transitions), lost with it and counted."""
+    holds (its own replay shard's transitions), lost with it and counted. What only the lead
+    does is :class:`Lead`'s; what only the others do, :class:`Following`'s."""
 
     def __init__(self, ctx: CommContext, trainers: list[int], hosts: dict[int, str],
                  patience: datetime.timedelta, adopt: Adopt, joining: bool = False,
@@ -79,7 +80,6 @@ class TrainerGroup:
         # Replica groups of sharded trainers (layout.trainer_replicas): a lost rank takes its
         # whole replica group out, since none of its shards can be rebuilt from the others.
         self.replicas = replicas
-        self.asked: dict[int, Join] = {}  # the lead's: joins waiting for their replica group
         self.lead, self.rank = trainers[0], ctx.get_global_rank()
         self.patience, self.patience_s = patience, patience.total_seconds()
         self.hosts = dict(hosts)
@@ -89,10 +89,10 @@ class TrainerGroup:
         self.update = 0  # the update being made, for the records
         self.epoch_at_start = 0  # the epoch that update started in
         self.keys = Keys(self.lead, SPACE)
-        self.side: Leader | Member | None = None  # the lead's, or a member's (begin)
         self.liveness = Liveness(ctx.store, self.keys, self.hosts)
         self.commits = CallCommit(ctx.store, self.keys, self.rank, self.liveness,
                                   lambda: self.epoch, lambda: self.members)
+        self.side: Lead | Following | None = None  # begin
         self.stopped = False
 
     @property
@@ -102,67 +102,37 @@ class TrainerGroup:
     @property
     def changes(self) -> list[Change]:
         """Who left and joined the trainers (the lead's records)."""
-        return self.side.changes if isinstance(self.side, Leader) else []
-
-    def _leader(self) -> Leader:
-        assert isinstance(self.side, Leader), "only the lead trainer leads"
-        return self.side
-
-    def _member(self) -> Member:
-        assert isinstance(self.side, Member), "the lead trainer follows nobody"
-        return self.side
-
-    # ---- forming -------------------------------------------------------------------------
+        return self.side.leader.changes if isinstance(self.side, Lead) else []
 
     def begin(self) -> None:
         """Forms (or, joining, asks to be admitted to) the trainers' group; from here on a
         failed call over TRAIN_DATA_PARALLEL recovers through this group."""
         self.liveness.start(self.rank)
-        # Half the patience: the trainers settle a loss among them before their rollout ranks'
-        # groups, whose timeout is the whole patience, give up on a trainer that waited.
-        timeout = self.patience / 2
-        if self.leads:
-            self.side = Leader(self.ctx, TDP, self.planned, self.hosts, timeout, space=SPACE,
-                               watch=self._broken)
-        else:
-            self.side = Member(self.ctx, TDP, self.lead, timeout, space=SPACE,
-                               watch=self._broken)
+        self.side = Lead(self) if self.leads else Following(self)
         if self.joining:
-            self._join()
+            assert isinstance(self.side, Following), "the lead is never a joiner"
+            self.side.join()
         else:
-            self._register(0, self.planned)
+            self.register(0, self.planned)
         self.ctx.recovery.set(TDP, self.recover)
         if self.replicas:  # rlcomm/elastic/commit.py: why sharded trainers need it
             self.ctx.recovery.commit_with(TDP, self.commits.commit)
 
-    def _broken(self, epoch: int) -> Callable[[], bool]:
+    def broken(self, epoch: int) -> Callable[[], bool]:
+        """Whether a trainer declared ``epoch``'s group broken."""
         broken = self.keys.broken(epoch)
         return lambda: bool(self.ctx.store.check([broken]))
 
-    def _register(self, epoch: int, members: list[int]) -> None:
+    def register(self, epoch: int, members: list[int]) -> None:
         """``epoch``'s group of the trainers ``members`` (lead first), formed and registered."""
-        if isinstance(self.side, Leader):
-            self.side.form()
-        else:
-            self._member().enter(epoch, members)
-        self._entered(epoch, members)
+        assert self.side is not None
+        self.side.form(epoch, members)
+        self.entered(epoch, members)
 
-    def _entered(self, epoch: int, members: list[int]) -> None:
+    def entered(self, epoch: int, members: list[int]) -> None:
         self.epoch, self.members = epoch, list(members)
         self.commits.reset()
         self.liveness.note(members)
-
-    def _join(self) -> None:
-        member = self._member()
-        log.info("rank %d asks the lead trainer, rank %d, to admit it", self.rank, self.lead)
-        members = member.join(self.ctx.timeout.total_seconds(), again=False)
-        if members is None:
-            raise PeerLostError(f"rank {self.rank} (trainer): admitted to the trainers but "
-                                "answered too late")
-        self._entered(member.epoch, members)
-        log.info("rank %d: in epoch %d of the trainers %s", self.rank, self.epoch, members)
-
-    # ---- losing --------------------------------------------------------------------------
 
     def recover(self, err: BaseException) -> bool:
         """A call over TRAIN_DATA_PARALLEL failed with ``err``: the next epoch of the trainers
@@ -175,138 +145,24 @@ class TrainerGroup:
         broken = self.keys.broken(self.epoch)
         if not self.ctx.store.check([broken]):
             self.ctx.store.set(broken, describe_loss(err))
-        if self.leads:
-            self._drop_lost(self.ctx.store.get(broken).decode())
+        assert self.side is not None
+        if isinstance(self.side, Lead):
+            self.side.drop_lost(self.ctx.store.get(broken).decode())
         else:
-            self._follow_lead(err)
+            self.side.follow_lead(err)
         return True
-
-    def _drop_lost(self, why: str) -> None:
-        """The lead: the next epoch with the trainers that answer; ``why``: what the first
-        trainer to see the group fail saw ("connection closed": a process ended)."""
-        leader, store, keys = self._leader(), self.ctx.store, self.keys
-        others = self.members[1:]
-        gone = self.liveness.watch(others)
-        epoch = leader.propose(others, [])
-        tick = time.perf_counter()
-        lost = leader.settle(self.patience_s, gone=gone, along=self._replica_mates)
-        # Those that answered, out with a lost rank's replica group.
-        along = [r for r in lost if store.check([keys.ack(epoch, r)])]
-        own = [r for r in self._replica_mates([self.lead]) if r in lost]
-        if own:  # its shards cannot go on without them, and it holds the run's records
-            raise MembersLostError(f"rank(s) {own} of the lead trainer's replica group were "
-                                   f"lost ({why}): that group is not elastic")
-        survivors = [self.lead, *leader.members]
-        reason = "killed" if "closed" in why else "timed out"
-        if along:
-            store.set(keys.key(f"along/{epoch}"), json.dumps(along))
-        adopted = deal([m for rank in lost for m in rollout_ranks(store, rank)], survivors)
-        store.set(keys.key(f"adopted/{epoch}"), json.dumps(adopted))
-        for rank in lost:
-            change = self._record("leave", rank, "with its replica group" if rank in along
-                                  else reason, epoch)
-            held = keys.key(f"held/{rank}")
-            if store.check([held]):
-                change.details["lost_transitions"] = int(store.get(held))
-        self._register(epoch, survivors)
-        for survivor, ranks in adopted.items():
-            for orphan in ranks:  # after the epoch formed: a survivor that takes it knows
-                store.set(moved(orphan), str(survivor))
-        self.adopt(adopted.get(str(self.lead), []))
-        serving = sorted({r for ranks in adopted.values() for r in ranks}
-                         | {r for s in survivors for r in rollout_ranks(store, s)})
-        for rank in lost:
-            log.warning("rank %d (trainer) left: %s; %d trainer%s go%s on, serving rollout "
-                        "ranks %s (epoch %d, formed in %.3f s)", rank, why, len(survivors),
-                        "" if len(survivors) == 1 else "s", "es" if len(survivors) == 1 else "",
-                        ", ".join(map(str, serving)) or "none", epoch,
-                        time.perf_counter() - tick)
-        if not lost:
-            log.warning("rank %d: the trainers' group failed (%s) but every trainer answered; "
-                        "epoch %d formed", self.rank, why, epoch)
-
-    def _replica_mates(self, lost: list[int]) -> list[int]:
-        """The other ranks of the replica groups that hold ``lost`` ranks (none without)."""
-        return [r for block in self.replicas if set(block) & set(lost) for r in block]
-
-    def _follow_lead(self, err: BaseException) -> None:
-        """A member: waits for the lead's next epoch and goes to it; raises if the lead left
-        this trainer out (it took it for lost) or formed none within the patience."""
-        member, store = self._member(), self.ctx.store
-        epoch = member.newer_epoch(2 * self.patience_s, stopped=lambda: closing_members(
-            store, self.lead, SPACE) is not None)
-        if epoch is None:  # the run stopped meanwhile
-            raise PeerLostError(f"rank {self.rank} (trainer): the run stopped while its "
-                                f"group failed ({describe_loss(err)})") from err
-        if epoch <= self.epoch:
-            raise err
-        members = member.acknowledge(epoch)
-        if members is None:
-            why = f"it did not answer within the patience, {self.patience_s:g} s"
-            along = self.keys.key(f"along/{epoch}")
-            if store.check([along]) and self.rank in json.loads(store.get(along)):
-                why = "a rank of its replica group was lost, and the group leaves whole"
-            raise PeerLostError(
-                f"rank {self.rank} (trainer): left the trainers: the lead, rank {self.lead}, "
-                f"formed epoch {epoch} without it ({why}; its group: {describe_loss(err)})"
-            ) from err
-        adopted = json.loads(store.get(self.keys.key(f"adopted/{epoch}")))
-        self._register(epoch, members)
-        self.adopt(adopted.get(str(self.rank), []))
-        log.warning("rank %d: the trainers' group failed (%s); in epoch %d with %s",
-                    self.rank, describe_loss(err), epoch, members)
-
-    # ---- joining -------------------------------------------------------------------------
 
     def boundary(self, heal: Callable[[list[int]], None]) -> None:
         """At an update boundary, on every trainer: admits the processes that asked to join
         (every trainer agrees first) and heals them (``heal(joined)``, over the new group)."""
-        joins = self.side.pending_joins() if isinstance(self.side, Leader) else []
-        if self.replicas:  # a replica group is admitted whole (app/runtime/membership/replicas.py)
-            self.asked.update({join.rank: join for join in joins})
-            ready = whole_replica_groups(self.asked, self.replicas, self.members)
-            joins = [self.asked.pop(rank) for rank in ready]
+        side = self.side
+        joins = side.pending_joins() if isinstance(side, Lead) else []
         flag = collectives.all_reduce(self.ctx, TDP, torch.tensor([float(len(joins))]))
         if not flag.item():
             return
-        joined = self._admit(joins) if self.leads else self._follow_admission()
+        assert side is not None
+        joined = side.admit(joins) if isinstance(side, Lead) else side.follow_admission()
         heal(joined)
-
-    def _admit(self, joins: list[Join]) -> list[int]:
-        leader = self._leader()
-        joining = sorted({j.rank for j in joins if j.rank not in self.members})
-        for join in joins:  # where liveness looks for their processes
-            self.hosts[join.rank] = join.host
-        epoch = leader.propose([*self.members[1:], *joining], joins)
-        missing = leader.settle(self.patience_s)
-        self.ctx.store.set(self.keys.key(f"adopted/{epoch}"), "{}")
-        members = [self.lead, *leader.members]
-        self._register(epoch, members)
-        joined = [r for r in joining if r not in missing]
-        for rank in joined:
-            self._record("join", rank, "joined", epoch)
-        return joined
-
-    def _follow_admission(self) -> list[int]:
-        member, before = self._member(), list(self.members)
-        epoch = member.newer_epoch(self.patience_s)
-        assert epoch is not None  # nothing stops the wait
-        if epoch <= self.epoch:
-            raise MembersLostError(f"rank {self.rank} (trainer): the lead formed no epoch "
-                                   f"within {self.patience_s:g} s to admit a trainer")
-        members = member.acknowledge(epoch)
-        if members is None:
-            raise PeerLostError(f"rank {self.rank} (trainer): left out of epoch {epoch}")
-        self._register(epoch, members)
-        return [r for r in members if r not in before]
-
-    # ---- records -------------------------------------------------------------------------
-
-    def _record(self, event: str, rank: int, reason: str, epoch: int) -> Change:
-        change = self._leader().note(event, rank, reason, self.update, epoch)
-        if event == "join":  # as a joining rollout rank's record, without its figures
-            change.details = dict.fromkeys(JOIN_DETAILS)
-        return change
 
     def start_update(self, update: int) -> None:
         self.update, self.epoch_at_start = update, self.epoch
@@ -317,8 +173,8 @@ class TrainerGroup:
         during the update."""
         if self.holds is not None:
             self.ctx.store.set(self.keys.key(f"held/{self.rank}"), str(self.holds()))
-        if isinstance(self.side, Leader):
-            self.side.changes.settled()
+        if isinstance(self.side, Lead):
+            self.side.leader.changes.settled()
         return self.epoch != self.epoch_at_start
 
     def stop(self) -> None:
@@ -334,6 +190,172 @@ class TrainerGroup:
         """The trainers' epoch and who left and joined them (the lead's record)."""
         return {"trainer_epoch": self.epoch, "trainers": list(self.members),
                 "trainer_changes": [c.record() for c in self.changes]}
+
+
+def _timeout(group: TrainerGroup) -> datetime.timedelta:
+    # Half the patience: the trainers settle a loss among them before their rollout ranks'
+    # groups, whose timeout is the whole patience, give up on a trainer that waited.
+    return group.patience / 2
+
+
+class Lead:
+    """What the lead trainer alone does: it keeps the trainers' records, drops the lost and
+    admits the joiners (rlcomm.elastic.Leader)."""
+
+    def __init__(self, group: TrainerGroup) -> None:
+        self.group = group
+        self.leader = Leader(group.ctx, TDP, group.planned, group.hosts, _timeout(group),
+                             space=SPACE, watch=group.broken)
+        self.asked: dict[int, Join] = {}  # joins waiting for their replica group
+
+    def form(self, epoch: int, members: list[int]) -> None:
+        self.leader.form()
+
+    def pending_joins(self) -> list[Join]:
+        """The joins to admit now: every one, or with replica groups those whose whole group
+        asked (app/runtime/membership/replicas.py)."""
+        joins = self.leader.pending_joins()
+        replicas = self.group.replicas
+        if not replicas:
+            return joins
+        self.asked.update({join.rank: join for join in joins})
+        ready = whole_replica_groups(self.asked, replicas, self.group.members)
+        return [self.asked.pop(rank) for rank in ready]
+
+    def drop_lost(self, why: str) -> None:
+        """The next epoch with the trainers that answer; ``why``: what the first trainer to
+        see the group fail saw ("connection closed": a process ended)."""
+        group, leader = self.group, self.leader
+        store, keys = group.ctx.store, group.keys
+        others = group.members[1:]
+        gone = group.liveness.watch(others)
+        epoch = leader.propose(others, [])
+        tick = time.perf_counter()
+        lost = leader.settle(group.patience_s, gone=gone, along=self.replica_mates)
+        # Those that answered, out with a lost rank's replica group.
+        along = [r for r in lost if store.check([keys.ack(epoch, r)])]
+        own = [r for r in self.replica_mates([group.lead]) if r in lost]
+        if own:  # its shards cannot go on without them, and it holds the run's records
+            raise MembersLostError(f"rank(s) {own} of the lead trainer's replica group were "
+                                   f"lost ({why}): that group is not elastic")
+        survivors = [group.lead, *leader.members]
+        reason = "killed" if "closed" in why else "timed out"
+        if along:
+            store.set(keys.key(f"along/{epoch}"), json.dumps(along))
+        adopted = deal([m for rank in lost for m in rollout_ranks(store, rank)], survivors)
+        store.set(keys.key(f"adopted/{epoch}"), json.dumps(adopted))
+        for rank in lost:
+            change = self.record("leave", rank, "with its replica group" if rank in along
+                                 else reason, epoch)
+            held = keys.key(f"held/{rank}")
+            if store.check([held]):
+                change.details["lost_transitions"] = int(store.get(held))
+        group.register(epoch, survivors)
+        for survivor, ranks in adopted.items():
+            for orphan in ranks:  # after the epoch formed: a survivor that takes it knows
+                store.set(moved(orphan), str(survivor))
+        group.adopt(adopted.get(str(group.lead), []))
+        serving = sorted({r for ranks in adopted.values() for r in ranks}
+                         | {r for s in survivors for r in rollout_ranks(store, s)})
+        for rank in lost:
+            log.warning("rank %d (trainer) left: %s; %d trainer%s go%s on, serving rollout "
+                        "ranks %s (epoch %d, formed in %.3f s)", rank, why, len(survivors),
+                        "" if len(survivors) == 1 else "s", "es" if len(survivors) == 1 else "",
+                        ", ".join(map(str, serving)) or "none", epoch,
+                        time.perf_counter() - tick)
+        if not lost:
+            log.warning("rank %d: the trainers' group failed (%s) but every trainer answered; "
+                        "epoch %d formed", group.rank, why, epoch)
+
+    def replica_mates(self, lost: list[int]) -> list[int]:
+        """The other ranks of the replica groups that hold ``lost`` ranks (none without)."""
+        return [r for block in self.group.replicas if set(block) & set(lost) for r in block]
+
+    def admit(self, joins: list[Join]) -> list[int]:
+        """The next epoch with ``joins``' processes; returns the ranks admitted."""
+        group, leader = self.group, self.leader
+        joining = sorted({j.rank for j in joins if j.rank not in group.members})
+        for join in joins:  # where liveness looks for their processes
+            group.hosts[join.rank] = join.host
+        epoch = leader.propose([*group.members[1:], *joining], joins)
+        missing = leader.settle(group.patience_s)
+        group.ctx.store.set(group.keys.key(f"adopted/{epoch}"), "{}")
+        group.register(epoch, [group.lead, *leader.members])
+        joined = [r for r in joining if r not in missing]
+        for rank in joined:
+            self.record("join", rank, "joined", epoch)
+        return joined
+
+    def record(self, event: str, rank: int, reason: str, epoch: int) -> Change:
+        change = self.leader.note(event, rank, reason, self.group.update, epoch)
+        if event == "join":  # as a joining rollout rank's record, without its figures
+            change.details = dict.fromkeys(JOIN_DETAILS)
+        return change
+
+
+class Following:
+    """What the other trainers do: they follow the lead to each epoch, or ask to be admitted
+    (rlcomm.elastic.Member)."""
+
+    def __init__(self, group: TrainerGroup) -> None:
+        self.group = group
+        self.member = Member(group.ctx, TDP, group.lead, _timeout(group), space=SPACE,
+                             watch=group.broken)
+
+    def form(self, epoch: int, members: list[int]) -> None:
+        self.member.enter(epoch, members)
+
+    def join(self) -> None:
+        """This process replaces a lost trainer: it asks the lead to admit it."""
+        group = self.group
+        log.info("rank %d asks the lead trainer, rank %d, to admit it", group.rank, group.lead)
+        members = self.member.join(group.ctx.timeout.total_seconds(), again=False)
+        if members is None:
+            raise PeerLostError(f"rank {group.rank} (trainer): admitted to the trainers but "
+                                "answered too late")
+        group.entered(self.member.epoch, members)
+        log.info("rank %d: in epoch %d of the trainers %s", group.rank, group.epoch, members)
+
+    def follow_lead(self, err: BaseException) -> None:
+        """Waits for the lead's next epoch and goes to it; raises if the lead left this
+        trainer out (it took it for lost) or formed none within the patience."""
+        group, store = self.group, self.group.ctx.store
+        epoch = self.member.newer_epoch(2 * group.patience_s, stopped=lambda: closing_members(
+            store, group.lead, SPACE) is not None)
+        if epoch is None:  # the run stopped meanwhile
+            raise PeerLostError(f"rank {group.rank} (trainer): the run stopped while its "
+                                f"group failed ({describe_loss(err)})") from err
+        if epoch <= group.epoch:
+            raise err
+        members = self.member.acknowledge(epoch)
+        if members is None:
+            why = f"it did not answer within the patience, {group.patience_s:g} s"
+            along = group.keys.key(f"along/{epoch}")
+            if store.check([along]) and group.rank in json.loads(store.get(along)):
+                why = "a rank of its replica group was lost, and the group leaves whole"
+            raise PeerLostError(
+                f"rank {group.rank} (trainer): left the trainers: the lead, rank {group.lead}, "
+                f"formed epoch {epoch} without it ({why}; its group: {describe_loss(err)})"
+            ) from err
+        adopted = json.loads(store.get(group.keys.key(f"adopted/{epoch}")))
+        group.register(epoch, members)
+        group.adopt(adopted.get(str(group.rank), []))
+        log.warning("rank %d: the trainers' group failed (%s); in epoch %d with %s",
+                    group.rank, describe_loss(err), epoch, members)
+
+    def follow_admission(self) -> list[int]:
+        """The lead admits a trainer: into its epoch; returns the ranks admitted."""
+        group, before = self.group, list(self.group.members)
+        epoch = self.member.newer_epoch(group.patience_s)
+        assert epoch is not None  # nothing stops the wait
+        if epoch <= group.epoch:
+            raise MembersLostError(f"rank {group.rank} (trainer): the lead formed no epoch "
+                                   f"within {group.patience_s:g} s to admit a trainer")
+        members = self.member.acknowledge(epoch)
+        if members is None:
+            raise PeerLostError(f"rank {group.rank} (trainer): left out of epoch {epoch}")
+        group.register(epoch, members)
+        return [r for r in members if r not in before]
 
 
 def rollout_ranks(store: Any, trainer: int) -> list[int]:
