@@ -367,13 +367,41 @@ def describe_failures(
     ``killed`` (from :class:`DeathWatch`) names the ranks a signal killed, which leave none.
     """
     records = read_records(run_dir / "logs")
-    why: dict[int, str] = {}
-    kinds: dict[int, Kind] = {}
-    writes: dict[int, str] = {}  # ranks that failed writing a file: the whole of their line
+    why, kinds, writes = _what_each_rank_says(err, run_dir, records, killed or {})
+    causes = {r: w for r, w in why.items() if kinds[r] != "peer_lost"} or why
+    if any(w.startswith("killed by") for w in causes.values()):
+        # A crash wins: the hang its peers may report is its consequence.
+        causes = {r: w for r, w in causes.items() if kinds[r] != "diagnosis"}
+    else:
+        diagnoses = [records[r].message for r in sorted(causes) if kinds[r] == "diagnosis"]
+        if diagnoses:  # the same on every rank that raises it: reported once
+            return f"{diagnoses[0]} (logs: {run_dir / 'logs'})"
+    return "; ".join(
+        f"rank {rank}: {writes[rank]}" if rank in writes
+        else f"rank {rank} {text} (log: {run_dir / 'logs' / f'rank{rank}.log'})"
+        for rank, text in sorted(causes.items())
+    )
+
+
+def _stopped(err: ChildFailedError, records: dict[int, FailureRecord],
+             killed: dict[int, str]) -> set[int]:
+    """The ranks the agent stopped with SIGTERM after another failed: not causes."""
     failed_alone = any(record.kind != "peer_lost" for record in records.values())
     sigterms = {r for r, f in err.failures.items() if f.exitcode == -signal.SIGTERM}
-    sigterms |= {r for r, name in (killed or {}).items() if name == "SIGTERM"}
-    stopped = {r for r in sigterms if r in records or failed_alone}  # by the agent: not a cause
+    sigterms |= {r for r, name in killed.items() if name == "SIGTERM"}
+    return {r for r in sigterms if r in records or failed_alone}
+
+
+def _what_each_rank_says(
+    err: ChildFailedError, run_dir: Path, records: dict[int, FailureRecord],
+    killed: dict[int, str],
+) -> tuple[dict[int, str], dict[int, Kind], dict[int, str]]:
+    """Per failed rank: why (a line), what kind of failure, and for a rank that failed
+    writing a file, the whole of its line."""
+    why: dict[int, str] = {}
+    kinds: dict[int, Kind] = {}
+    writes: dict[int, str] = {}
+    stopped = _stopped(err, records, killed)
     for rank, failure in err.failures.items():
         if failure.exitcode < 0 and rank not in stopped:
             why[rank], kinds[rank] = f"killed by {failure.signal_name()}", "error"
@@ -390,23 +418,11 @@ def describe_failures(
             why[rank] = (f"exit code {failure.exitcode}: {error_line(failure.message)}"
                          f"{disk_state(run_dir, 'it left no failure record')}")
             kinds[rank] = "error"
-    for rank, name in (killed or {}).items():
+    for rank, name in killed.items():
         if rank not in stopped and (rank not in why or kinds[rank] == "peer_lost"):
             why[rank], kinds[rank] = f"killed by {name}", "error"
             writes.pop(rank, None)
-    causes = {r: w for r, w in why.items() if kinds[r] != "peer_lost"} or why
-    if any(w.startswith("killed by") for w in causes.values()):
-        # A crash wins: the hang its peers may report is its consequence.
-        causes = {r: w for r, w in causes.items() if kinds[r] != "diagnosis"}
-    else:
-        diagnoses = [records[r].message for r in sorted(causes) if kinds[r] == "diagnosis"]
-        if diagnoses:  # the same on every rank that raises it: reported once
-            return f"{diagnoses[0]} (logs: {run_dir / 'logs'})"
-    return "; ".join(
-        f"rank {rank}: {writes[rank]}" if rank in writes
-        else f"rank {rank} {text} (log: {run_dir / 'logs' / f'rank{rank}.log'})"
-        for rank, text in sorted(causes.items())
-    )
+    return why, kinds, writes
 
 
 def disk_state(run_dir: Path, what: str = "") -> str:

@@ -118,19 +118,7 @@ class WeightSender(Endpoint):
             self._refuse(version, f"verify=True, but verify_every={self._verify_every} does "
                                   f"not checksum it, so it goes without a header")
         try:
-            if isinstance(state_dict, nn.Module) and self._still_bound(state_dict):
-                assert self._buffers is not None
-                changed, buffers, self._copied = False, self._buffers, 0
-            else:
-                if isinstance(state_dict, nn.Module):
-                    state_dict = state_dict.state_dict()
-                metadata = describe_state_dict(state_dict)
-                changed = metadata != self._metadata
-                if changed and self._steady and self._sent is not None:
-                    self._refuse(version, "its names, dtypes or shapes changed after the "
-                                          "first transfer")
-                buffers = self._buffers_for(metadata, changed, state_dict)
-                self._copied = buffers.pack(state_dict)
+            buffers, changed = self._packed(state_dict, version)
             checksummed = verify or self._scheduled(version)
             if checksummed:
                 buffers.write_checksums(self._checksum_helper)  # of the bytes about to go out
@@ -155,6 +143,24 @@ class WeightSender(Endpoint):
         if wait:
             self.wait()
         return version
+
+    def _packed(self, state_dict: Mapping[str, Tensor] | nn.Module,
+                version: int) -> tuple[FlatBuffers, bool]:
+        """The send buffers holding ``state_dict`` (a bound module's are already in place), and
+        whether its metadata changed since the last send."""
+        if isinstance(state_dict, nn.Module) and self._still_bound(state_dict):
+            assert self._buffers is not None
+            self._copied = 0
+            return self._buffers, False
+        if isinstance(state_dict, nn.Module):
+            state_dict = state_dict.state_dict()
+        metadata = describe_state_dict(state_dict)
+        changed = metadata != self._metadata
+        if changed and self._steady and self._sent is not None:
+            self._refuse(version, "its names, dtypes or shapes changed after the first transfer")
+        buffers = self._buffers_for(metadata, changed, state_dict)
+        self._copied = buffers.pack(state_dict)
+        return buffers, changed
 
     def _scheduled(self, version: int) -> bool:
         """Whether the ``verify_every`` schedule checksums ``version``."""
