@@ -33,6 +33,7 @@ def _parts(rank: int, world: int, spec: dict[str, Any], off_policy: bool,
         job = JobInfo(plan=plan, run_dir=Path(run_dir), seed=1, rank=rank, env=RankEnv("local"),
                       rollout_restarts=0)
         parts = build_rank(loop, ctx, job)
+        parts.replay_link.begin(None, 0)  # as a run begins: a replay rank's server serves
         found = {
             "collector": parts.collector is not None,
             "trainer": parts.trainer is not None,
