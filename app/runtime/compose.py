@@ -18,6 +18,7 @@ import torch
 
 from app.api import JobInfo
 from app.runtime.algorithm import Algorithm
+from app.runtime.builders import build_policy, cadence
 from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR, run_settings
 from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.checkpoints.replay_shards import ReplayShard
@@ -79,7 +80,7 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     algorithm = loop.build_algorithm(spaces)
     # What the rollouts act with, and what the weights carry: the policy (the algorithm's
     # module, or loop.model's) and the normalisers' statistics.
-    agent = Agent(loop.build_policy(algorithm, spaces), spaces, loop.env,
+    agent = Agent(build_policy(loop, algorithm, spaces), spaces, loop.env,
                   context=loop.model.history)
     hparams = loop.hparams
     episode_cap = hparams.num_envs * (hparams.num_steps // 8 + 1)
@@ -118,7 +119,7 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
         trained = trained or TrainedModule(ctx, plan, agent.net, loop.data_parallel,
                                            elastic=plan.elastic_trainers)
         parts.trainer = Trainer(ctx, plan, algorithm, agent, trained, job.seed, split_s)
-        parts.checkpointer = Checkpointer(ctx, job.run_dir, loop.cadence(), parts.trainer,
+        parts.checkpointer = Checkpointer(ctx, job.run_dir, cadence(loop), parts.trainer,
                                           run_settings(loop, spaces),
                                           replay=_checkpointed_replay(algorithm, plan),
                                           holder=(plan.trainers.index(rank), len(plan.trainers)),

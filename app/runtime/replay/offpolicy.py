@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from app.api import ConfigError, LoopMetrics, setting
 from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
+from app.runtime.builders import cadence
 from app.runtime.loop import RLLoop
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.client import LocalReplay, ReplayClient
@@ -244,7 +245,7 @@ class OffPolicyLoop(RLLoop):
     def _check_replay_checkpoint(self, plan: LayoutPlan, shards: int) -> None:
         """``loop.replay.checkpoint``: checkpoints on, the replay on the trainers; its size is
         said at launch (the start lines)."""
-        if not self.cadence().on:
+        if not cadence(self).on:
             raise ConfigError("loop.replay.checkpoint: true, but checkpoints are off "
                               "(loop.checkpoint_every=0)")
         per = transition_bytes(self.spaces)
@@ -256,4 +257,6 @@ class OffPolicyLoop(RLLoop):
 
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
         algorithm_cls: Any = self.algorithm  # an OffPolicyAlgorithm: it takes the replay too
-        return self.compiling(algorithm_cls(self.hparams, spaces, replay=self.replay))
+        algorithm: Algorithm[Any] = algorithm_cls(self.hparams, spaces, replay=self.replay)
+        algorithm.compile_mode = self.compile
+        return algorithm
