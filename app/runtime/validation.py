@@ -50,7 +50,9 @@ def check_settings(settings: RunSettings, plan: LayoutPlan) -> None:
     if errors:
         raise ConfigError(f"loop.{errors[0]}")
     check_env_names(settings.env)  # a typo in the id fails every rank alike, at once
-    if plan.elastic_rollouts and plan.rollouts and settings.min_rollouts > len(plan.rollouts):
+    # The plan was planned with the run's shape (app/launch/planning.py): elastic_modes is
+    # empty unless its rollout ranks may come and go.
+    if plan.elastic_modes and settings.min_rollouts > len(plan.rollouts):
         raise ConfigError(f"loop.min_rollouts: {settings.min_rollouts}, but the layout has "
                           f"{len(plan.rollouts)} rollout ranks")
     if settings.tensorboard:
