@@ -99,6 +99,11 @@ def _why_trainers_stay_static(layout: LayoutPlan, shape: RunShape,
         return ("sharded trainers (loop.data_parallel=fsdp, tensor or sequence parallel) cannot "
                 "rebuild a lost shard from its own grid (layout.trainer_replicas=2 or more "
                 "makes replica groups that can go on without one)")
+    if shape.replay_ranks:
+        # The replay ranks serve a fixed set of trainers: their batch shares, rate limit and
+        # the end of the run count every trainer (app/runtime/replay/service.py).
+        return (f"replay ranks (layout.replay={list(layout.replay)}) serve a fixed set of "
+                "trainers; use layout.replay=[] (a replay per trainer) for elastic trainers")
     return None
 
 

@@ -47,8 +47,7 @@ def _validated(overrides: list[str]) -> tuple[LayoutPlan, ValidatedJob]:
     (["loop=commcheck"], RunShape()),
     (["comm=nccl"], RunShape()),  # epoch groups are gloo: nothing elastic
     (["loop=dqn", "layout=replay_server"], RunShape(replay_ranks=(1,))),
-    (REPLAY_TWO_TRAINERS, RunShape(elastic_rollouts=True, elastic_trainers=True,
-                                   replay_ranks=(2,))),
+    (REPLAY_TWO_TRAINERS, RunShape(elastic_rollouts=True, replay_ranks=(2,))),
 ], ids=["default", "fsdp", "fsdp static", "tp2dp2", "replica groups", "colocated", "commcheck",
         "nccl", "replay server", "replay server, elastic rollout ranks"])
 def test_each_layout_and_loop_get_their_shape(overrides: list[str], shape: RunShape) -> None:
@@ -75,13 +74,21 @@ def test_what_the_shape_says_follows_from_what_it_holds(shape: RunShape, hand_of
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
+    # Issue 60, item 4: replay ranks serve a fixed set of trainers.
+    ([*REPLAY_TWO_TRAINERS, "layout.elastic_trainers=true"],
+     "layout.elastic_trainers: true, but replay ranks (layout.replay=[2]) serve a fixed set of "
+     "trainers; use layout.replay=[] (a replay per trainer) for elastic trainers"),
+    ([*REPLAY_TWO_TRAINERS, "launcher.trainer_restarts=1"],
+     "launcher.trainer_restarts: 1 restarts a lost trainer, but trainers are static here "
+     "(replay ranks (layout.replay=[2]) serve a fixed set of trainers"),
     (["loop=dqn", "loop.data_parallel=fsdp"],
      "loop.data_parallel: fsdp on this layout shards the trainers, but DQNLoop needs DDP "
      "trainers (data_parallel=ddp, no tensor or sequence parallelism)"),
     (["loop=sac", "layout=tp2dp2"],
      "loop.data_parallel: ddp on this layout shards the trainers, but SACLoop needs DDP "
      "trainers"),
-], ids=["an off-policy loop on fsdp", "an off-policy loop on a tensor-parallel grid"])
+], ids=["elastic trainers beside replay ranks", "trainer restarts beside replay ranks",
+        "an off-policy loop on fsdp", "an off-policy loop on a tensor-parallel grid"])
 def test_a_shape_that_is_not_supported_is_one_line(overrides: list[str], line: str) -> None:
     with pytest.raises(ConfigError) as failure:
         _validated(overrides)
