@@ -84,6 +84,67 @@ class RankEnv:
         return {name: str(value) for name, value in values.items() if value not in ("", None)}
 
 
+HandOffKind = Literal["flat", "sharded", "elastic", "elastic-sharded"]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """How the run behaves, as opposed to who does what (the plan's ranks, roles and groups):
+    which of its ranks may come and go, how its trainers hold the model, where its replay
+    lives. The launcher derives it once, before any rank starts, from the layout, the loop
+    and the backend, refusing there each combination that is not supported in one line
+    (app/launch/shape.py, as torchtitan's ``ParallelDims``); every rank gets it as it is, in
+    :attr:`JobInfo.shape`, and nothing else derives these facts (docs/layouts.md, "The run's
+    shape"). The default is a static run of unsharded trainers.
+
+    >>> RunShape(elastic_rollouts=True, sharded=True, data_parallel="fsdp").hand_off
+    'elastic-sharded'
+    """
+
+    #: Rollout ranks (there are some) may leave and join while the run goes on
+    #: (``layout.elastic_rollouts``, under a loop that follows membership, on gloo).
+    elastic_rollouts: bool = False
+    #: A lost trainer other than the lead leaves the others training (``layout.elastic_trainers``).
+    elastic_trainers: bool = False
+    #: How the trainers share the work (``loop.data_parallel``): ``ddp`` or ``fsdp``.
+    data_parallel: str = "ddp"
+    #: The trainers train a sharded copy of the model (FSDP, or a tensor- or sequence-parallel
+    #: grid) rather than the acting module itself under DDP (docs/sharding.md).
+    sharded: bool = False
+    #: Replica groups the trainers form (``layout.trainer_replicas``); 1: one grid.
+    trainer_replicas: int = 1
+    #: The ranks that hold the replay (``layout.replay``); empty: a replay per trainer, if any.
+    replay_ranks: tuple[int, ...] = ()
+    #: The trainers collect themselves: there are no rollout ranks.
+    colocated: bool = False
+
+    @property
+    def replica_groups(self) -> bool:
+        """Sharded trainers in replica groups that go on without a lost one (docs/failures.md)."""
+        return self.trainer_replicas > 1
+
+    @property
+    def shards_weights(self) -> bool:
+        """The weights go to the acting ranks as each shard owner's slices: sharded trainers in
+        one grid (replica groups hand whole weights: a lost group would take its owners' shards)."""
+        return self.sharded and not self.replica_groups
+
+    @property
+    def forwards(self) -> bool:
+        """The trainers write the collectors' segments on to the replay ranks, rather than the
+        collectors themselves: elastic rollout ranks, which may have joined the running job
+        without a static group to the replay ranks (app/runtime/replay/service.py)."""
+        return bool(self.replay_ranks) and self.elastic_rollouts
+
+    @property
+    def hand_off(self) -> HandOffKind:
+        """The hand-off between trainers and acting ranks (a replay rank's own is ``replay``):
+        docs/sharding.md's table."""
+        if self.elastic_rollouts:
+            return "elastic-sharded" if self.shards_weights else "elastic"
+        return "sharded" if self.shards_weights and not self.colocated else "flat"
+
+
 @dataclass(frozen=True)
 class JobInfo:
     """What a loop gets besides the group registry."""
@@ -93,6 +154,7 @@ class JobInfo:
     seed: int
     rank: int
     env: RankEnv  # how this rank was started (restart count, host, launcher)
+    shape: RunShape  # how the run behaves, as the launcher derived it (elastic, sharded, ...)
     # An elastic rollout rank that replaces a lost one in a running job (rlcomm.elastic): it
     # has no GLOBAL group and is admitted by its trainer.
     joining: bool = False
@@ -155,6 +217,15 @@ class Loop(Protocol):
     #: Whether ``layout.replay`` may hold its replay: True (it learns from one), False (it does
     #: not: replay ranks are refused), or None (the default: replay ranks are ranks like others).
     replay_ranks_supported: ClassVar[bool | None] = None
+    #: Whether its trainers may train a sharded copy of the model (``loop.data_parallel=fsdp``,
+    #: a tensor- or sequence-parallel layout): False for a loop whose update has no sharded form.
+    sharded_trainers: ClassVar[bool] = True
+    #: How its trainers share the work, where it has the setting (``loop.data_parallel``):
+    #: ``ddp``, or ``fsdp`` (sharded); the launcher derives the run's shape from it.
+    data_parallel: str = "ddp"
+    #: Intra-op threads it asks for per rank, where it has the setting (``loop.threads``); 0: the
+    #: launcher's share, the node's cores over its ranks.
+    threads: int = 0
 
     def __call__(self, ctx: CommContext, job: JobInfo) -> dict[str, Any]: ...
 
@@ -192,14 +263,17 @@ _ABSENT = object()
 
 class LoopHooks:
     """What the app asks a loop besides running it: the loop's own member where it has one,
-    else :class:`Loop`'s default. The one place the app reads a loop's hooks, so that a loop
-    need not subclass anything. ``loop``: a built loop, or a loop class (for ``metrics``).
+    else :class:`Loop`'s default. The one place the app reads a loop's hooks and the settings
+    it reads of any loop (``data_parallel``, ``threads``), so that a loop need not subclass
+    anything. ``loop``: a built loop, or a loop class (for ``metrics``).
 
     >>> class Count:
     ...     def __call__(self, ctx, job): return {}
     >>> hooks = LoopHooks(Count())
     >>> hooks.elastic_rollouts, hooks.replay_ranks_supported, hooks.metrics.directions
     (False, None, {})
+    >>> hooks.data_parallel, hooks.threads  # the settings the launcher reads, where it has them
+    ('ddp', 0)
     """
 
     def __init__(self, loop: object) -> None:
@@ -232,6 +306,18 @@ class LoopHooks:
     def replay_ranks_supported(self) -> bool | None:
         supported = self._value("replay_ranks_supported")
         return None if supported is None else bool(supported)
+
+    @property
+    def sharded_trainers(self) -> bool:
+        return bool(self._value("sharded_trainers"))
+
+    @property
+    def data_parallel(self) -> str:
+        return str(self._value("data_parallel"))
+
+    @property
+    def threads(self) -> int:
+        return int(self._value("threads"))
 
     def validate(self, plan: LayoutPlan) -> None:
         self._method("validate")(plan)

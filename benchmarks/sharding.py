@@ -39,6 +39,16 @@ HAND_OFF_TRAINERS = 2
 HAND_OFF_ROLLOUTS = (2, 3)
 
 
+def _static_shape(plan: Any, data_parallel: str) -> Any:
+    """The run's shape the launcher would derive for PPO on ``plan`` (app/launch/shape.py),
+    rollout ranks and trainers static, as these measurements build the trainers themselves."""
+    from app.launch.shape import Asked, derive_shape
+    from app.loops.ppo import PPOLoop
+
+    return derive_shape(plan, PPOLoop(data_parallel=data_parallel),
+                        Asked(elastic_rollouts=False, elastic_trainers=False))
+
+
 def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
              reps: int) -> dict[str, Any]:
     import gymnasium as gym
@@ -58,7 +68,7 @@ def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
         spaces = Spaces(gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2))
         torch.manual_seed(0)
         net = TransformerActorCritic(spaces, WIDTH, LAYERS, HEADS, CONTEXT)
-        trained = TrainedModule(ctx, plan, net, data_parallel)
+        trained = TrainedModule(ctx, plan, net, _static_shape(plan, data_parallel))
         optimizer = torch.optim.Adam(trained.parameters(), lr=1e-4)
         generator = torch.Generator().manual_seed(rank // (tensor or 1))
         obs = torch.rand(BATCH, CONTEXT, 5, generator=generator)
@@ -115,7 +125,8 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
         # Each path has its agent: the flat receiver points its agent's tensors at its own
         # receive buffer, and the sharded one receives into its agent's own tensors.
         (agent, net), (flat_agent, _) = model(), model()
-        trained = TrainedModule(ctx, plan, net, "fsdp") if rank in trainers else None
+        trained = (TrainedModule(ctx, plan, net, _static_shape(plan, "fsdp"))
+                   if rank in trainers else None)
         settings = HandOffSettings(max_staleness=0, verify_every=0, min_rollouts=1,
                                    timeout_s=600, episode_cap=1, sharded=True)
         segment_format = SegmentFormat({"version": Field((1,), torch.int64)})

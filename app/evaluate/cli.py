@@ -27,6 +27,7 @@ from app.config import build_loop
 from app.evaluate.export import export_policy
 from app.output.trackers.fanout import RUN_CONFIG
 from app.runtime.algorithm import Spaces
+from app.runtime.builders import build_policy
 from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint
 from app.runtime.checkpoints.policy import load_policy_state
 from app.runtime.envs.vector import EnvError, probe_spaces
@@ -111,7 +112,7 @@ def evaluate(request: Request) -> tuple[Path, dict[str, Any]]:
     if problem:
         raise EvaluationError(f"--video: {problem}")
     algorithm = loop.build_algorithm(spaces)
-    agent = Agent(loop.build_policy(algorithm, spaces), spaces, loop.env,
+    agent = Agent(build_policy(loop, algorithm, spaces), spaces, loop.env,
                   context=loop.model.history)
     agent.net.load_state_dict(policy)
     for name, value in picked.state.get("normalizers", {}).items():

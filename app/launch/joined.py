@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from app.api import RankEnv
-    from app.config.schema import AppConfig
+    from app.launch.planning import ValidatedJob
     from rlcomm import LayoutPlan
 
 
@@ -29,7 +29,7 @@ class JoinedLauncher:
     def claims(self, env: RankEnv) -> bool:
         return env.joins
 
-    def launch(self, job: AppConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any] | None:
+    def launch(self, job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str, Any] | None:
         from app.launch.rank import run_rank  # imports torch: after the checks that need none
 
         # This process validated the config itself (rank 0 alone probed the env): run_rank

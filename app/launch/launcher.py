@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from app.api import RankEnv
-    from app.config.schema import AppConfig
+    from app.launch.planning import ValidatedJob
     from rlcomm import LayoutPlan
 
 
@@ -43,15 +43,15 @@ class Launcher(Protocol):
         """Whether this process runs under this launcher, from how it was started (``env``)."""
         ...
 
-    def launch(self, job: AppConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any] | None:
+    def launch(self, job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str, Any] | None:
         """This process's part of the run: start every rank and wait for them, or be one rank.
 
         ``job`` is the validated config in its typed form, its loop built (with the env's
-        spaces it probed; app/launch/planning.py), handed to every rank as it is; ``plan``
-        the validated layout (not validated again); ``run_dir`` the run's folder, where
-        ``result.json`` and ``logs/`` land. Returns the run's summary (``result.json``) where
-        this process holds it
-        (the launching process, or rank 0), else None. A failed run raises an ``RlcommError``
+        spaces it probed) and the run's shape derived (app/launch/planning.py), handed to every
+        rank as it is; ``plan`` the validated layout (not validated again); ``run_dir`` the
+        run's folder, where ``result.json`` and ``logs/`` land. Returns the run's summary
+        (``result.json``) where this process holds it (the launching process, or rank 0), else
+        None. A failed run raises an ``RlcommError``
         whose message is the whole ``error:`` line: :class:`app.errors.RankFailedError`, or
         :class:`app.errors.LaunchInterruptedError` for a signal.
         """

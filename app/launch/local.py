@@ -63,7 +63,7 @@ from rlcomm import LayoutPlan
 
 if TYPE_CHECKING:
     from app.api import RankEnv
-    from app.config.schema import AppConfig
+    from app.launch.planning import ValidatedJob
 
 LOOPBACK = "127.0.0.1"
 _BACKEND = "rlcomm-loopback"
@@ -114,15 +114,16 @@ class LocalLauncher:
     def claims(self, env: RankEnv) -> bool:
         return not env.joins
 
-    def launch(self, job: AppConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
+    def launch(self, job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
         logging.getLogger("app").info("starting %d local ranks; run dir %s", plan.world_size,
                                       run_dir)
         return launch_local(job, plan, run_dir)
 
 
-def launch_local(job: AppConfig, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
+def launch_local(job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
     """Run every rank locally; returns rank 0's summary or raises RankFailedError. ``job``, its
-    loop built and checked (app/launch/planning.py), travels to every rank as it is."""
+    loop built and checked and the run's shape derived (app/launch/planning.py), travels to
+    every rank as it is."""
     rendezvous_handler_registry.register(_BACKEND, _create_handler)  # the same creator: a no-op
     _quiet_agent()
     # Every rank is on this host: the agent need not look its name up (socket.getfqdn's DNS
@@ -171,7 +172,7 @@ def _quiet_agent() -> None:
         agent_log.propagate = False
 
 
-def _launch_config(job: AppConfig, plan: LayoutPlan, run_dir: Path) -> LaunchConfig:
+def _launch_config(job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> LaunchConfig:
     """The agent's settings: one node, ``plan.world_size`` ranks, the loopback rendezvous."""
     # Started at the app's first line already (python -m app); here for any other way in.
     start_method = forkserver.START_METHOD if forkserver.start() else "spawn"
@@ -211,7 +212,7 @@ def read_result(run_dir: Path) -> dict[str, Any]:
     return summary
 
 
-def _local_rank(job: AppConfig, plan: LayoutPlan, run_dir: str,
+def _local_rank(job: ValidatedJob, plan: LayoutPlan, run_dir: str,
                 launcher_env: dict[str, str]) -> None:
     forkserver.adopt_launcher_environment(launcher_env)
     rank = int(os.environ.get("RANK", "-1"))
@@ -230,7 +231,7 @@ def _local_rank(job: AppConfig, plan: LayoutPlan, run_dir: str,
     _run_rank_here(job, plan, run_dir)
 
 
-def _run_rank_here(job: AppConfig, plan: LayoutPlan, run_dir: str) -> None:
+def _run_rank_here(job: ValidatedJob, plan: LayoutPlan, run_dir: str) -> None:
     """The rank, in this process: the agent's worker process, or a slot's child
     (app/launch/slots.py)."""
     forkserver.set_process_name(f"rlcomm-rank{os.environ.get('RANK', '')}")  # ps, top

@@ -1,5 +1,5 @@
-"""Config -> validated layout plan and the typed job the ranks receive, in the launching
-process, before any rank starts."""
+"""Config -> validated layout plan, the run's shape and the typed job the ranks receive, in the
+launching process, before any rank starts."""
 
 from __future__ import annotations
 
@@ -7,23 +7,26 @@ import dataclasses
 import importlib
 import math
 import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from app.api import LoopHooks
+from app.api import LoopHooks, RunShape
 from app.config import build_loop, loop_schema
 from app.config.schema import AppConfig
 from app.errors import ConfigError
+from app.launch.shape import Asked, derive_shape
 from app.metrics import check_metric_name
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
 from rlcomm.diagnostics.watchdog import timeout_problem
 
 
-def build_plan(cfg: DictConfig) -> LayoutPlan:
+def layout_spec(cfg: DictConfig) -> LayoutSpec:
+    """``layout``, as the config declares it."""
     layout: dict[str, Any] = OmegaConf.to_container(cfg.layout, resolve=True)  # type: ignore[assignment]
-    return plan_layout(LayoutSpec(**layout))
+    return LayoutSpec(**layout)
 
 
 def check_world_size(plan: LayoutPlan, world_size: int, rank: int) -> None:
@@ -46,15 +49,30 @@ def check_restarts(max_restarts: int, agent_limit: int | None) -> None:
         )
 
 
+@dataclass
+class ValidatedJob(AppConfig):
+    """What validation hands the launcher, which hands it to every rank as it is: the config in
+    its typed form (its ``loop`` the loop validation built and checked) and the run's shape
+    derived from it (:class:`app.api.RunShape`, app/launch/shape.py)."""
+
+    shape: RunShape = field(default_factory=RunShape)
+
+
 def validate(cfg: DictConfig) -> LayoutPlan:
     """Everything that can be checked without starting a process; raises one-line errors."""
     return validate_job(cfg)[0]
 
 
-def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppConfig]:
-    """:func:`validate`, and the config in the one typed form its ranks receive: an
-    :class:`AppConfig` whose ``loop`` is the loop that validation built and checked, with what
-    it learnt by building things (the env's spaces), so that a rank builds neither again.
+def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, ValidatedJob]:
+    """:func:`validate`, and the config in the one typed form its ranks receive: a
+    :class:`ValidatedJob` whose ``loop`` is the loop that validation built and checked, with
+    what it learnt by building things (the env's spaces), so that a rank builds neither again,
+    and whose ``shape`` is the run's.
+
+    The layout is planned as declared, for its ranks, roles and grid; the run's shape is
+    derived from it and the loop, refusing what is not supported (app/launch/shape.py); the
+    plan the ranks get is planned with the shape's flags (which rollout ranks and trainers are
+    elastic: rlcomm's ``LayoutPlan.is_elastic_rank``), and the loop is checked against it.
 
     ``probe=False``: the loop's checks that build things (its ``validate_env``: an env to probe
     its spaces, a policy) are left to another process, which hands this one the env's spaces:
@@ -75,103 +93,25 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, AppCo
     _check_target(cfg.loop)
     if cfg.sweep.rank_by is not None:  # the configured loop's declared metrics, or the app's
         check_metric_name(cfg.sweep.rank_by, str(cfg.loop._target_))
-    plan = build_plan(cfg)
-    loop = _check_loop(cfg.loop, plan, int(cfg.seed), probe)
-    # Rollout ranks are elastic only under a loop that follows membership (the RL runtime's):
-    # any other loop's collectives would wait for a lost rank forever.
-    # Epoch groups are gloo: with NCCL the rollout ranks stay static.
-    elastic = (plan.elastic_rollouts and LoopHooks(loop).elastic_rollouts
-               and _backend(cfg) != "nccl")
-    _check_replay_ranks(plan, loop)
-    trainers = _elastic_trainers(cfg, plan, loop, elastic)
-    return (dataclasses.replace(plan, elastic_rollouts=elastic, elastic_trainers=trainers),
-            typed_job(cfg, loop))
+    declared = layout_spec(cfg)
+    layout = plan_layout(declared)  # a bad layout is one line before the loop is built
+    loop = _build_loop(cfg.loop)
+    shape = derive_shape(layout, loop, Asked.of(cfg))
+    plan = plan_layout(dataclasses.replace(declared, elastic_rollouts=shape.elastic_rollouts,
+                                           elastic_trainers=shape.elastic_trainers))
+    _check_loop(loop, plan, int(cfg.seed), probe)
+    return plan, typed_job(cfg, loop, shape)
 
 
-def _elastic_trainers(cfg: DictConfig, plan: LayoutPlan, loop: Any, elastic_rollouts: bool) -> bool:
-    """Whether a lost trainer leaves the others going (``layout.elastic_trainers``; null: where
-    it can be). Asked for where it cannot be, or ``launcher.trainer_restarts`` without it: one
-    line naming the setting."""
-    asked, restarts = cfg.layout.get("elastic_trainers"), int(cfg.launcher.trainer_restarts)
-    why = _why_trainers_stay_static(plan, loop, elastic_rollouts)
-    if asked is True and why is not None:
-        raise ConfigError(f"layout.elastic_trainers: true, but {why}")
-    on = asked is not False and why is None
-    if restarts and not on:
-        reason = "layout.elastic_trainers=false" if asked is False else why
-        raise ConfigError(f"launcher.trainer_restarts: {restarts} restarts a lost trainer, but "
-                          f"trainers are static here ({reason})")
-    if restarts and len(plan.trainers) < 2:
-        raise ConfigError(f"launcher.trainer_restarts: {restarts}, but the one trainer is the "
-                          "lead, whose loss ends the run (launcher.max_restarts restarts it)")
-    if plan.trainer_replicas > 1:
-        _check_replicas(plan, loop, on, why)
-    return on and len(plan.trainers) > 1
-
-
-def _check_replicas(plan: LayoutPlan, loop: Any, elastic: bool, why: str | None) -> None:
-    """``layout.trainer_replicas`` > 1: replica groups of sharded trainers that survive a loss
-    (docs/failures.md)."""
-    replicas = plan.trainer_replicas
-    if not _sharded(plan, loop):
-        raise ConfigError(
-            f"layout.trainer_replicas: {replicas}, but under loop.data_parallel=ddp without "
-            "tensor or sequence parallelism every trainer is a replica already "
-            "(layout.elastic_trainers makes each one survivable); use 1, or shard the trainers "
-            "(loop.data_parallel=fsdp, layout.tensor_parallel_size)")
-    if not elastic:
-        raise ConfigError(f"layout.trainer_replicas: {replicas} makes replica groups that "
-                          f"survive a loss, but trainers are static here "
-                          f"({why or 'layout.elastic_trainers=false'})")
-
-
-def _sharded(plan: LayoutPlan, loop: Any) -> bool:
-    _data, sequence, tensor = plan.grid_sizes
-    return getattr(loop, "data_parallel", "ddp") != "ddp" or sequence > 1 or tensor > 1
-
-
-def _why_trainers_stay_static(plan: LayoutPlan, loop: Any, elastic_rollouts: bool) -> str | None:
-    if not LoopHooks(loop).elastic_trainers:
-        return f"{type(loop).__name__} is not a loop whose trainers follow membership (the RL runtime's)"
-    if not elastic_rollouts or plan.colocated:
-        return ("a lost trainer's rollout ranks move to the others: it needs rollout ranks of "
-                "their own with layout.elastic_rollouts on (and gloo)")
-    if _sharded(plan, loop) and plan.trainer_replicas == 1:
-        return ("sharded trainers (loop.data_parallel=fsdp, tensor or sequence parallel) cannot "
-                "rebuild a lost shard from its own grid (layout.trainer_replicas=2 or more "
-                "makes replica groups that can go on without one)")
-    return None
-
-
-def _check_replay_ranks(plan: LayoutPlan, loop: Any) -> None:
-    """``layout.replay`` serves a loop that learns from a replay (app/runtime/replay/offpolicy.py);
-    its rollout ranks may be static or elastic (app/runtime/replay/service.py)."""
-    if not plan.replay:
-        return
-    ranks = list(plan.replay)
-    supported = LoopHooks(loop).replay_ranks_supported
-    if supported is None:  # a loop of its own (commcheck): replay ranks are ranks like others
-        return
-    if not supported:
-        raise ConfigError(
-            f"layout.replay: ranks {ranks} would hold a replay, but {type(loop).__name__} does "
-            "not learn from one; remove layout.replay (e.g. layout.replay=[]) or use an "
-            "off-policy loop (loop=dqn, loop=sac)")
-    batch = loop.replay.batch_size  # every replay rank gives a share of each batch
-    if batch < len(ranks):
-        raise ConfigError(
-            f"loop.replay.batch_size: {batch} is fewer than the {len(ranks)} replay ranks "
-            f"{ranks}, which each give a share of every batch; use at least {len(ranks)}")
-
-
-def typed_job(cfg: DictConfig, loop: Any) -> AppConfig:
-    """``cfg`` as its schema's dataclasses, its ``loop`` the built ``loop``; one that will not
-    pickle (the local launcher sends it to every rank) is one line naming it."""
+def typed_job(cfg: DictConfig, loop: Any, shape: RunShape) -> ValidatedJob:
+    """``cfg`` as its schema's dataclasses, its ``loop`` the built ``loop``, with the run's
+    ``shape``; one that will not pickle (the local launcher sends it to every rank) is one line
+    naming it."""
     rest = cfg.copy()
     rest.loop = None  # the built loop replaces its settings
-    job = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AppConfig), rest))
-    assert isinstance(job, AppConfig), type(job)
-    job.loop = loop
+    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AppConfig), rest))
+    assert isinstance(typed, AppConfig), type(typed)
+    job = ValidatedJob(**{**vars(typed), "loop": loop}, shape=shape)
     try:
         pickle.dumps(job)
     except Exception as err:
@@ -180,23 +120,9 @@ def typed_job(cfg: DictConfig, loop: Any) -> AppConfig:
     return job
 
 
-def _backend(cfg: DictConfig) -> str:
-    """``comm.backend`` as it will resolve (``auto``: nccl where CUDA is)."""
-    from rlcomm.backends import resolve_backend
-
-    backend = cfg.comm.backend
-    name = str(getattr(backend, "value", backend))  # the schema's enum, or a plain string
-    try:
-        return resolve_backend(name)
-    except Exception:  # a backend that cannot be had fails with its own error at init
-        return name
-
-
-def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int, probe: bool = True) -> Any:
-    """Type-check the loop's settings against its dataclass (unknown keys included), build it
-    once so bad arguments fail before any rank starts, then run its ``validate(plan)`` (or,
-    without ``probe``, its ``validate_settings(plan)``) and ``check_seed(seed, plan)`` (the
-    seeds its ranks derive): app.api.Loop's hooks, with their defaults."""
+def _build_loop(loop: DictConfig) -> Any:
+    """Type-check the loop's settings against its dataclass (unknown keys included), then build
+    it once, so that bad arguments fail before any rank starts."""
     from hydra.utils import get_object
     from omegaconf.errors import OmegaConfBaseException
 
@@ -208,16 +134,21 @@ def _check_loop(loop: DictConfig, plan: LayoutPlan, seed: int, probe: bool = Tru
         except OmegaConfBaseException as err:
             raise ConfigError(_schema_error(err, target, loop)) from None
     try:
-        built = build_loop(loop)
+        return build_loop(loop)
     except Exception as err:
         raise ConfigError(f"loop: cannot build {loop.get('_target_')!r}: {err}") from None
-    hooks = LoopHooks(built)
+
+
+def _check_loop(loop: Any, plan: LayoutPlan, seed: int, probe: bool = True) -> None:
+    """The built loop's ``validate(plan)`` (or, without ``probe``, its
+    ``validate_settings(plan)``) and ``check_seed(seed, plan)`` (the seeds its ranks derive):
+    app.api.Loop's hooks, with their defaults."""
+    hooks = LoopHooks(loop)
     if probe:
         hooks.validate(plan)
     else:
         hooks.validate_settings(plan)
     hooks.check_seed(seed, plan)
-    return built
 
 
 def _schema_error(err: Exception, target: Any, loop: DictConfig) -> str:

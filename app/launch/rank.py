@@ -18,12 +18,11 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.api import JobInfo, Loop, LoopHooks, RankEnv
-from app.config.schema import AppConfig
 from app.errors import naming
 from app.launch.environment import job_start_time, resolve_rank_env
 from app.launch.failures import recording_failures
 from app.launch.lifeline import tie_to_launcher
-from app.launch.planning import check_world_size
+from app.launch.planning import ValidatedJob, check_world_size
 from app.output import timeline
 from app.output.background import wait_for_background
 from app.output.logs import FILE_ONLY
@@ -42,13 +41,14 @@ _SPACES_KEY = "app/probed_spaces"  # the env's spaces rank 0 probed (_share_prob
 
 @record
 def run_rank(
-    job: AppConfig, plan: LayoutPlan, run_dir: str, launched_here: bool = False,
+    job: ValidatedJob, plan: LayoutPlan, run_dir: str, launched_here: bool = False,
 ) -> dict[str, Any] | None:
     """One rank, from environment to result; returns the run summary on rank 0.
 
     ``job`` and ``plan`` were validated by the process that launched this rank (or, for a rank
     started by torchrun or SLURM, by this process before it came here): neither is validated
-    again, and ``job.loop`` is the loop validation built (app/launch/planning.py).
+    again, ``job.loop`` is the loop validation built and ``job.shape`` the run's shape it
+    derived (app/launch/planning.py), which the loop gets as it is (``JobInfo.shape``).
     ``launched_here``: started by the app's local launcher, every rank on this machine on
     purpose (a layout's nodes are then simulated, as under submitit's local executor); otherwise
     a launcher placed the ranks on hosts, and the layout's nodes must match them.
@@ -91,12 +91,12 @@ def oversubscribed(threads: int, ranks_here: int, cores: int) -> str | None:
 
 
 def _run(
-    cfg: AppConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, launched_here: bool,
+    cfg: ValidatedJob, plan: LayoutPlan, env: RankEnv, run_dir: Path, launched_here: bool,
 ) -> dict[str, Any] | None:
     """The rank's steps: init, host agreement and groups, the loop, the reports, the summary."""
     check_world_size(plan, env.world_size, env.rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
-    crowded = oversubscribed(getattr(cfg.loop, "threads", 0), env.local_world_size,
+    crowded = oversubscribed(LoopHooks(cfg.loop).threads, env.local_world_size,
                              os.cpu_count() or 1)
     if crowded and env.local_rank == 0:
         log.warning("%s", crowded)
@@ -141,7 +141,7 @@ def _run(
     return summary
 
 
-def _init(cfg: AppConfig, plan: LayoutPlan, env: RankEnv) -> CommContext:
+def _init(cfg: ValidatedJob, plan: LayoutPlan, env: RankEnv) -> CommContext:
     """The distributed context of this rank: the default group, the store, the watchdog."""
     ctx = CommContext()
     ctx.init_distributed_env(
@@ -188,14 +188,14 @@ def _agree_and_create_groups(
 
 
 def _run_loop(
-    loop: Loop, ctx: CommContext, cfg: AppConfig, plan: LayoutPlan, env: RankEnv,
+    loop: Loop, ctx: CommContext, cfg: ValidatedJob, plan: LayoutPlan, env: RankEnv,
     run_dir: Path, hosts: Hosts, launched_here: bool,
 ) -> Any:
     """The loop's result; an error that a lost host explains names that host. Started by the
     app's local launcher, a lost rollout rank comes back only through its restarts."""
     try:
         return loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
-                                 env=env, hosts=dict(enumerate(hosts.names)),
+                                 env=env, shape=cfg.shape, hosts=dict(enumerate(hosts.names)),
                                  rollout_restarts=(cfg.launcher.rollout_restarts
                                                    if launched_here else None),
                                  trainer_restarts=(cfg.launcher.trainer_restarts
@@ -221,7 +221,7 @@ def _raise_if_hosts_lost(ctx: CommContext, hosts: Hosts, rank: int, err: Excepti
 
 
 def _gather_reports(
-    ctx: CommContext, cfg: AppConfig, plan: LayoutPlan, hosts: Hosts, rank: int, result: Any
+    ctx: CommContext, cfg: ValidatedJob, plan: LayoutPlan, hosts: Hosts, rank: int, result: Any
 ) -> list[dict[str, Any]] | None:
     """Every rank's report, on rank 0 (None elsewhere); the context is destroyed after."""
     report = {
@@ -243,7 +243,7 @@ def _gather_reports(
 
 
 def _summary(
-    cfg: AppConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, loop: Loop, result: Any,
+    cfg: ValidatedJob, plan: LayoutPlan, env: RankEnv, run_dir: Path, loop: Loop, result: Any,
     reports: list[dict[str, Any]], startup: dict[str, float],
 ) -> dict[str, Any]:
     """Rank 0's ``result.json``: the loop's figures, every rank's report, the timeline."""
@@ -306,7 +306,7 @@ def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any
 
 
 def _join_running_job(
-    cfg: AppConfig, plan: LayoutPlan, env: RankEnv, run_dir: Path, ctx: CommContext,
+    cfg: ValidatedJob, plan: LayoutPlan, env: RankEnv, run_dir: Path, ctx: CommContext,
 ) -> None:
     """A rollout rank started while its job runs (a restart, one more torchrun or srun task):
     its trainer admits it at an update boundary; it reports like the others."""
@@ -314,7 +314,7 @@ def _join_running_job(
     _seed_everything(cfg.seed + env.rank)
     loop: Loop = cfg.loop
     result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,
-                               env=env, joining=True,
+                               env=env, shape=cfg.shape, joining=True,
                                stop_grace_s=float(cfg.launcher.shutdown_timeout)))
     report = {"rank": env.rank, "role": plan.role(env.rank), "host": socket.gethostname(),
               "pid": os.getpid(),

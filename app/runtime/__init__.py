@@ -7,8 +7,9 @@ of the run. An algorithm plugs in four things (:mod:`app.runtime.algorithm`) and
 by subclassing :class:`RLLoop` (docs/custom-algorithm.md).
 
 Modules and folders, in the order a run uses them (docs/how-a-rank-runs.md draws them):
-``settings.py`` (``loop.*``, checked before any rank starts) and ``loop.py`` (the entry every
-rank calls), ``envs/`` (environments, their normalisation and observation history), ``models/``
+``settings.py`` (``loop.*``), ``validation.py`` (their checks before any rank starts),
+``builders.py`` (what they build) and ``loop.py`` (the loop's hooks and the entry every rank
+calls), ``envs/`` (environments, their normalisation and observation history), ``models/``
 (the policies), ``worker.py`` (collecting), ``segments.py`` (a segment's bytes), ``sharding.py``
 (what a trainer trains), ``compose.py`` (a rank's parts, by the plan), ``roles/`` (collector,
 trainer, decider), ``handoff/`` (what moves between ranks), ``replay/`` (off-policy algorithms'

@@ -18,6 +18,7 @@ import torch
 
 from app.api import JobInfo
 from app.runtime.algorithm import Algorithm
+from app.runtime.builders import build_policy, cadence
 from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR, run_settings
 from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.checkpoints.replay_shards import ReplayShard
@@ -32,7 +33,7 @@ from app.runtime.roles.trainer import Trainer
 from app.runtime.seeds import env_seed
 from app.runtime.segments import with_episodes
 from app.runtime.settings import RunSettings
-from app.runtime.sharding import TrainedModule, is_sharded
+from app.runtime.sharding import TrainedModule
 from app.runtime.state import RunState
 from app.runtime.worker import Agent, RolloutWorker, build_segment_format
 from rlcomm import CommContext, LayoutPlan, ParallelMode
@@ -64,12 +65,13 @@ class Rank:
 
 
 def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
-    """This rank's parts, built in the order they depend on."""
-    plan, rank = job.plan, ctx.get_global_rank()
+    """This rank's parts, built in the order they depend on: which ones, as the plan gives this
+    rank its jobs; what kind, as the run's shape says (``job.shape``)."""
+    plan, shape, rank = job.plan, job.shape, ctx.get_global_rank()
     trains = rank in plan.trainers
     collects = (plan.colocated and trains) or rank in plan.rollouts
-    elastic = not plan.colocated and plan.elastic_rollouts
-    if trains and job.joining and plan.trainer_replicas > 1:
+    elastic = shape.elastic_rollouts
+    if trains and job.joining and shape.replica_groups:
         form_replica_world(ctx, plan)  # its grid, with its replica group's other new ranks
     if loop.threads:  # else the launcher's: the node's cores over its ranks (app/launch/rank.py)
         torch.set_num_threads(loop.threads)
@@ -79,7 +81,7 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     algorithm = loop.build_algorithm(spaces)
     # What the rollouts act with, and what the weights carry: the policy (the algorithm's
     # module, or loop.model's) and the normalisers' statistics.
-    agent = Agent(loop.build_policy(algorithm, spaces), spaces, loop.env,
+    agent = Agent(build_policy(loop, algorithm, spaces), spaces, loop.env,
                   context=loop.model.history)
     hparams = loop.hparams
     episode_cap = hparams.num_envs * (hparams.num_steps // 8 + 1)
@@ -98,12 +100,10 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     # A sharded trainer's copy is made before the hand-off, which sends its shards; DDP wraps
     # the acting module itself, only once the hand-off bound it to its send buffer (the
     # parameters then live there).
-    sharded = is_sharded(plan, loop.data_parallel)
-    trained = TrainedModule(ctx, plan, agent.net, loop.data_parallel,
-                            elastic=plan.elastic_trainers) if trains and sharded else None
+    trained = TrainedModule(ctx, plan, agent.net, shape) if trains and shape.sharded else None
     replay_link = ReplayLink(ctx, plan, algorithm, segment_format, job.seed,
-                             job.run_dir / CHECKPOINT_DIR)
-    settings = _hand_off_settings(loop, ctx, job, episode_cap, sharded)
+                             job.run_dir / CHECKPOINT_DIR, forwards=shape.forwards)
+    settings = _hand_off_settings(loop, ctx, job, episode_cap)
     replay = ReplayHooks(write=replay_link.put if replay_link.target is not None else None,
                          served=replay_link.served if replay_link.server is not None else None)
     hand_off = build_hand_off(ctx, job, agent, replay_link.hand_off_format, trained, settings,
@@ -112,13 +112,12 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
         ParallelMode.TRAIN_DATA_PARALLEL if elastic else ParallelMode.GLOBAL)
     parts = Rank(loop, ctx, job, agent, algorithm, hand_off, replay_link, deciders,
                  collector=collector, state=RunState.for_window(loop.window), split_s=split_s)
-    if trains and plan.elastic_trainers:
+    if trains and shape.elastic_trainers:
         parts.trainers = _trainer_group(parts, settings.timeout_s)
     if trains:
-        trained = trained or TrainedModule(ctx, plan, agent.net, loop.data_parallel,
-                                           elastic=plan.elastic_trainers)
+        trained = trained or TrainedModule(ctx, plan, agent.net, shape)
         parts.trainer = Trainer(ctx, plan, algorithm, agent, trained, job.seed, split_s)
-        parts.checkpointer = Checkpointer(ctx, job.run_dir, loop.cadence(), parts.trainer,
+        parts.checkpointer = Checkpointer(ctx, job.run_dir, cadence(loop), parts.trainer,
                                           run_settings(loop, spaces),
                                           replay=_checkpointed_replay(algorithm, plan),
                                           holder=(plan.trainers.index(rank), len(plan.trainers)),
@@ -128,15 +127,13 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     return parts
 
 
-def _hand_off_settings(loop: RunSettings, ctx: CommContext, job: JobInfo, episode_cap: int,
-                       sharded: bool) -> HandOffSettings:
+def _hand_off_settings(loop: RunSettings, ctx: CommContext, job: JobInfo,
+                       episode_cap: int) -> HandOffSettings:
     return HandOffSettings(max_staleness=loop.max_staleness,
                            verify_every=loop.verify_weights_every,
                            min_rollouts=loop.min_rollouts,
                            timeout_s=ctx.timeout.total_seconds(), episode_cap=episode_cap,
-                           # Replica groups hand whole weights: a lost replica group would
-                           # take shards that the sharded channel's owners send.
-                           sharded=sharded and job.plan.trainer_replicas == 1,
+                           sharded=job.shape.shards_weights,
                            rollout_restarts=job.rollout_restarts)
 
 
@@ -149,7 +146,7 @@ def _trainer_group(parts: Rank, timeout_s: float) -> TrainerGroup:
                          epoch_timeout(parts.ctx, timeout_s), membership.adopt,
                          joining=parts.job.joining,
                          holds=_own_replay_size(parts.algorithm, plan),
-                         replicas=plan.replicas if plan.trainer_replicas > 1 else ())
+                         replicas=plan.replicas if parts.job.shape.replica_groups else ())
     group.begin()
     return group
 

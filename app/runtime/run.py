@@ -19,6 +19,7 @@ from app.output import timeline
 from app.output.progress import StopRule
 from app.runtime import stopping
 from app.runtime.algorithm import Segment
+from app.runtime.builders import stop_rule, target, tracking
 from app.runtime.checkpoints.checkpoint import Resumable
 from app.runtime.checkpoints.checkpointer import is_own, note_resume, resume
 from app.runtime.compose import Rank, build_rank
@@ -82,7 +83,7 @@ class RankRun:
         rank.replay_link.close()  # layout.replay's ranks serve until every rank said STOP
         if self.decider is not None:
             self.decider.save_final()
-            self.decider.recorder.close(self.loop.target(), self._title())
+            self.decider.recorder.close(target(self.loop), self._title())
         elapsed = time.perf_counter() - start
         cpu_s = time.process_time() - cpu_start
         if rank.collector is not None:
@@ -130,10 +131,10 @@ class RankRun:
     def _decider(self, resumed: RecordsMark | None, started: tuple[float, int]) -> Decider:
         rank, loop = self.rank, self.loop
         assert rank.deciders is not None
-        rule: StopRule | None = loop.stop_rule() if loop.progress else None
+        rule: StopRule | None = stop_rule(loop) if loop.progress else None
         trainers = rank.trainer.count if rank.trainer is not None else None
         recorder = Recorder(rank.ctx, rank.job.run_dir, self._name(), rank.algorithm.losses,
-                            trainers, resumed, (rule, loop.tracking(self.state.resumed_from)),
+                            trainers, resumed, (rule, tracking(loop, self.state.resumed_from)),
                             title=self._title())
         if recorder.view is not None:
             self.hand_off.on_wait = recorder.waiting

@@ -1,50 +1,25 @@
-"""The runtime's settings (``loop.*``): their schema, the checks the launcher runs before any
-rank starts, and what they build (the algorithm, the policy, the stop rule). One rank's run
-(app/runtime/run.py) reads them; :class:`~app.runtime.loop.RLLoop` adds the entry every rank
-calls.
+"""The runtime's settings (``loop.*``): their schema, each field with its one-line doc. Their
+checks before any rank starts are app/runtime/validation.py's, what they build (the policy,
+the checkpoint cadence, the stop rule, the summary) app/runtime/builders.py's; one rank's run
+(app/runtime/run.py) reads them; :class:`~app.runtime.loop.RLLoop` adds the loop's hooks and
+the entry every rank calls.
 """
 
 from __future__ import annotations
 
 import pickle
 import typing
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
-from app.api import ConfigError, LoopMetrics, setting
-from app.output.logs import write_console
-from app.output.progress import StopRule
-from app.output.trackers import FOLDERS, Tracking, check_trackers
-from app.output.trackers.tensorboard import check_tensorboard
+from app.api import LoopMetrics, setting
 from app.runtime.algorithm import Algorithm, AlgorithmSettings, Spaces
-from app.runtime.checkpoints.cadence import DEFAULT_INTERVAL_S, DEFAULT_KEEP, Cadence
-from app.runtime.checkpoints.checkpoint import (
-    CHECKPOINT_DIR,
-    newest_valid_checkpoint,
-    policy_shapes,
-    resume_mismatch,
-    run_settings,
-)
-from app.runtime.compiling import compile_problem
-from app.runtime.envs.vector import EnvConfig, check_env_names, ensure_registered, probe_spaces
-from app.runtime.evaluation.video import render_problem
-from app.runtime.models.actor_critic import ModelConfig, is_image
-from app.runtime.models.transformer import (
-    TransformerActorCritic,
-    ffn_hidden,
-    transformer_space_problem,
-)
-from app.runtime.seeds import seed_problem
-from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
-from rlcomm import LayoutPlan
-
-STOP_ON = ("train", "eval")
+from app.runtime.checkpoints.cadence import DEFAULT_INTERVAL_S, DEFAULT_KEEP
+from app.runtime.envs.vector import EnvConfig, probe_spaces
+from app.runtime.models.actor_critic import ModelConfig
 
 
 @dataclass
@@ -201,261 +176,12 @@ class RunSettings:
                 del state["spaces"]
         return state
 
-    def validate(self, plan: LayoutPlan) -> None:
-        """Range checks and the environment's, run by the launcher before any rank starts."""
-        self.validate_settings(plan)
-        self.validate_env(plan)
-
-    def validate_settings(self, plan: LayoutPlan) -> None:
-        """The checks of :meth:`validate` that build nothing (no env, no policy): all that a
-        rank of a joined run other than rank 0 runs, since rank 0 probes the env for every rank
-        and hands its spaces to them (app/launch/rank.py)."""
-        per_update = self._per_update(plan)
-        # The ranks of a TENSOR_PARALLEL group train one replica on their segments together.
-        replicas, _, _ = plan.grid_sizes
-        batch_per_trainer = per_update // replicas
-        errors = [f"hparams.{e}" for e in self.hparams.range_errors(batch_per_trainer)]
-        errors += self.env.range_errors()
-        errors += [f"model.{e}" for e in self.model.range_errors()]
-        if self.data_parallel not in DATA_PARALLEL_KINDS:
-            errors.append(f"data_parallel: must be one of {', '.join(DATA_PARALLEL_KINDS)}, "
-                          f"got {self.data_parallel!r}")
-        if self.window < 1:
-            errors.append(f"window: must be a positive integer, got {self.window}")
-        errors += self.cadence().range_errors()
-        if self.max_staleness < 0:
-            errors.append(f"max_staleness: must be >= 0, got {self.max_staleness}")
-        if self.verify_weights_every < 0:
-            errors.append(f"verify_weights_every: must be >= 0, got {self.verify_weights_every}")
-        if self.threads < 0:
-            errors.append(f"threads: must be >= 0, got {self.threads}")
-        if self.min_rollouts < 1:
-            errors.append(f"min_rollouts: must be >= 1, got {self.min_rollouts}")
-        if problem := compile_problem(self.compile):
-            errors.append(f"compile: {problem}")
-        elif self.compile != "off" and not self.algorithm.compiles:
-            errors.append(f"compile: {self.algorithm.__name__} does not compile its update, "
-                          f"got {self.compile!r} (set off)")
-        errors += self._eval_errors()
-        if not errors and self.total_env_steps < per_update:
-            errors.append(
-                f"total_env_steps: must allow at least one update ({per_update} env steps with "
-                f"this layout and hparams), got {self.total_env_steps}"
-            )
-        if errors:
-            raise ConfigError(f"loop.{errors[0]}")
-        check_env_names(self.env)  # a typo in the id fails every rank alike, at once
-        if plan.elastic_rollouts and plan.rollouts and self.min_rollouts > len(plan.rollouts):
-            raise ConfigError(f"loop.min_rollouts: {self.min_rollouts}, but the layout has "
-                              f"{len(plan.rollouts)} rollout ranks")
-        if self.tensorboard:
-            check_tensorboard()
-        check_trackers(self.trackers)
-
-    def validate_env(self, plan: LayoutPlan) -> None:
-        """The checks of :meth:`validate` that need the env's spaces (one env probed), a
-        rendering env, the policy or the checkpoint to resume from."""
-        if self.env.normalize_obs and is_image(self.spaces.observation):
-            raise ConfigError(
-                f"loop.env.normalize_obs: {self.env.id} has image observations, which the CNN "
-                "scales to [0, 1] itself; got true (set it false)"
-            )
-        problem = self.algorithm.space_problem(self.spaces)
-        if problem:
-            name = self.algorithm.__name__
-            raise ConfigError(f"loop.env.id: {self.env.id}: {problem} ({name} cannot act in it)")
-        if self.model.kind == "transformer":
-            problem = transformer_space_problem(self.spaces)
-            if problem:
-                raise ConfigError(f"loop.env.id: {self.env.id}: {problem} (loop.model.kind="
-                                  "transformer cannot act in it)")
-        if self.eval_video:
-            problem = render_problem(self.env)
-            if problem:
-                raise ConfigError(f"loop.eval_video: {problem}")
-        self.check_grid(plan)
-        self.check_resume()
-
-    def _eval_errors(self) -> list[str]:
-        checks = [
-            ("eval_every", self.eval_every >= 0, ">= 0"),
-            ("eval_episodes", self.eval_episodes >= 1, "a positive integer"),
-            ("eval_seed", self.eval_seed >= 0, ">= 0"),
-            ("stop_on", self.stop_on in STOP_ON, f"one of {', '.join(STOP_ON)}"),
-        ]
-        errors = [f"{name}: must be {want}, got {getattr(self, name)!r}"
-                  for name, ok, want in checks if not ok]
-        if not errors and self.stop_on == "eval" and not self.eval_every:
-            errors.append("stop_on: must be train without evaluations (loop.eval_every=0), "
-                          "got 'eval'")
-        if not errors and self.eval_video and not self.eval_every:
-            errors.append("eval_video: must be false without evaluations (loop.eval_every=0), "
-                          "got true")
-        return errors
-
-    def _per_update(self, plan: LayoutPlan) -> int:
-        """Env steps per update: every collecting rank's ``num_envs`` x ``num_steps``."""
-        collectors = len(plan.rollouts) if plan.rollouts else len(plan.trainers)
-        return int(collectors * self.hparams.num_envs * self.hparams.num_steps)
-
-    def check_seed(self, seed: int, plan: LayoutPlan) -> None:
-        """The top-level ``seed`` against the seeds every rank derives from it
-        (app/runtime/seeds.py), run by the launcher after :meth:`validate`."""
-        updates = self.total_env_steps // max(1, self._per_update(plan)) + 1
-        problem = seed_problem(seed, plan.world_size, self.hparams.num_envs, updates,
-                               envpool=self.env.vector == "envpool")
-        if problem:
-            raise ConfigError(problem)
-
     def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
-        return self.compiling(self.algorithm(self.hparams, spaces))
-
-    def cadence(self) -> Cadence:
-        """When trainers checkpoint and what they keep (app/runtime/checkpoints/cadence.py)."""
-        return Cadence(self.checkpoint_every, self.checkpoint_every_s, self.checkpoint_keep,
-                       self.milestone_every, self.milestone_every_s)
-
-    def compiling(self, algorithm: Algorithm[Any]) -> Algorithm[Any]:
-        """``algorithm``, set to compile its update as ``loop.compile`` says."""
+        """The algorithm these settings name, set to compile its update as ``compile`` says; a
+        loop that gives it more (an off-policy loop: its replay) overrides this."""
+        algorithm = self.algorithm(self.hparams, spaces)
         algorithm.compile_mode = self.compile
         return algorithm
-
-    def build_policy(self, algorithm: Algorithm[Any], spaces: Spaces) -> nn.Module:
-        """The module the run trains and acts with: the algorithm's own, or the transformer
-        ``loop.model`` describes."""
-        if self.model.kind != "transformer":
-            return algorithm.build()
-        model = self.model
-        return TransformerActorCritic(spaces, model.width, model.layers, model.heads,
-                                      model.context)
-
-    def check_grid(self, plan: LayoutPlan) -> None:
-        """The trainer grid against the policy: its sizes must split the model
-        (docs/sharding.md)."""
-        _, sequence, tensor = plan.grid_sizes
-        if sequence > 1:  # context parallelism: the transformer's window is split
-            if self.model.kind != "transformer":
-                raise ConfigError(
-                    f"loop.model.kind: {self.model.kind}, but layout.sequence_parallel_size "
-                    f"{sequence} splits a transformer's window; use loop.model.kind=transformer")
-            if self.model.context % sequence:
-                raise ConfigError(f"loop.model.context: {self.model.context} is not divisible "
-                                  f"by sequence_parallel_size {sequence}")
-        if tensor == 1:
-            return
-        if self.model.kind == "transformer":
-            hidden = ffn_hidden(self.model.width)
-            if self.model.heads % tensor:
-                raise ConfigError(f"loop.model.heads: {self.model.heads} is not divisible by "
-                                  f"tensor_parallel_size {tensor}")
-            if hidden % tensor:
-                raise ConfigError(f"loop.model.width: {self.model.width} gives a feed-forward "
-                                  f"width of {hidden}, not divisible by tensor_parallel_size "
-                                  f"{tensor}")
-            return
-        import torch
-
-        with torch.random.fork_rng(devices=[]):
-            policy = self.build_policy(self.build_algorithm(self.spaces), self.spaces)
-        if not has_tensor_parallel_plan(policy):
-            raise ConfigError(
-                f"layout.tensor_parallel_size: {tensor}, but {type(policy).__name__} (loop.model."
-                f"kind={self.model.kind}) has no tensor-parallel plan; use loop.model.kind="
-                "transformer or a module with tensor_parallel_plan()")
-
-    def check_resume(self) -> None:
-        """``loop.resume``, resolved and checked in the launcher before any rank starts: the
-        checkpoint the ranks will pick (a folder's newest valid one; skipped files and an
-        unverifiable old checkpoint are named in a warning line) must verify and agree with
-        this run's algorithm, environment, settings and policy shapes
-        (docs/data-safety.md, "Resume is checked before launch")."""
-        if self.resume is None:
-            return
-        import torch
-
-        picked = newest_valid_checkpoint(self.resume)
-        for note in picked.notes():
-            write_console(f"warning: {note}")
-        with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
-            policy = self.build_policy(self.build_algorithm(self.spaces), self.spaces)
-        problem = resume_mismatch(picked.state, run_settings(self, self.spaces),
-                                  policy_shapes(policy))
-        if problem:
-            raise ConfigError(problem)
-
-    def target(self) -> float | None:
-        """The return that ends the run: ``target_return``, else the env's reward_threshold."""
-        if self.target_return is not None:
-            return self.target_return
-        if self.env._target_:
-            return None
-        import gymnasium as gym
-
-        ensure_registered(self.env.id)
-        try:
-            threshold = gym.spec(self.env.id).reward_threshold
-        except gym.error.Error:  # an envpool task id: gymnasium does not know it
-            return None
-        return float(threshold) if threshold is not None else None
-
-    def tracking(self, resumed_from: Path | None) -> Tracking | None:
-        """The trackers rank 0 opens (``trackers`` and ``tensorboard``), None for none;
-        ``resumed_from``: the checkpoint the run resumed from, whose trackers go on."""
-        names = tuple(dict.fromkeys([*self.trackers, *(["tensorboard"] if self.tensorboard
-                                                       else [])]))
-        if not names:
-            return None
-        return Tracking(names, self.tracker_project, self.tracker_entity,
-                        params={"loop": asdict(self)}, resumes=resumed_from)
-
-    def stop_rule(self) -> StopRule:
-        """What ends a run: the target when there is one (and ``stop_at_target``), else the
-        budget alone."""
-        return StopRule(self.target() if self.stop_at_target else None, self.window,
-                        self.total_env_steps, on_eval=self.stop_on == "eval")
-
-    def summary(self, result: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-        """The closing summary's figures and files, from rank 0's result."""
-        final = result["mean_return_last_window"]
-        return {
-            "solved": result["reached_target"],
-            "target_return": self.target(),
-            "window": self.window,
-            "time_to_target_s": result["time_to_target_s"],
-            "env_steps_to_target": result["env_steps_to_target"],
-            "final_mean_return": final if np.isfinite(final) else None,
-            **({"stopped_by": result["stopped_by"]} if result.get("stopped_by") else {}),
-            "env_steps": result["env_steps"],
-            "updates": result["updates"],
-            "train_wall_s": result["wall_s"],
-            # As the sweep compares jobs (result["metrics"]): this attempt's rate, all trainers'
-            # share of their time spent sending weights.
-            "env_steps_per_s": result["metrics"]["env_steps_per_s"],
-            "transfer_share": result["metrics"]["transfer_share"],
-            **self._eval_summary(result),
-            **({"replay": result["replay"]} if "replay" in result else {}),
-            "files": {
-                name: str(run_dir / name)
-                for name in ("metrics.csv", "episodes.csv", "learning_curve.png", CHECKPOINT_DIR,
-                             *FOLDERS,
-                             "videos/best.mp4", "videos/last.mp4")
-                if (run_dir / name).exists()
-            },
-        }
-
-    def _eval_summary(self, result: dict[str, Any]) -> dict[str, Any]:
-        """The last evaluation and the best checkpoint, for a run with evaluations."""
-        if not self.eval_every:
-            return {}
-        last, best = result.get("eval"), result.get("best_checkpoint")
-        return {
-            "stop_on": self.stop_on,
-            "eval_episodes": self.eval_episodes,
-            "eval": ({k: last[k] for k in ("return_mean", "return_std", "length_mean",
-                                           "version", "update")} if last else None),
-            "best_checkpoint": ({k: best[k] for k in ("path", "return_mean", "version",
-                                                      "update")} if best else None),
-        }
 
 
 def plain(node: Any) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Sharded trainers: the plan's trainer grid applied to the module a trainer trains.
 
 The layout lays DATA x SEQUENCE x TENSOR parallel groups over the trainer ranks (rlcomm.plan). A
-trainer's module is trained in one of these ways, picked by the grid and ``loop.data_parallel``:
+trainer's module is trained in one of these ways, picked by the grid and ``loop.data_parallel``
+as the run's shape holds them (``RunShape.sharded``, ``RunShape.data_parallel``: app.api):
 
 - ``ddp`` without tensor parallelism: ``DistributedDataParallel`` over the trainers, on the
   acting module itself (what an unsharded grid of trainers trains, number for number); a lone
@@ -36,6 +37,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from app.api import RunShape
 from app.runtime.algorithm import Segment
 from app.runtime.trainers.gradients import AveragedAcrossReplicas
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
@@ -73,16 +75,17 @@ def has_tensor_parallel_plan(module: nn.Module) -> bool:
 
 class TrainedModule:
     """What a trainer trains: ``model`` (what an update's losses go through) and the parameters
-    its optimizer steps (``parameters()``), over the acting module ``net``."""
+    its optimizer steps (``parameters()``), over the acting module ``net``, as the run's
+    ``shape`` says (sharded or not, how, elastic trainers or not)."""
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, net: nn.Module,
-                 data_parallel: str, elastic: bool = False) -> None:
-        if data_parallel not in DATA_PARALLEL_KINDS:
+                 shape: RunShape) -> None:
+        if shape.data_parallel not in DATA_PARALLEL_KINDS:
             raise ValueError(f"data_parallel: must be one of {DATA_PARALLEL_KINDS}, got "
-                             f"{data_parallel!r}")
-        self.net = net
+                             f"{shape.data_parallel!r}")
+        self.net, self.shape = net, shape
         self.grid = TrainerGrid.of(plan)
-        self.sharded = is_sharded(plan, data_parallel)
+        self.sharded = shape.sharded
         self.model: nn.Module
         # Sharded replica groups (layout.trainer_replicas): this rank's replica group, over
         # which its checkpoints are written and read (:meth:`checkpoint_group`).
@@ -97,11 +100,11 @@ class TrainedModule:
             # gradient into its buckets and all-reduce them with itself: up to a third of a
             # small learner step on one thread (docs/off-policy.md, "Learner speed").
             alone = len(plan.trainers) == 1
-            self.model = net if elastic or alone else DistributedDataParallel(
+            self.model = net if shape.elastic_trainers or alone else DistributedDataParallel(
                 net, process_group=ctx.get_group(TDP))
             return
         self.trained = copy.deepcopy(net)
-        data_mesh, tensor_mesh = _meshes(ctx, plan, self.grid)
+        data_mesh, tensor_mesh = _meshes(ctx, plan, self.grid, shape.replica_groups)
         if self.grid.sequence > 1:
             self.trained.context_parallel(ctx.get_group(SP))  # type: ignore[operator]
         if tensor_mesh is not None:
@@ -113,7 +116,7 @@ class TrainedModule:
         # are views (an in-place op on one would skip its backward all-gather): the policy's
         # are (``squeeze``).
         self.trained.register_forward_hook(_outputs_not_views)
-        if data_parallel == "fsdp":
+        if shape.data_parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
             for block in _blocks(self.trained):
@@ -123,7 +126,7 @@ class TrainedModule:
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(self.trained, mesh=data_mesh)
-        if elastic:  # replica groups (layout.trainer_replicas): the grid above is one of them
+        if shape.elastic_trainers:  # replica groups (layout.trainer_replicas): the grid above is one
             import torch.distributed as dist
 
             replica = plan.replica_of(ctx.get_global_rank())
@@ -215,11 +218,11 @@ class TrainedModule:
         set_optimizer_state_dict(self.trained, optimizer, by_name, options=options)
 
 
-def _meshes(ctx: CommContext, plan: LayoutPlan,
-            grid: TrainerGrid) -> tuple[DeviceMesh, DeviceMesh | None]:
+def _meshes(ctx: CommContext, plan: LayoutPlan, grid: TrainerGrid,
+            replica_groups: bool) -> tuple[DeviceMesh, DeviceMesh | None]:
     """The mesh gradients are reduced over (the data replicas, times the SEQUENCE_PARALLEL ranks
     of each) and the TENSOR_PARALLEL mesh (None without tensor parallelism)."""
-    whole = plan.trainer_replicas == 1
+    whole = not replica_groups
     if plan.group(DP) is None or (grid.sequence > 1 and grid.tensor == 1 and whole):
         return ctx.device_mesh([TDP]), None  # data x sequence is every trainer
     if grid.sequence == 1:
@@ -350,9 +353,3 @@ def _segment(parts: Mapping[str, Tensor]) -> Segment:
     segment.version, segment.lag = (int(x) for x in parts["meta/version_lag"].tolist())
     return segment
 
-
-def is_sharded(plan: LayoutPlan, data_parallel: str) -> bool:
-    """Whether trainers train a sharded copy of the policy (FSDP, or a tensor- or
-    sequence-parallel grid) rather than the acting module itself under DDP."""
-    grid = TrainerGrid.of(plan)
-    return data_parallel == "fsdp" or grid.tensor > 1 or grid.sequence > 1

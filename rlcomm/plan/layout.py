@@ -73,7 +73,9 @@ class LayoutPlan:
     # contains one is elastic (:attr:`elastic_modes`); trainers and their groups stay static.
     elastic_rollouts: bool = False
     # Trainers other than the lead may be lost while the others go on (app/runtime/trainers/):
-    # TRAIN_DATA_PARALLEL is re-formed per membership epoch of the trainers. Set by validation.
+    # TRAIN_DATA_PARALLEL is re-formed per membership epoch of the trainers. Both flags are the
+    # spec's: a front end that decides them (the app's launcher: where its runtime can follow)
+    # plans with what it decided.
     elastic_trainers: bool = False
     # Ranks that hold an off-policy loop's replay (layout.replay): collectors write to them and
     # trainers sample from them, point to point over the REPLAY group (every rank).
@@ -205,7 +207,8 @@ def plan_layout(spec: LayoutSpec) -> LayoutPlan:
         or any(m in explicit for m in (ParallelMode.INTRA_NODE, ParallelMode.INTER_NODE))
     )
     return LayoutPlan(world, per_node, nodes, trainers, rollouts, groups, declared,
-                      elastic_rollouts=bool(spec.elastic_rollouts), replay=replay,
+                      elastic_rollouts=bool(spec.elastic_rollouts),
+                      elastic_trainers=spec.elastic_trainers is True, replay=replay,
                       trainer_replicas=replicas)
 
 

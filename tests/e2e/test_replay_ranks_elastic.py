@@ -3,7 +3,9 @@ layout=replay_server layout.elastic_rollouts=true``, docs/off-policy.md "On its 
 collector SIGKILLed mid-run loses only what it had not sent, counted; the run goes on with the
 other collector; the transitions the lost one had sent stay in the replay rank; started again,
 it rejoins and writes to the replay again (through its trainer); the run ends at its budget and
-every rank ends."""
+every rank ends. Its trainers are static (replay ranks serve a fixed set of trainers,
+docs/failures.md): a lost trainer ends the run at once, in one line, and asking for elastic
+trainers there is one line before launch."""
 
 from __future__ import annotations
 
@@ -11,16 +13,23 @@ import csv
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from tests.helpers.apprun import AppProcess, metrics, read_result
+from tests.helpers.apprun import AppProcess, describe, metrics, read_result, run_app
 
 pytestmark = pytest.mark.e2e
 
 SEGMENT = 128  # env steps per segment: DQN's num_envs x num_steps (loop.hparams)
 KILL_AFTER_UPDATES = 6
 BUDGET = 48 * 2 * SEGMENT  # about 48 updates of both collectors
+STOP_S = 60.0  # a run whose trainer is lost must be over this soon after the kill
+# Issue 60's repro: two trainers, a replay rank, two elastic rollout ranks.
+TWO_TRAINERS = ("loop=dqn", "layout=replay_server", "layout.world_size=5",
+                "layout.trainers=[0,1]", "layout.replay=[2]", "layout.rollouts=[3,4]",
+                "layout.elastic_rollouts=true", "loop.stop_at_target=false",
+                "loop.total_env_steps=120000")
 
 
 def test_a_killed_collector_keeps_its_sent_transitions_in_the_replay_rank_and_rejoins(
@@ -76,6 +85,40 @@ def test_a_killed_collector_keeps_its_sent_transitions_in_the_replay_rank_and_re
     assert before_kill >= KILL_AFTER_UPDATES, (server, ranks[2], ranks[3])
     assert server["samples"] > 0 and server["batches"] > 0  # the trainer learnt from it
     app.assert_all_ended()
+
+
+def test_a_killed_trainer_beside_a_replay_rank_ends_the_run_in_one_line(
+    start_app: Callable[..., AppProcess],
+) -> None:
+    """Trainer 1 SIGKILLed mid-run: its trainers are static on this layout, so the launcher
+    stops every rank within seconds and says which was lost; the replay rank does not wait for
+    the lost trainer (it did, forever, while elastic trainers were on here)."""
+    app = start_app("trainer_lost", *TWO_TRAINERS, "loop.progress=false",
+                    "loop.checkpoint_every=0", "comm.timeout=60")
+    app.wait_until(f"{KILL_AFTER_UPDATES} updates",
+                   lambda: len(_members(app)) >= KILL_AFTER_UPDATES)
+    rank = app.ranks()[1]
+    assert rank.name() == "rlcomm-rank1", rank.name()
+    rank.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    code = app.wait()
+    stopped_after = time.monotonic() - killed
+    assert stopped_after < STOP_S, f"the run went on {stopped_after:.0f} s after the kill"
+    assert code == 2, app.describe()
+    assert app.last_line == f"error: rank 1 killed by SIGKILL (log: {app.log_path(1)})", \
+        app.describe()
+    assert not (app.run_dir / "result.json").exists()
+    app.assert_all_ended()
+
+
+def test_elastic_trainers_beside_replay_ranks_are_one_line_before_launch(tmp_path: Path) -> None:
+    proc = run_app(*TWO_TRAINERS, "layout.elastic_trainers=true", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: layout.elastic_trainers: true, but replay ranks (layout.replay=[2]) serve a "
+        "fixed set of trainers; use layout.replay=[] (a replay per trainer) for elastic "
+        "trainers")
+    assert not (tmp_path / "logs").exists()  # no rank ever started
 
 
 def _members(app: AppProcess) -> list[int]:

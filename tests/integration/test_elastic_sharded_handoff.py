@@ -26,6 +26,7 @@ from app.runtime.sharding import TrainedModule
 from rlcomm import CommContext, LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.handoff_agent import Acting, state_values
+from tests.helpers.shapes import shape_of
 
 pytestmark = pytest.mark.integration
 
@@ -47,9 +48,10 @@ def _setup(rank: int, world: int, ctx: Any, max_staleness: int = 0
                                   elastic_rollouts=True))
     torch.manual_seed(0)
     agent = Acting()
-    trained = TrainedModule(ctx, plan, agent.net, "fsdp") if rank in plan.trainers else None
+    shape = shape_of(plan, "fsdp")
+    trained = TrainedModule(ctx, plan, agent.net, shape) if rank in plan.trainers else None
     job = JobInfo(plan=plan, run_dir=Path("."), seed=0, rank=rank, env=RankEnv("local"),
-                  rollout_restarts=0)
+                  shape=shape, rollout_restarts=0)
     settings = HandOffSettings(max_staleness=max_staleness, verify_every=1, min_rollouts=1,
                                timeout_s=60, episode_cap=1, sharded=True, rollout_restarts=0)
     return agent, trained, build_hand_off(ctx, job, agent, SEGMENT_FORMAT, trained, settings)

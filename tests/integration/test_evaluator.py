@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from app.loops.ppo import PPOLoop
+from app.runtime.builders import build_policy
 from app.runtime.checkpoints.checkpoint import TrainingState, WholeCheckpoint, load_checkpoint
 from app.runtime.evaluation.episodes import run_episodes
 from app.runtime.evaluation.evaluator import BEST, Evaluation, Evaluations
@@ -46,7 +47,7 @@ def _controller(loop: PPOLoop, gain: float) -> Agent:
     """CartPole's actor made a fixed controller: pushes toward the pole's lean (angle plus
     angular velocity) times ``gain`` (1: balances, -1: topples it, 0: always left)."""
     algorithm = loop.build_algorithm(loop.spaces)
-    agent = Agent(loop.build_policy(algorithm, loop.spaces), loop.spaces, loop.env)
+    agent = Agent(build_policy(loop, algorithm, loop.spaces), loop.spaces, loop.env)
     actor = agent.net.actor
     with torch.no_grad():
         for param in actor.parameters():

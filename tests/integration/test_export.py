@@ -16,6 +16,7 @@ from gymnasium import spaces as gym_spaces
 from app.evaluate.export import GreedyPolicy, export_policy
 from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime.algorithm import Spaces
+from app.runtime.builders import build_policy
 from app.runtime.envs.vector import EnvConfig
 from app.runtime.worker import Agent
 
@@ -129,7 +130,7 @@ def test_the_exported_policy_of_every_algorithm_records_no_autograd(
     spaces = loop.spaces
     torch.manual_seed(0)
     algorithm = loop.build_algorithm(spaces)
-    agent = Agent(loop.build_policy(algorithm, spaces), spaces, loop.env,
+    agent = Agent(build_policy(loop, algorithm, spaces), spaces, loop.env,
                   context=loop.model.history)
     learns = [p.requires_grad for p in agent.parameters()]
     assert any(learns)  # a trainer's policy (SAC's target networks learn not)

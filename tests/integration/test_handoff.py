@@ -1,4 +1,4 @@
-"""The hand-off (app/runtime/handoff/): the plan picks its implementation, and the sharded one
+"""The hand-off (app/runtime/handoff/): the run's shape picks its implementation, and the sharded one
 delivers, on real gloo ranks, the whole model's exact weights to every rollout rank from the
 trainers' shards (FSDP2, tensor parallel under ``replicate``, both), in lockstep and with
 ``max_staleness``, each element sent by one trainer only."""
@@ -15,10 +15,11 @@ import torch
 from app.api import JobInfo, RankEnv
 from app.runtime.handoff import HandOffSettings, build_hand_off, static_hand_off
 from app.runtime.segments import Field, SegmentFormat
-from app.runtime.sharding import TrainedModule, is_sharded
+from app.runtime.sharding import TrainedModule
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.handoff_agent import Acting, sync_versions
+from tests.helpers.shapes import shape_of
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +40,7 @@ def _hand_off(rank: int, world: int, data_parallel: str, tensor: int | None,
     with planned_context(plan, timeout=120) as ctx:
         torch.manual_seed(0)
         agent = Acting()
-        trained = (TrainedModule(ctx, plan, agent.net, data_parallel)
+        trained = (TrainedModule(ctx, plan, agent.net, shape_of(plan, data_parallel))
                    if rank in plan.trainers else None)
         hand_off = static_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),
                                    trained, _settings(max_staleness, sharded=True))
@@ -84,12 +85,13 @@ def _chosen(rank: int, world: int, elastic: bool, data_parallel: str) -> str:
     with planned_context(plan, timeout=120) as ctx:
         torch.manual_seed(0)
         agent = Acting()
-        sharded = is_sharded(plan, data_parallel)
-        trained = TrainedModule(ctx, plan, agent.net, data_parallel) if rank == 0 else None
-        job = JobInfo(plan=plan, run_dir=Path("."), seed=0, rank=rank, env=RankEnv("local"))
+        shape = shape_of(plan, data_parallel)
+        trained = TrainedModule(ctx, plan, agent.net, shape) if rank == 0 else None
+        job = JobInfo(plan=plan, run_dir=Path("."), seed=0, rank=rank, env=RankEnv("local"),
+                      shape=shape)
         segment_format = SegmentFormat({"version": Field((1,), torch.int64)})
         return build_hand_off(ctx, job, agent, segment_format, trained,
-                              _settings(0, sharded)).kind
+                              _settings(0, shape.shards_weights)).kind
 
 
 @pytest.mark.parametrize(("elastic", "data_parallel", "kind"), [

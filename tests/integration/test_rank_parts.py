@@ -4,7 +4,6 @@ server exactly where the plan gives them that job, and nothing else."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from app.runtime.compose import build_rank
 from app.runtime.trainers.healing import live_checksum, settle
 from rlcomm import LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import planned_context, run_ranks
+from tests.helpers.shapes import shape_of
 
 pytestmark = pytest.mark.integration
 
@@ -31,8 +31,9 @@ def _parts(rank: int, world: int, spec: dict[str, Any], off_policy: bool,
                  if off_policy else PPOLoop(hparams=SMALL))
     with planned_context(plan, timeout=120) as ctx:
         job = JobInfo(plan=plan, run_dir=Path(run_dir), seed=1, rank=rank, env=RankEnv("local"),
-                      rollout_restarts=0)
+                      shape=shape_of(plan, loop=loop), rollout_restarts=0)
         parts = build_rank(loop, ctx, job)
+        parts.replay_link.begin(None, 0)  # as a run begins: a replay rank's server serves
         found = {
             "collector": parts.collector is not None,
             "trainer": parts.trainer is not None,
@@ -89,12 +90,13 @@ def test_a_replay_rank_serves_and_decides_only_beside_static_rollout_ranks(
 def _settled(rank: int, world: int, run_dir: str) -> dict[str, Any]:
     """Elastic trainers of 2t2r built; trainer 1's weights made to differ (as a trainer that
     completed a collective the others did not would); every trainer settles."""
-    plan = dataclasses.replace(plan_layout(LayoutSpec(world_size=world, trainers=[0, 1])),
-                               elastic_trainers=True)
+    plan = plan_layout(LayoutSpec(world_size=world, trainers=[0, 1]))
+    loop = PPOLoop(hparams=SMALL)
     with planned_context(plan, timeout=120) as ctx:
         job = JobInfo(plan=plan, run_dir=Path(run_dir), seed=1, rank=rank, env=RankEnv("local"),
+                      shape=shape_of(plan, loop=loop, elastic_trainers=None),
                       rollout_restarts=0)
-        parts = build_rank(PPOLoop(hparams=SMALL), ctx, job)
+        parts = build_rank(loop, ctx, job)
         found: dict[str, Any] = {"trainers": parts.trainers is not None}
         if parts.trainers is not None and parts.checkpointer is not None:
             if rank == 1:

@@ -26,6 +26,7 @@ from app.runtime.worker import Agent, RolloutWorker, as_segment
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses
+from tests.helpers.shapes import shape_of
 
 UPDATES = 20
 DISTINCT = 5  # segments per collector, trained on in turn: enough data, a quarter of the cost
@@ -74,7 +75,7 @@ def _train(rank: int, world: int, data_parallel: str, sequence: int | None, tens
         first = rank - rank % replica
         collectors = [rank] if grid.replica_size > 1 else list(range(first, first + replica))
         own = {seed: _segments(agent, algorithm, seed) for seed in collectors}
-        trained = TrainedModule(ctx, plan, net, data_parallel)
+        trained = TrainedModule(ctx, plan, net, shape_of(plan, data_parallel))
         if drop_gather_gradient:
             for block in trained.trained.layers:  # type: ignore[union-attr]
                 block.attention.gather = _gather_without_remote_gradient

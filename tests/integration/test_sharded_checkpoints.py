@@ -41,6 +41,7 @@ from app.runtime.models.transformer import TransformerActorCritic
 from app.runtime.sharding import TrainedModule
 from rlcomm import CommContext, LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import run_ranks
+from tests.helpers.shapes import shape_of
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +62,7 @@ def _trainer(rank: int, world: int, grid: str) -> tuple[CommContext, TrainedModu
     ctx.init_groups(plan)
     torch.manual_seed(0)
     net = TransformerActorCritic(probe_spaces(ENV), **MODEL)
-    trained = TrainedModule(ctx, plan, net, data_parallel)
+    trained = TrainedModule(ctx, plan, net, shape_of(plan, data_parallel))
     return ctx, trained, torch.optim.Adam(trained.parameters(), lr=1e-2)
 
 

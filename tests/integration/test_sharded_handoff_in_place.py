@@ -25,6 +25,7 @@ from app.runtime.sharding import TrainedModule
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.handoff_agent import Acting, sync_versions
+from tests.helpers.shapes import shape_of
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +66,7 @@ def _static(rank: int, world: int, trainers: int, data_parallel: str, tensor: in
     with planned_context(plan, timeout=120) as ctx:
         torch.manual_seed(0)
         agent = Acting()
-        trained = (TrainedModule(ctx, plan, agent.net, data_parallel)
+        trained = (TrainedModule(ctx, plan, agent.net, shape_of(plan, data_parallel))
                    if rank in plan.trainers else None)
         settings = HandOffSettings(max_staleness=max_staleness, verify_every=1, min_rollouts=1,
                                    timeout_s=120, episode_cap=1, sharded=True)

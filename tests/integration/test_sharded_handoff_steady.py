@@ -22,6 +22,7 @@ from app.runtime.sharding import TrainedModule
 from rlcomm import CommContext, LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.handoff_agent import Acting, sync_versions
+from tests.helpers.shapes import shape_of
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +46,7 @@ def _ranks(rank: int, world: int, max_staleness: int) -> dict[str, Any]:
         torch.manual_seed(0)
         agent = Acting()
         trainer = rank in plan.trainers
-        trained = TrainedModule(ctx, plan, agent.net, "fsdp") if trainer else None
+        trained = TrainedModule(ctx, plan, agent.net, shape_of(plan, "fsdp")) if trainer else None
         settings = HandOffSettings(max_staleness=max_staleness, verify_every=EVERY,
                                    min_rollouts=1, timeout_s=120, episode_cap=1, sharded=True)
         hand_off = static_hand_off(ctx, plan, agent, SegmentFormat({"v": Field((1,), torch.int64)}),

@@ -19,6 +19,7 @@ from app.runtime.worker import Agent, RolloutWorker, as_segment
 from rlcomm import LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import free_port, planned_context, run_ranks
 from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses
+from tests.helpers.shapes import shape_of
 
 UPDATES = 20
 # Every configuration trains each replica on the segments of its pair of ranks (2k, 2k + 1):
@@ -76,7 +77,7 @@ def _updates(ctx: Any, plan: Any, rank: int, net: TransformerActorCritic, algori
              own: dict[int, list[Segment]], data_parallel: str,
              drop_shard_grad: bool) -> dict[str, Any]:
     pair = rank // 2
-    trained = TrainedModule(ctx, plan, net, data_parallel)
+    trained = TrainedModule(ctx, plan, net, shape_of(plan, data_parallel))
     optimizer = algorithm.optimizer(trained.trained)
     if drop_shard_grad and rank == 1:
         sharded = dict(trained.trained.named_parameters())["layers.1.feed_forward.w2.weight"]

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 PLAN = plan_layout(LayoutSpec(world_size=2, trainers=[0], rollouts=[1]))
-HOOKS = ("metrics", "elastic_rollouts", "replay_ranks_supported", "validate",
-         "validate_settings", "check_seed", "summary")
+HOOKS = ("metrics", "elastic_rollouts", "replay_ranks_supported", "sharded_trainers",
+         "data_parallel", "threads", "validate", "validate_settings", "check_seed", "summary")
 
 
 class Bare:
@@ -110,4 +110,23 @@ def test_no_module_of_the_app_probes_a_loop_for_a_hook() -> None:
                     and isinstance(node.args[1], ast.Constant)
                     and hook.fullmatch(str(node.args[1].value))):
                 probes.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert probes == []
+
+
+def test_no_module_of_the_app_reads_a_loop_setting_by_getattr() -> None:
+    """The settings the app reads of any loop (``threads``, ``data_parallel``) go through
+    ``LoopHooks`` too, with their defaults declared on ``Loop``: no ``getattr(loop, ...)``
+    elsewhere (``loop``, ``cfg.loop``, ``job.loop``, ``self.loop``)."""
+    assert LoopHooks(Bare()).threads == 0 and LoopHooks(Bare()).data_parallel == "ddp"
+    probes = []
+    for path in sorted((REPO / "app").rglob("*.py")):
+        if path == REPO / "app" / "api.py":  # LoopHooks, the one reader
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and node.args):
+                target = node.args[0]
+                name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+                if name == "loop":
+                    probes.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert probes == []

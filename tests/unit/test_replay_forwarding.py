@@ -11,12 +11,14 @@ from collections import Counter
 import pytest
 import torch
 
+from app.loops.dqn import DQNLoop
 from app.runtime.algorithm import Segment
 from app.runtime.replay.messages import insert_format, packed_again
-from app.runtime.replay.routing import collectors, forwarded_to, forwards, writers_of
+from app.runtime.replay.routing import collectors, forwarded_to, writers_of
 from app.runtime.segments import EPISODE_FIELDS, Field, SegmentFormat, with_episodes
 from app.runtime.worker import as_segment
-from rlcomm import LayoutSpec, plan_layout
+from rlcomm import LayoutPlan, LayoutSpec, plan_layout
+from tests.helpers.shapes import shape_of
 
 pytestmark = pytest.mark.unit
 
@@ -26,13 +28,19 @@ def test_with_elastic_rollout_ranks_the_trainers_write_to_the_replay_ranks() -> 
                                     elastic_rollouts=False))
     elastic = plan_layout(LayoutSpec(world_size=5, trainers=[0], replay=[1], rollouts=[2, 3, 4],
                                      elastic_rollouts=True))
-    assert not forwards(static) and writers_of(static, 1) == [2, 3, 4]
-    assert forwards(elastic) and writers_of(elastic, 1) == [0]
+    assert not _forwards(static) and writers_of(static, 1, _forwards(static)) == [2, 3, 4]
+    assert _forwards(elastic) and writers_of(elastic, 1, _forwards(elastic)) == [0]
     assert collectors(elastic) == (2, 3, 4)  # they still collect (per-collector exploration)
     # Colocated trainers collect and write themselves: nobody comes and goes.
     colocated = plan_layout(LayoutSpec(world_size=3, trainers=[0, 1], replay=[2], rollouts=[],
                                        elastic_rollouts=True))
-    assert not forwards(colocated) and writers_of(colocated, 2) == [0, 1]
+    assert not _forwards(colocated) and writers_of(colocated, 2, _forwards(colocated)) == [0, 1]
+
+
+def _forwards(plan: LayoutPlan) -> bool:
+    """Whether the trainers write the collectors' segments on: the run's shape, as the
+    launcher derives it for DQN on ``plan`` (RunShape.forwards)."""
+    return shape_of(plan, loop=DQNLoop()).forwards
 
 
 @pytest.mark.parametrize(("trainers", "replays"), [(1, 1), (1, 2), (2, 2), (2, 3), (3, 2)])

@@ -71,11 +71,11 @@ def test_collector_i_writes_to_replay_rank_i_mod_r() -> None:
                                   elastic_rollouts=False))
     assert collectors(plan) == (3, 4, 5, 6)
     assert [replay_rank_of(plan, c) for c in (3, 4, 5, 6)] == [1, 2, 1, 2]
-    assert writers_of(plan, 1) == [3, 5] and writers_of(plan, 2) == [4, 6]
+    assert writers_of(plan, 1, False) == [3, 5] and writers_of(plan, 2, False) == [4, 6]
     # Colocated trainers collect themselves: they write to the replay ranks.
     colocated = plan_layout(LayoutSpec(world_size=3, trainers=[0, 1], replay=[2], rollouts=[]))
     assert colocated.colocated and collectors(colocated) == (0, 1)
-    assert writers_of(colocated, 2) == [0, 1]
+    assert writers_of(colocated, 2, False) == [0, 1]
 
 
 @pytest.mark.parametrize(("batch", "replays", "shares"),

@@ -12,6 +12,7 @@ from app.loops.ppo import PPOLoop
 from app.output.trackers import TRACKERS, check_trackers
 from app.output.trackers.base import finite, flat, summary_figures
 from app.output.trackers.fanout import read_side_file
+from app.runtime.builders import tracking as trackers_of
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +28,7 @@ def test_loop_tensorboard_is_the_same_tracker_as_naming_it(
     settings: dict[str, object], names: tuple[str, ...] | None,
 ) -> None:
     loop = PPOLoop(**settings)
-    tracking = loop.tracking(resumed_from=None)
+    tracking = trackers_of(loop, resumed_from=None)
     assert (tracking.names if tracking is not None else None) == names
     if tracking is not None:  # without a Hydra config in the run dir: the loop's own settings
         assert tracking.params is not None and tracking.params["loop"]["window"] == loop.window

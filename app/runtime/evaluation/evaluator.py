@@ -130,6 +130,7 @@ class BackgroundEvaluator:
 def _serve(loop: RunSettings, conn: Connection) -> None:
     """The evaluation process: builds the policy once, then evaluates each weights it is sent
     until the pipe closes."""
+    from app.runtime.builders import build_policy
     from app.runtime.evaluation.episodes import run_episodes
     from app.runtime.worker import Agent
 
@@ -137,7 +138,7 @@ def _serve(loop: RunSettings, conn: Connection) -> None:
     torch.set_num_threads(1)
     headless()
     algorithm = loop.build_algorithm(loop.spaces)
-    agent = Agent(loop.build_policy(algorithm, loop.spaces), loop.spaces, loop.env,
+    agent = Agent(build_policy(loop, algorithm, loop.spaces), loop.spaces, loop.env,
                   context=loop.model.history)
     while True:
         try:

@@ -2,7 +2,8 @@
 
 A trainer publishes weights through it and receives the segments it trains on; a rollout
 rank sends its segments and receives the weights it acts with. The run (app/runtime/run.py)
-sees only :class:`HandOff`; :func:`build_hand_off` picks its parts from the plan:
+sees only :class:`HandOff`; :func:`build_hand_off` picks its parts from the run's shape
+(``JobInfo.shape``: its ``hand_off`` kind) and this rank's place in the plan:
 
 - the **weight channel** (weights.py, weights_sharded.py): how a version of the weights goes
   from the trainers to whoever acts: whole, from each trainer (flat), or each shard owner's
@@ -30,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from app.api import JobInfo
+from app.api import HandOffKind, JobInfo, RunShape
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, ReplayHooks, Round
 from app.runtime.handoff.handoff import HandOff
 from app.runtime.handoff.route import (
@@ -62,11 +63,9 @@ def build_hand_off(ctx: CommContext, job: JobInfo, agent: nn.Module, segment_for
     ranks), whose shards a sharded channel sends; ``replay``: where this rank meets replay
     ranks, if it does. Before any wrapping of ``agent``: a flat channel binds the agent's
     tensors to its send buffer, a receiver to its own."""
-    plan = job.plan
-    elastic = Elasticity(not plan.colocated and plan.elastic_rollouts, dict(job.hosts),
-                         job.joining)
-    return _compose(ctx, plan, agent, segment_format, trained, settings, elastic,
-                    replay or ReplayHooks())
+    elastic = Elasticity(job.shape.elastic_rollouts, dict(job.hosts), job.joining)
+    return _compose(ctx, job.plan, agent, segment_format, trained, settings, elastic,
+                    replay or ReplayHooks(), job.shape.hand_off)
 
 
 def static_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
@@ -74,8 +73,9 @@ def static_hand_off(ctx: CommContext, plan: LayoutPlan, agent: nn.Module,
                     settings: HandOffSettings) -> HandOff:
     """A static layout's hand-off over ``plan``'s groups, whatever its ``elastic_rollouts``
     says (tests and benchmarks of the flat and sharded channels)."""
+    static = RunShape(sharded=settings.sharded, colocated=plan.colocated)
     return _compose(ctx, plan, agent, segment_format, trained, settings, Elasticity(False),
-                    ReplayHooks())
+                    ReplayHooks(), static.hand_off)
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,8 @@ class Elasticity:
 
 def _compose(ctx: CommContext, plan: LayoutPlan, agent: nn.Module, segment_format: SegmentFormat,
              trained: Any, settings: HandOffSettings, elasticity: Elasticity,
-             replay: ReplayHooks) -> HandOff:
-    """The parts for this rank."""
+             replay: ReplayHooks, kind: HandOffKind) -> HandOff:
+    """The parts for this rank; ``kind``: the run's hand-off (``RunShape.hand_off``)."""
     elastic, hosts, joining = elasticity.on, elasticity.hosts, elasticity.joining
     rank = ctx.get_global_rank()
     patience = epoch_timeout(ctx, settings.timeout_s) if elastic else None
@@ -105,9 +105,6 @@ def _compose(ctx: CommContext, plan: LayoutPlan, agent: nn.Module, segment_forma
     route = _route(ctx, plan, membership, segment_format, settings, stats, weights)
     if replay.write is not None:  # a collector that writes its transitions to a replay rank
         route = ToReplay(replay.write, route)
-    kind = "sharded" if settings.sharded and not plan.colocated else "flat"
-    if elastic:
-        kind = "elastic-sharded" if settings.sharded else "elastic"
     return HandOff(kind, weights, membership, route, stats)
 
 

@@ -39,7 +39,7 @@ from app.runtime.replay.messages import (
     send,
     tell,
 )
-from app.runtime.replay.routing import batch_shares, forwarded_to, forwards
+from app.runtime.replay.routing import batch_shares, forwarded_to
 from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 
@@ -208,12 +208,14 @@ class RemoteReplay:
     """
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, settings: ReplaySettings,
-                 records: Mapping[str, Record], segment_format: SegmentFormat) -> None:
+                 records: Mapping[str, Record], segment_format: SegmentFormat,
+                 forwards: bool = False) -> None:
         self.settings = settings
         self.group = ctx.get_group(ParallelMode.REPLAY)
         self.plan, self.rank = plan, ctx.get_global_rank()
-        # With elastic rollout ranks this trainer writes the segments it was handed on.
-        self.writes = insert_format(segment_format) if forwards(plan) else None
+        # With elastic rollout ranks (``forwards``: RunShape.forwards) this trainer writes the
+        # segments it was handed on.
+        self.writes = insert_format(segment_format) if forwards else None
         self.written = 0  # segments written on so far
         self.servers = list(plan.replay)
         self.shares = batch_shares(settings.batch_size, len(self.servers))

@@ -1,7 +1,8 @@
 """Who talks to which replay rank (``layout.replay``): the collectors' and the trainers' routes
 to the replay ranks, and each replay rank's share of a learner batch. Pure functions of the
-plan, used by the replay server (app/runtime/replay/service.py) and the trainers' client
-(app/runtime/replay/client.py) alike."""
+plan (and of whether the trainers write the collectors' segments on: the run's shape,
+``RunShape.forwards``), used by the replay server (app/runtime/replay/service.py) and the
+trainers' client (app/runtime/replay/client.py) alike."""
 
 from __future__ import annotations
 
@@ -13,12 +14,6 @@ def collectors(plan: LayoutPlan) -> tuple[int, ...]:
     return plan.rollouts if plan.rollouts else plan.trainers
 
 
-def forwards(plan: LayoutPlan) -> bool:
-    """Whether the trainers write the collectors' segments to the replay ranks (elastic rollout
-    ranks: app/runtime/replay/service.py's doc) rather than the collectors themselves."""
-    return bool(plan.replay) and plan.elastic_rollouts and not plan.colocated
-
-
 def replay_rank_of(plan: LayoutPlan, collector: int) -> int:
     """The replay rank ``collector`` writes to: collector i of :func:`collectors` writes to
     ``plan.replay[i mod R]``."""
@@ -26,17 +21,18 @@ def replay_rank_of(plan: LayoutPlan, collector: int) -> int:
 
 
 def forwarded_to(plan: LayoutPlan, trainer: int, count: int) -> int:
-    """The replay rank the ``count``-th segment a trainer writes on goes to (:func:`forwards`):
+    """The replay rank the ``count``-th segment a trainer writes on goes to (``forwards``):
     trainer t of T writes its k-th to ``plan.replay[(t + k T) mod R]``, so that every replay
     rank gets its share even with fewer trainers than replay ranks."""
     trainers = plan.trainers
     return plan.replay[(trainers.index(trainer) + count * len(trainers)) % len(plan.replay)]
 
 
-def writers_of(plan: LayoutPlan, replay_rank: int) -> list[int]:
+def writers_of(plan: LayoutPlan, replay_rank: int, forwards: bool) -> list[int]:
     """The ranks that write to ``replay_rank``: the collectors routed to it, or, when the
-    trainers write on the collectors' segments (:func:`forwards`), the trainers."""
-    if forwards(plan):
+    trainers write on the collectors' segments (``forwards``: ``RunShape.forwards``), the
+    trainers."""
+    if forwards:
         return list(plan.trainers)
     return [c for c in collectors(plan) if replay_rank_of(plan, c) == replay_rank]
 

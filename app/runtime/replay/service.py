@@ -26,7 +26,7 @@ replay ranks:
 With elastic rollout ranks (``layout.elastic_rollouts``) the collectors do not write to the
 replay ranks: they hand their whole segments to their trainer over the elastic route
 (app/runtime/handoff/route_p2p.py), which re-forms around a lost rank and admits a restarted one,
-and each trainer writes the segments it received on to the replay ranks (routing's
+and each trainer writes the segments it received on to the replay ranks (the run's shape's
 ``forwards``, ``RemoteReplay.insert``). The REPLAY group then carries trainers' and replay ranks' traffic
 only, none of which comes and goes: a lost collector loses only what its trainer had not yet
 received (counted there as ``segments_discarded``), and no replay rank waits for it. The REPLAY
@@ -75,13 +75,7 @@ from app.runtime.replay.messages import (
     send,
     tell,
 )
-from app.runtime.replay.routing import (
-    batch_shares,
-    collectors,
-    forwards,
-    replay_rank_of,
-    writers_of,
-)
+from app.runtime.replay.routing import batch_shares, collectors, replay_rank_of, writers_of
 from app.runtime.seeds import replay_seed
 from app.runtime.segments import SegmentFormat
 from app.runtime.worker import MOMENTS, as_segment
@@ -94,11 +88,12 @@ class ReplayServer:
     """One replay rank's shard, served in a thread (see the module's doc) once :attr:`ready`
     is set (a resumed run's shard restored first: :meth:`restore`). ``checkpoints``: where its
     shard is written beside each checkpoint (``loop.replay.checkpoint``: the lead trainer says
-    SAVE)."""
+    SAVE); ``forwards``: the trainers write the collectors' segments on
+    (``RunShape.forwards``)."""
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, settings: ReplaySettings,
                  records: Mapping[str, Record], gamma: float, segment_format: SegmentFormat,
-                 seed: int, checkpoints: Path) -> None:
+                 seed: int, checkpoints: Path, forwards: bool) -> None:
         self.group = ctx.get_group(ParallelMode.REPLAY)
         rank = ctx.get_global_rank()
         self.holder = (plan.replay.index(rank), len(plan.replay))
@@ -112,7 +107,7 @@ class ReplayServer:
                                    len(plan.trainers) * self.share)
         self.segment_format = insert_format(segment_format)
         self.batch_format = batch_format(segment_format, list(records), self.share)
-        self.waiting = set(plan.trainers).union(writers_of(plan, rank))
+        self.waiting = set(plan.trainers).union(writers_of(plan, rank, forwards))
         self.generator = torch.Generator().manual_seed(seed)
         self.segments = self.batches = 0
         self.error: BaseException | None = None
@@ -217,10 +212,12 @@ class ReplayServer:
 class ReplayLink:
     """What a rank of a layout with replay ranks does with them: a collector writes its
     segments, a trainer's algorithm learns through a ``RemoteReplay`` client this link hands
-    it (``Algorithm.learn_from``), a replay rank serves; without replay ranks, nothing."""
+    it (``Algorithm.learn_from``), a replay rank serves; without replay ranks, nothing.
+    ``forwards``: the trainers write the collectors' segments on (``RunShape.forwards``)."""
 
     def __init__(self, ctx: CommContext, plan: LayoutPlan, algorithm: Algorithm[Any],
-                 segment_format: SegmentFormat, seed: int, checkpoints: Path) -> None:
+                 segment_format: SegmentFormat, seed: int, checkpoints: Path, *,
+                 forwards: bool) -> None:
         rank = ctx.get_global_rank()
         self.timeout_s = ctx.timeout.total_seconds()
         self.segment_format = segment_format
@@ -229,13 +226,13 @@ class ReplayLink:
         # version, the normalisers' moments).
         self.hand_off_format = (SegmentFormat({k: v for k, v in segment_format.fields.items()
                                                if k in ("version", *MOMENTS)})
-                                if plan.replay and not forwards(plan) else segment_format)
+                                if plan.replay and not forwards else segment_format)
         self.target: int | None = None
         self.remote: RemoteReplay | None = None
         self.server: ReplayServer | None = None
         self.saves_shards = False
         # A collector writes to its replay rank, unless its trainer writes its segments on.
-        if plan.replay and rank in collectors(plan) and not forwards(plan):
+        if plan.replay and rank in collectors(plan) and not forwards:
             self.target = replay_rank_of(plan, rank)
         uses = self.target is not None or rank in plan.trainers or rank in plan.replay
         if not (plan.replay and uses):
@@ -244,16 +241,17 @@ class ReplayLink:
             return
         self.group = ctx.get_group(ParallelMode.REPLAY)
         settings = algorithm.replay_settings()
-        if settings is None:  # refused before launch (app/launch/planning.py)
+        if settings is None:  # refused before launch (app/launch/shape.py)
             raise TypeError(f"layout.replay: {type(algorithm).__name__} does not learn from a "
                             "replay")
         if rank in plan.trainers:
-            self.remote = RemoteReplay(ctx, plan, settings, algorithm.records, segment_format)
+            self.remote = RemoteReplay(ctx, plan, settings, algorithm.records, segment_format,
+                                       forwards)
             algorithm.learn_from(self.remote)
         if rank in plan.replay:
             self.server = ReplayServer(ctx, plan, settings, algorithm.records,
                                        algorithm.settings.gamma, segment_format,
-                                       replay_seed(seed, rank), checkpoints)
+                                       replay_seed(seed, rank), checkpoints, forwards)
             self.server.start()  # it serves once begun (a resumed shard restored first)
         self.saves_shards = settings.checkpoint
 

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from app.runtime import stopping
+from app.runtime.builders import target
 from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.evaluation.evaluator import Evaluations, evaluation_row
 from app.runtime.records.recorder import Recorder
@@ -40,7 +41,7 @@ class Decider:
         self.loop, self.state, self.over = loop, state, over
         self.recorder, self.checkpointer, self.evaluations = recorder, checkpointer, evaluations
         self.start, self.first_steps = started
-        self.target = loop.target()  # with loop.stop_at_target=false: noted, not the end
+        self.target = target(loop)  # with loop.stop_at_target=false: noted, not the end
         self.stopped_by: str | None = None  # a stop asked from outside (SIGTERM), once agreed
 
     def more_steps(self) -> bool:

@@ -32,7 +32,7 @@ class Trainer:
         # Elastic trainers (app/runtime/trainers/): averaged over the live ones (sharded ones in
         # replica groups: by their FSDP units, app/runtime/sharding.py).
         self.averaged = AveragedGradients(ctx, self.optimizer) \
-            if plan.elastic_trainers and not trained.sharded else None
+            if trained.shape.elastic_trainers and not trained.sharded else None
         self.peers = TrainerPeers(ctx) if len(plan.trainers) > 1 else Peers()
         self.count = len(plan.trainers)
         self.grid = TrainerGrid.of(plan)
