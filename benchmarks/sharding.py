@@ -1,4 +1,4 @@
-"""12. Sharded trainers (app/runtime/sharding.py): memory and step time per trainer grid.
+"""12. Sharded trainers (app/runtime/trainer/trained.py): memory and step time per trainer grid.
 
 Four trainer ranks train the transformer policy (``WIDTH`` x ``LAYERS``, Adam) on the same
 batches under each way the runtime wraps it: DDP over 4, FSDP2 over 4, tensor parallel 2 x DDP 2
@@ -56,9 +56,9 @@ def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
     import torch
     from torch.distributed.tensor import DTensor
 
-    from app.runtime.algorithm import Spaces
+    from app.runtime.core.algorithm import Spaces
     from app.runtime.models.transformer import TransformerActorCritic
-    from app.runtime.sharding import TrainedModule
+    from app.runtime.trainer.trained import TrainedModule
     from rlcomm import LayoutSpec, plan_layout
     from rlcomm.testing import planned_context
 
@@ -103,10 +103,10 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
     import torch
     from torch import nn
 
+    from app.runtime.core.segments import Field, SegmentFormat
     from app.runtime.handoff import HandOffSettings, static_hand_off
     from app.runtime.handoff.weights_sharded import ShardSender
-    from app.runtime.segments import Field, SegmentFormat
-    from app.runtime.sharding import TrainedModule
+    from app.runtime.trainer.trained import TrainedModule
     from rlcomm import LayoutSpec, plan_layout, register_initializer
     from rlcomm.group_initializer import WeightTransferGroupInitializer
     from rlcomm.testing import planned_context
