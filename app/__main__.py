@@ -82,11 +82,7 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     plan, job = validate_job(cfg, probe=not env.joins or env.rank == 0)
     layout = job_choice("layout") if env.rank == 0 else None  # which, and whose choice
     if cfg.plan_only:
-        picture = _draw_layout(plan, run_dir, nice=0)  # what the user asked for: not niced
-        print(format_plan(plan))  # while the picture is drawn
-        if layout is not None:
-            print(layout.line())
-        print(f"layout picture: {picture.wait() if picture else write_layout_files(plan, run_dir)}")
+        _show_plan(plan, run_dir, layout)
         return None
     if layout is not None:
         log.info(layout.line())
@@ -103,8 +99,25 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     launcher = launcher_for(env)
     timeline.mark("validated")
     timeline.export()  # for the ranks (app/output/timeline.py)
-    # One picture per run, from one process, after the checks (every rank of a bad job fails
-    # alike, and at once), drawn beside the ranks' start, not before it.
+    result = _launch(launcher, job, plan, run_dir, env)
+    if result is not None:  # rank 0's summary (a joined job: on rank 0 only)
+        print(format_summary(result["summary"]), flush=True)
+    return result
+
+
+def _show_plan(plan: LayoutPlan, run_dir: Path, layout: Any) -> None:
+    """``plan_only``: every rank's groups and the layout picture, starting nothing."""
+    picture = _draw_layout(plan, run_dir, nice=0)  # what the user asked for: not niced
+    print(format_plan(plan))  # while the picture is drawn
+    if layout is not None:
+        print(layout.line())
+    print(f"layout picture: {picture.wait() if picture else write_layout_files(plan, run_dir)}")
+
+
+def _launch(launcher: Any, job: Any, plan: LayoutPlan, run_dir: Path,
+            env: RankEnv) -> dict[str, Any] | None:
+    """The ranks launched (or joined), with one layout picture per run, from one process,
+    drawn beside the ranks' start; rank 0's summary, if this process has it."""
     picture = _draw_layout(plan, run_dir, serve=launcher.starts_ranks) if env.rank == 0 else None
     if picture is None and env.rank == 0:
         write_layout_files(plan, run_dir)
@@ -112,7 +125,7 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
         # Ranks a launcher starts find its picture service through their environment.
         served = picture.environ() if isinstance(picture, PictureService) else {}
         with _environment(served):
-            result = launcher.launch(job, plan, run_dir)
+            result: dict[str, Any] | None = launcher.launch(job, plan, run_dir)
         if picture is not None:  # written before the run reports success
             picture.wait()
             picture = None
@@ -126,8 +139,6 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
             with contextlib.suppress(Exception):
                 picture.wait(PICTURE_AFTER_FAILURE_S)
             picture.cancel()
-    if result is not None:  # rank 0's summary (a joined job: on rank 0 only)
-        print(format_summary(result["summary"]), flush=True)
     return result
 
 

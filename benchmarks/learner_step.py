@@ -46,8 +46,8 @@ from torch.nn.parallel import DistributedDataParallel
 import app.loops.sac.core as sac_core
 from app.loops.dqn import DQN, DQNSettings
 from app.loops.ppo.core import PPO, PPOBatch, PPOSettings, minibatch_step
-from app.runtime.algorithm import Spaces, UpdateInfo
-from app.runtime.compiling import COMPILE_MODES
+from app.runtime.core.algorithm import Spaces, UpdateInfo
+from app.runtime.core.compiling import COMPILE_MODES
 from app.runtime.replay.buffer import Batch
 
 from . import sac_step

@@ -32,7 +32,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from app.loops.sac import SAC, SACSettings
-from app.runtime.algorithm import Spaces, UpdateInfo
+from app.runtime.core.algorithm import Spaces, UpdateInfo
 from app.runtime.replay.buffer import Batch
 
 OBS, ACT, BATCH = 11, 3, 256  # Hopper-v5's observation and action sizes; CleanRL's batch

@@ -1,4 +1,4 @@
-"""12. Sharded trainers (app/runtime/sharding.py): memory and step time per trainer grid.
+"""12. Sharded trainers (app/runtime/trainer/trained.py): memory and step time per trainer grid.
 
 Four trainer ranks train the transformer policy (``WIDTH`` x ``LAYERS``, Adam) on the same
 batches under each way the runtime wraps it: DDP over 4, FSDP2 over 4, tensor parallel 2 x DDP 2
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .core import BYTES, SECONDS, Goal, Row, Settings, Stat
@@ -56,9 +57,9 @@ def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
     import torch
     from torch.distributed.tensor import DTensor
 
-    from app.runtime.algorithm import Spaces
+    from app.runtime.core.algorithm import Spaces
     from app.runtime.models.transformer import TransformerActorCritic
-    from app.runtime.sharding import TrainedModule
+    from app.runtime.trainer.trained import TrainedModule
     from rlcomm import LayoutSpec, plan_layout
     from rlcomm.testing import planned_context
 
@@ -99,18 +100,43 @@ def _measure(rank: int, world: int, data_parallel: str, tensor: int | None,
                 "acting_bytes": sum(p.nbytes for p in net.parameters()) if trained.sharded else 0}
 
 
+def _flat_hand_off(
+    ctx: Any, rank: int, ranks: list[int], agent: Any
+) -> tuple[Callable[[], None], Any]:
+    """The flat path: rank 0 broadcasts the whole agent to ``ranks``; its step and sender."""
+    from rlcomm import register_initializer
+    from rlcomm.group_initializer import WeightTransferGroupInitializer
+    from rlcomm.weights import WeightReceiver, WeightSender
+
+    register_initializer("FLAT_HAND_OFF", WeightTransferGroupInitializer)
+    ctx.init_group(ranks, mode="FLAT_HAND_OFF", backend="gloo")
+    sender = receiver = None
+    if rank == 0:
+        sender = WeightSender(ctx, "FLAT_HAND_OFF")
+        sender.bind(agent)
+    elif rank in ranks:
+        receiver = WeightReceiver(ctx, "FLAT_HAND_OFF", expected=agent.state_dict())
+        receiver.bind(agent)
+
+    def once() -> None:
+        if sender is not None:
+            sender.send(agent, wait=True)
+        elif receiver is not None:
+            receiver.receive_into(agent)
+
+    return once, sender
+
+
 def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict[str, Any]:
     import torch
     from torch import nn
 
+    from app.runtime.core.segments import Field, SegmentFormat
     from app.runtime.handoff import HandOffSettings, static_hand_off
     from app.runtime.handoff.weights_sharded import ShardSender
-    from app.runtime.segments import Field, SegmentFormat
-    from app.runtime.sharding import TrainedModule
-    from rlcomm import LayoutSpec, plan_layout, register_initializer
-    from rlcomm.group_initializer import WeightTransferGroupInitializer
+    from app.runtime.trainer.trained import TrainedModule
+    from rlcomm import LayoutSpec, plan_layout
     from rlcomm.testing import planned_context
-    from rlcomm.weights import WeightReceiver, WeightSender
 
     trainers = list(range(HAND_OFF_TRAINERS))
     plan = plan_layout(LayoutSpec(world_size=world, trainers=trainers))
@@ -131,25 +157,11 @@ def _hand_off(rank: int, world: int, layers: int, width: int, reps: int) -> dict
                                    timeout_s=600, episode_cap=1, sharded=True)
         segment_format = SegmentFormat({"version": Field((1,), torch.int64)})
         sharded = static_hand_off(ctx, plan, agent, segment_format, trained, settings)
-        register_initializer("FLAT_HAND_OFF", WeightTransferGroupInitializer)
-        ctx.init_group([0, *plan.rollouts], mode="FLAT_HAND_OFF", backend="gloo")
-        flat_sender = flat_receiver = None
-        if rank == 0:
-            flat_sender = WeightSender(ctx, "FLAT_HAND_OFF")
-            flat_sender.bind(flat_agent)
-        elif rank in plan.rollouts:
-            flat_receiver = WeightReceiver(ctx, "FLAT_HAND_OFF", expected=flat_agent.state_dict())
-            flat_receiver.bind(flat_agent)
+        flat_once, flat_sender = _flat_hand_off(ctx, rank, [0, *plan.rollouts], flat_agent)
 
         def sharded_once() -> None:
             sharded.sync_weights(first=False)
             sharded.before_optimizer_step()
-
-        def flat_once() -> None:
-            if flat_sender is not None:
-                flat_sender.send(flat_agent, wait=True)
-            elif flat_receiver is not None:
-                flat_receiver.receive_into(flat_agent)
 
         times: dict[str, list[float]] = {"sharded": [], "flat": []}
         sharded.sync_weights(first=True)  # the layouts and the indices travel once

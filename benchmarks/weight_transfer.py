@@ -163,6 +163,28 @@ class ReusedFlat:
             torch._foreach_copy_(views, sources)
 
 
+def _rlcomm_steps(
+    ctx: CommContext, state_dict: dict[str, Tensor], device: torch.device, is_src: bool
+) -> tuple[Callable[[], object], Callable[[], object], Callable[[], object]]:
+    """This rank's side of rlcomm's plain, PPO and posted-PPO transfers."""
+    if not is_src:
+        return (
+            WeightReceiver(ctx, WT, device=device).receive,
+            _ppo_receive(ctx, state_dict, device, posted=False),
+            _ppo_receive(ctx, state_dict, device, posted=True),
+        )
+    plain = partial(WeightSender(ctx, WT, device=device).send, state_dict)
+    # PPO's sender, one per PPO path: a bound module of its own (fresh tensors, so the
+    # state dict of the plain row stays unbound).
+    senders = []
+    for _ in range(2):
+        module = as_module({name: t.clone() for name, t in state_dict.items()})
+        sender = WeightSender(ctx, WT, device=device, verify_every=VERIFY_EVERY)
+        sender.bind(module)
+        senders.append(partial(sender.send, module))
+    return plain, senders[0], senders[1]
+
+
 def transfer_steps(
     ctx: CommContext, state_dict: dict[str, Tensor], device: torch.device
 ) -> dict[str, Callable[[], object]]:
@@ -200,24 +222,7 @@ def transfer_steps(
             reused.pack()
         dist.broadcast(reused.wire, src=src, group=group)
 
-    rlcomm: Callable[[], object]
-    rlcomm_ppo: Callable[[], object]
-    rlcomm_ppo_async: Callable[[], object]
-    if is_src:
-        rlcomm = partial(WeightSender(ctx, WT, device=device).send, state_dict)
-        # PPO's sender, one per PPO path: a bound module of its own (fresh tensors, so the
-        # state dict of the plain row stays unbound).
-        senders = []
-        for _ in range(2):
-            module = as_module({name: t.clone() for name, t in state_dict.items()})
-            sender = WeightSender(ctx, WT, device=device, verify_every=VERIFY_EVERY)
-            sender.bind(module)
-            senders.append(partial(sender.send, module))
-        rlcomm_ppo, rlcomm_ppo_async = senders
-    else:
-        rlcomm = WeightReceiver(ctx, WT, device=device).receive
-        rlcomm_ppo = _ppo_receive(ctx, state_dict, device, posted=False)
-        rlcomm_ppo_async = _ppo_receive(ctx, state_dict, device, posted=True)
+    rlcomm, rlcomm_ppo, rlcomm_ppo_async = _rlcomm_steps(ctx, state_dict, device, is_src)
     # In timing order: the goal's pair side by side, so that drift between them is least.
     return {
         "flat_limit": partial(dist.broadcast, flat, src=src, group=group),

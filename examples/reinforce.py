@@ -9,7 +9,7 @@ Run it from the repository root, on any layout, with nothing else to write::
 (``+``: a custom loop's config file names only its ``_target_``; its fields are checked all
 the same, before any rank starts.)
 
-An algorithm supplies four things (``app/runtime/algorithm.py``): its settings, the acting
+An algorithm supplies four things (``app/runtime/core/algorithm.py``): its settings, the acting
 module, what a step records, and the update. The runtime does the rest: environments,
 collecting, moving segments to the trainers, weight sync, checkpoints, the stop rule, records.
 

@@ -26,14 +26,14 @@ from app.api import ConfigError
 from app.config import build_loop
 from app.evaluate.export import export_policy
 from app.output.trackers.fanout import RUN_CONFIG
-from app.runtime.algorithm import Spaces
-from app.runtime.builders import build_policy
 from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint
 from app.runtime.checkpoints.policy import load_policy_state
+from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.vector import EnvError, probe_spaces
 from app.runtime.evaluation.episodes import Episodes, run_episodes
 from app.runtime.evaluation.video import render_problem
-from app.runtime.worker import Agent
+from app.runtime.rollout.worker import Agent
+from app.runtime.settings.builders import build_policy
 
 CONFIG = RUN_CONFIG  # the run's composed config, as Hydra recorded it
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from app.runtime.algorithm import Algorithm
-from app.runtime.worker import Agent
+from app.runtime.core.algorithm import Algorithm
+from app.runtime.rollout.worker import Agent
 
 
 class GreedyPolicy(nn.Module):

@@ -248,7 +248,7 @@ def _summary(
 ) -> dict[str, Any]:
     """Rank 0's ``result.json``: the loop's figures, every rank's report, the timeline."""
     wall_s = time.time() - job_start_time()
-    # A run asked to stop (SIGTERM: app/runtime/stopping.py) ended where its ranks agreed, with
+    # A run asked to stop (SIGTERM: app/runtime/core/stopping.py) ended where its ranks agreed, with
     # a checkpoint, but short of its own end.
     stopped = isinstance(result, dict) and result.get("stopped_by")
     summary = {

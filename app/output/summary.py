@@ -105,7 +105,7 @@ def _training_lines(summary: dict[str, Any]) -> list[str]:
         mean = f"{last['return_mean']:.1f}" if last else "-- (no evaluation)"
         of = f"mean return of an evaluation ({summary['eval_episodes']} episodes)"
     stopped = summary.get("stopped_by")
-    if stopped is not None:  # asked to stop (app/runtime/stopping.py), with a checkpoint
+    if stopped is not None:  # asked to stop (app/runtime/core/stopping.py), with a checkpoint
         reached = (f"; it reached {target:g} after {summary['env_steps_to_target']:,} env steps"
                    if summary["solved"] else "")
         return [f"stopped by {stopped} after {summary['env_steps']:,} env steps: {of} is "

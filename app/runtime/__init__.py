@@ -3,7 +3,7 @@
 Roles from the plan, environments (``loop.env``), collection into segments tagged with their
 weights version, moving segments to the trainers, weight sync with ``max_staleness`` and
 verification, observation and reward normalisation, the stop rule, checkpoints, and every record
-of the run. An algorithm plugs in four things (:mod:`app.runtime.algorithm`) and becomes a loop
+of the run. An algorithm plugs in four things (:mod:`app.runtime.core.algorithm`) and becomes a loop
 by subclassing :class:`RLLoop` (docs/custom-algorithm.md).
 
 Modules and folders, in the order a run uses them (docs/how-a-rank-runs.md draws them):
@@ -17,7 +17,7 @@ replay), ``run.py`` (one rank's update loop), ``evaluation/``, ``records/`` and
 ``checkpoints/``.
 """
 
-from app.runtime.algorithm import (
+from app.runtime.core.algorithm import (
     Algorithm,
     AlgorithmSettings,
     Record,

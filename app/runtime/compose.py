@@ -1,7 +1,7 @@
 """What one rank of a run is made of, as the plan assigns it (docs/how-a-rank-runs.md).
 
 A rank gets a role per job it does: a :class:`~app.runtime.roles.collector.Collector` where it
-steps environments, a :class:`~app.runtime.roles.trainer.Trainer` where it trains (both on a
+steps environments, a :class:`~app.runtime.trainer.role.Trainer` where it trains (both on a
 colocated trainer), a replay server where it holds the replay (app/runtime/replay/service.py),
 and the decider's services where it takes the stop decision. What moves between ranks goes
 through its hand-off (app/runtime/handoff/). :func:`build_rank` assembles them in the one order
@@ -17,25 +17,27 @@ from typing import Any
 import torch
 
 from app.api import JobInfo
-from app.runtime.algorithm import Algorithm
-from app.runtime.builders import build_policy, cadence
 from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR, run_settings
 from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.checkpoints.replay_shards import ReplayShard
+from app.runtime.core.algorithm import Algorithm
+from app.runtime.core.seeds import env_seed
+from app.runtime.core.segments import with_episodes
+from app.runtime.core.state import RunState
 from app.runtime.evaluation.evaluator import Evaluations
 from app.runtime.handoff import HandOff, HandOffSettings, ReplayHooks, build_hand_off
 from app.runtime.membership.replicas import form_replica_world
 from app.runtime.membership.rollouts import EpochLeader, epoch_timeout
 from app.runtime.membership.trainers import TrainerGroup
+from app.runtime.replay.client import LocalReplay
+from app.runtime.replay.offpolicy import OffPolicyAlgorithm
 from app.runtime.replay.service import ReplayLink, collectors
 from app.runtime.roles.collector import Collector
-from app.runtime.roles.trainer import Trainer
-from app.runtime.seeds import env_seed
-from app.runtime.segments import with_episodes
+from app.runtime.rollout.worker import Agent, RolloutWorker, build_segment_format
 from app.runtime.settings import RunSettings
-from app.runtime.sharding import TrainedModule
-from app.runtime.state import RunState
-from app.runtime.worker import Agent, RolloutWorker, build_segment_format
+from app.runtime.settings.builders import build_policy, cadence
+from app.runtime.trainer.role import Trainer
+from app.runtime.trainer.trained import TrainedModule
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 
 
@@ -138,7 +140,7 @@ def _hand_off_settings(loop: RunSettings, ctx: CommContext, job: JobInfo,
 
 
 def _trainer_group(parts: Rank, timeout_s: float) -> TrainerGroup:
-    """The trainers' own membership (app/runtime/trainers/), formed (or, joining, asked for):
+    """The trainers' own membership (app/runtime/trainer/), formed (or, joining, asked for):
     a lost trainer's rollout ranks go to this trainer's group of them."""
     membership, plan = parts.hand_off.membership, parts.job.plan
     assert isinstance(membership, EpochLeader), "elastic trainers lead their rollout ranks"
@@ -154,18 +156,15 @@ def _trainer_group(parts: Rank, timeout_s: float) -> TrainerGroup:
 def _checkpointed_replay(algorithm: Algorithm[Any], plan: LayoutPlan) -> ReplayShard | None:
     """A trainer's own replay shard, where ``loop.replay.checkpoint`` saves it with each
     checkpoint; None otherwise (on-policy, the option off, or replay ranks hold the replay)."""
-    settings = algorithm.replay_settings()
-    if settings is None or plan.replay or not settings.checkpoint:
+    if not isinstance(algorithm, OffPolicyAlgorithm) or plan.replay:
         return None
-    learner: Any = algorithm  # an OffPolicyAlgorithm, which this module cannot import (a circle)
-    shard: ReplayShard = learner.replay
-    return shard
+    replay = algorithm.replay
+    return replay if isinstance(replay, LocalReplay) and replay.settings.checkpoint else None
 
 
 def _own_replay_size(algorithm: Algorithm[Any], plan: LayoutPlan) -> Callable[[], int] | None:
     """How many transitions an off-policy trainer's own replay shard holds (lost with it, and
     counted); None where it has none (on-policy, or replay ranks hold the replay)."""
-    if algorithm.replay_settings() is None or plan.replay:
+    if not isinstance(algorithm, OffPolicyAlgorithm) or plan.replay:
         return None
-    learner: Any = algorithm  # an OffPolicyAlgorithm, which this module cannot import (a circle)
-    return lambda: int(learner.replay.size)
+    return lambda: int(algorithm.replay.size)

@@ -17,18 +17,18 @@ import torch
 from app.api import JobInfo
 from app.output import timeline
 from app.output.progress import StopRule
-from app.runtime import stopping
-from app.runtime.algorithm import Segment
-from app.runtime.builders import stop_rule, target, tracking
 from app.runtime.checkpoints.checkpoint import Resumable
 from app.runtime.checkpoints.checkpointer import is_own, note_resume, resume
 from app.runtime.compose import Rank, build_rank
+from app.runtime.core import stopping
+from app.runtime.core.algorithm import Segment
 from app.runtime.handoff import Round
+from app.runtime.membership.healing import heal, settle
 from app.runtime.records.recorder import Recorder, RecordsMark
 from app.runtime.records.rows import Attempt, time_split
 from app.runtime.roles.decider import Decider
 from app.runtime.settings import RunSettings
-from app.runtime.trainers.healing import heal, settle
+from app.runtime.settings.builders import stop_rule, target, tracking
 from rlcomm import CommContext
 
 
@@ -47,7 +47,7 @@ class RankRun:
 
     def run(self) -> dict[str, Any]:
         # Asked to stop (SIGTERM), the deciding ranks stop where they agree, with a checkpoint;
-        # a rank that follows its trainer is stopped by it (app/runtime/stopping.py).
+        # a rank that follows its trainer is stopped by it (app/runtime/core/stopping.py).
         restore = stopping.listen(self.rank.job.stop_grace_s)
         try:
             return self._run()
@@ -143,7 +143,7 @@ class RankRun:
 
     def _trainers_changed(self) -> None:
         """After an update: if a trainer was lost during it, the survivors agree on the state
-        (app/runtime/trainers/healing.py's ``settle``)."""
+        (app/runtime/membership/healing.py's ``settle``)."""
         rank = self.rank
         assert rank.trainers is not None and rank.checkpointer is not None
         if rank.trainers.update_done():
@@ -151,7 +151,7 @@ class RankRun:
 
     def _admit_trainers(self) -> bool:
         """At the update boundary: trainers that asked to join are admitted and healed from the
-        lead (app/runtime/trainers/)."""
+        lead (app/runtime/trainer/)."""
         rank = self.rank
         if rank.trainers is not None:
             assert rank.checkpointer is not None

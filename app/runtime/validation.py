@@ -1,4 +1,4 @@
-"""The checks of the runtime's settings (``loop.*``, app/runtime/settings.py) that the launcher
+"""The checks of the runtime's settings (``loop.*``, app/runtime/settings/schema.py) that the launcher
 runs before any rank starts, each failure one line naming the setting and its value: the
 ranges (:func:`check_settings`, which builds nothing), the env's spaces, the trainer grid
 against the policy and the checkpoint to resume from (:func:`check_env`, which builds them),
@@ -12,20 +12,20 @@ from app.api import ConfigError
 from app.output.logs import write_console
 from app.output.trackers import check_trackers
 from app.output.trackers.tensorboard import check_tensorboard
-from app.runtime.builders import build_policy, cadence
 from app.runtime.checkpoints.checkpoint import (
     newest_valid_checkpoint,
     policy_shapes,
     resume_mismatch,
     run_settings,
 )
-from app.runtime.compiling import compile_problem
+from app.runtime.core.compiling import compile_problem
+from app.runtime.core.seeds import seed_problem
 from app.runtime.envs.vector import check_env_names
 from app.runtime.evaluation.video import render_problem
 from app.runtime.models.actor_critic import is_image
 from app.runtime.models.transformer import ffn_hidden, transformer_space_problem
-from app.runtime.seeds import seed_problem
-from app.runtime.sharding import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
+from app.runtime.settings.builders import build_policy, cadence
+from app.runtime.trainer.trained import DATA_PARALLEL_KINDS, has_tensor_parallel_plan
 from rlcomm import LayoutPlan
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ def check_resume(settings: RunSettings) -> None:
 
 def check_seed(settings: RunSettings, seed: int, plan: LayoutPlan) -> None:
     """The top-level ``seed`` against the seeds every rank derives from it
-    (app/runtime/seeds.py), run by the launcher after the other checks."""
+    (app/runtime/core/seeds.py), run by the launcher after the other checks."""
     updates = settings.total_env_steps // max(1, env_steps_per_update(settings, plan)) + 1
     problem = seed_problem(seed, plan.world_size, settings.hparams.num_envs, updates,
                            envpool=settings.env.vector == "envpool")

@@ -61,6 +61,38 @@ def diagnose(reports: dict[int, Report | None]) -> str:
     mode, seq = root["mode"], root["seq"]
     declared = reports[root_rank]["groups"][mode]  # type: ignore[index]
     members = sorted(declared)
+    never, gone, calls = _where_members_are(reports, members, mode, seq)
+    by_signature: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for rank, call in sorted(calls.items()):
+        by_signature[_signature(call)].append(rank)
+    # The majority's call names the collective (ties: the lowest rank's); the rest mismatch.
+    reference = max(by_signature.items(), key=lambda kv: (len(kv[1]), -kv[1][0]), default=None)
+    head_call = calls[reference[1][0]] if reference else root
+    problems: list[str] = []
+    for rank in never:
+        report = reports[rank]
+        assert report is not None
+        problems.append(f"rank {rank} never entered it; {where_is(report)}")
+    for signature, ranks in by_signature.items():
+        if reference is not None and signature != reference[0]:
+            other = calls[ranks[0]]
+            problems.append(f"mismatch: {_who(ranks)} called {format_call(other)} instead")
+    if gone:
+        problems.append(f"{_who(gone)} did not answer (process gone or host unreachable)")
+    if not problems:
+        waiting = [r for r in members if calls.get(r, {}).get("in_flight")]
+        problems.append(
+            f"{_who(waiting)} of {len(members)} are in it with the same arguments and none "
+            "is missing (a slow rank or a stalled network?)"
+        )
+    return f"hang in {mode}{format_ranks(declared)} {format_call(head_call)}: {'; '.join(problems)}"
+
+
+def _where_members_are(
+    reports: dict[int, Report | None], members: list[int], mode: str, seq: int,
+) -> tuple[list[int], list[int], dict[int, dict[str, Any]]]:
+    """Of the group's ``members``: those that never entered call ``seq`` of ``mode``, those
+    that did not answer, and the call each of the others made at that sequence number."""
     never: list[int] = []
     gone: list[int] = []
     calls: dict[int, dict[str, Any]] = {}
@@ -76,28 +108,4 @@ def diagnose(reports: dict[int, Report | None]) -> str:
         call = next((c for c in table["calls"] if c["seq"] == seq), None)
         if call is not None:
             calls[rank] = call
-    by_signature: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-    for rank, call in sorted(calls.items()):
-        by_signature[_signature(call)].append(rank)
-    # The majority's call names the collective (ties: the lowest rank's); the rest mismatch.
-    reference = max(by_signature.items(), key=lambda kv: (len(kv[1]), -kv[1][0]), default=None)
-    head_call = calls[reference[1][0]] if reference else root
-    problems: list[str] = []
-    for rank in never:
-        text = f"rank {rank} never entered it"
-        report = reports[rank]
-        assert report is not None
-        problems.append(f"{text}; {where_is(report)}")
-    for signature, ranks in by_signature.items():
-        if reference is not None and signature != reference[0]:
-            other = calls[ranks[0]]
-            problems.append(f"mismatch: {_who(ranks)} called {format_call(other)} instead")
-    if gone:
-        problems.append(f"{_who(gone)} did not answer (process gone or host unreachable)")
-    if not problems:
-        waiting = [r for r in members if calls.get(r, {}).get("in_flight")]
-        problems.append(
-            f"{_who(waiting)} of {len(members)} are in it with the same arguments and none "
-            "is missing (a slow rank or a stalled network?)"
-        )
-    return f"hang in {mode}{format_ranks(declared)} {format_call(head_call)}: {'; '.join(problems)}"
+    return never, gone, calls

@@ -72,7 +72,7 @@ class LayoutPlan:
     # Rollout ranks may leave and join while the run goes on (rlcomm.elastic): every group that
     # contains one is elastic (:attr:`elastic_modes`); trainers and their groups stay static.
     elastic_rollouts: bool = False
-    # Trainers other than the lead may be lost while the others go on (app/runtime/trainers/):
+    # Trainers other than the lead may be lost while the others go on (app/runtime/trainer/):
     # TRAIN_DATA_PARALLEL is re-formed per membership epoch of the trainers. Both flags are the
     # spec's: a front end that decides them (the app's launcher: where its runtime can follow)
     # plans with what it decided.

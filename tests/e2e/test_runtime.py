@@ -33,7 +33,7 @@ def test_an_env_that_raises_on_one_rank_ends_the_run_naming_rank_env_and_excepti
     picked = newest_valid_checkpoint(run_dir)
     assert picked.verified and not picked.skipped and picked.state["update"] >= 4
     # The other ranks, stopped by the agent's SIGTERM, may end their update with a checkpoint
-    # (app/runtime/stopping.py): then result.json says so, never that the run went well.
+    # (app/runtime/core/stopping.py): then result.json says so, never that the run went well.
     if (run_dir / "result.json").exists():
         assert read_result(run_dir)["status"] == "stopped", describe(proc)
 

@@ -7,7 +7,7 @@ import torch
 from gymnasium import spaces as gym_spaces
 
 from app.runtime import Spaces
-from app.runtime.algorithm import Segment
+from app.runtime.core.algorithm import Segment
 from app.runtime.replay.buffer import ReplaySettings
 
 SPACES = Spaces(gym_spaces.Box(-1, 1, (4,)), gym_spaces.Discrete(2))

@@ -13,7 +13,7 @@ from torch import nn
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.handoff import HandOff
 from app.runtime.models.transformer import TransformerActorCritic
-from app.runtime.sharding import TrainedModule
+from app.runtime.trainer.trained import TrainedModule
 
 ENV = EnvConfig(id="MaskedCartPole-v1", _target_="app.runtime.envs.memory.masked_cartpole")
 

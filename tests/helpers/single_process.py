@@ -10,7 +10,7 @@ from app.loops.ppo.core import PPO, PPOSettings
 from app.loops.vtrace.core import VTrace, VTraceSettings
 from app.runtime import UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
-from app.runtime.worker import Agent, RolloutWorker, as_segment
+from app.runtime.rollout.worker import Agent, RolloutWorker, as_segment
 
 
 def ppo_parts(seed: int, settings: PPOSettings, env: EnvConfig | None = None

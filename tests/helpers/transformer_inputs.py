@@ -8,7 +8,7 @@ import torch
 from gymnasium import spaces as gym_spaces
 from torch import Tensor
 
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.models.transformer import TransformerActorCritic
 
 OBS_DIM, CONTEXT, WIDTH, HEADS = 3, 4, 16, 4

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from app.api import JobInfo, RankEnv
+from app.runtime.core.segments import Field, SegmentFormat, with_episodes
 from app.runtime.handoff import HandOff, HandOffSettings, build_hand_off
-from app.runtime.segments import Field, SegmentFormat, with_episodes
-from app.runtime.sharding import TrainedModule
+from app.runtime.trainer.trained import TrainedModule
 from rlcomm import CommContext, LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.handoff_agent import Acting, state_values

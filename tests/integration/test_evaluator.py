@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from app.loops.ppo import PPOLoop
-from app.runtime.builders import build_policy
 from app.runtime.checkpoints.checkpoint import TrainingState, WholeCheckpoint, load_checkpoint
 from app.runtime.evaluation.episodes import run_episodes
 from app.runtime.evaluation.evaluator import BEST, Evaluation, Evaluations
-from app.runtime.worker import Agent
+from app.runtime.rollout.worker import Agent
+from app.runtime.settings.builders import build_policy
 from rlcomm import CommContext, ParallelMode
 from rlcomm.plan import LayoutSpec, plan_layout
 from rlcomm.testing import free_port, rank_env

@@ -15,10 +15,10 @@ from gymnasium import spaces as gym_spaces
 
 from app.evaluate.export import GreedyPolicy, export_policy
 from app.loops.ppo.core import PPO, PPOSettings
-from app.runtime.algorithm import Spaces
-from app.runtime.builders import build_policy
+from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.vector import EnvConfig
-from app.runtime.worker import Agent
+from app.runtime.rollout.worker import Agent
+from app.runtime.settings.builders import build_policy
 
 pytestmark = pytest.mark.integration
 

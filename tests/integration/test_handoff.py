@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from app.api import JobInfo, RankEnv
+from app.runtime.core.segments import Field, SegmentFormat
 from app.runtime.handoff import HandOffSettings, build_hand_off, static_hand_off
-from app.runtime.segments import Field, SegmentFormat
-from app.runtime.sharding import TrainedModule
+from app.runtime.trainer.trained import TrainedModule
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.handoff_agent import Acting, sync_versions

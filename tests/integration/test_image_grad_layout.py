@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.models.actor_critic import ActorCritic
 from rlcomm import CommContext, ParallelMode
 from rlcomm.testing import run_ranks

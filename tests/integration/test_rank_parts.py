@@ -14,7 +14,7 @@ from app.api import JobInfo, RankEnv
 from app.loops.dqn import DQNLoop
 from app.loops.ppo import PPOLoop
 from app.runtime.compose import build_rank
-from app.runtime.trainers.healing import live_checksum, settle
+from app.runtime.membership.healing import live_checksum, settle
 from rlcomm import LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.shapes import shape_of
@@ -114,7 +114,7 @@ def _settled(rank: int, world: int, run_dir: str) -> dict[str, Any]:
 
 
 def test_trainers_whose_state_differs_after_a_change_heal_from_the_lead(tmp_path: Path) -> None:
-    """app/runtime/trainers/healing.py's settle: what follows an update during which the
+    """app/runtime/membership/healing.py's settle: what follows an update during which the
     trainers changed (docs/failures.md, "What a survivor trains on")."""
     found = run_ranks(_settled, 4, str(tmp_path), timeout=300)
     assert [found[r]["trainers"] for r in range(4)] == [True, True, False, False]

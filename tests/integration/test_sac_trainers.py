@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.loops.sac import SAC, SACSettings
 from app.runtime import Spaces, UpdateInfo
-from app.runtime.algorithm import Peers
+from app.runtime.core.algorithm import Peers
 from app.runtime.replay.buffer import Batch
 from rlcomm.testing import run_ranks
 

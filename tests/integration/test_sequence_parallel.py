@@ -1,4 +1,4 @@
-"""Sequence (context) parallel trainers (app/runtime/sharding.py, the transformer's
+"""Sequence (context) parallel trainers (app/runtime/trainer/trained.py, the transformer's
 ``context_parallel``): the window split over SEQUENCE_PARALLEL trains as DDP does, alone, under
 FSDP and with tensor parallelism (under DDP and FSDP), to float precision; and a gather that
 drops the gradient other chunks send back is caught."""
@@ -16,13 +16,13 @@ from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Segment, UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.models.transformer import TransformerActorCritic
-from app.runtime.sharding import (
+from app.runtime.rollout.worker import Agent, RolloutWorker, as_segment
+from app.runtime.trainer.trained import (
     TrainedModule,
     TrainerGrid,
     replica_rank,
     share_replica_segments,
 )
-from app.runtime.worker import Agent, RolloutWorker, as_segment
 from rlcomm import LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses

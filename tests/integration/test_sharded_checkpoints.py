@@ -38,7 +38,7 @@ from app.runtime.checkpoints.policy import load_policy_state
 from app.runtime.checkpoints.shards import load_sharded_checkpoint, save_sharded_checkpoint
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.models.transformer import TransformerActorCritic
-from app.runtime.sharding import TrainedModule
+from app.runtime.trainer.trained import TrainedModule
 from rlcomm import CommContext, LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import run_ranks
 from tests.helpers.shapes import shape_of

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from app.runtime.core.segments import Field, SegmentFormat
 from app.runtime.handoff import HandOffSettings, static_hand_off
 from app.runtime.handoff.slices import shards_mode
-from app.runtime.segments import Field, SegmentFormat
-from app.runtime.sharding import TrainedModule
+from app.runtime.trainer.trained import TrainedModule
 from rlcomm import CommContext, LayoutSpec, plan_layout
 from rlcomm.testing import planned_context, run_ranks
 from tests.helpers.handoff_agent import Acting, sync_versions

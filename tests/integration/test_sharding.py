@@ -1,4 +1,4 @@
-"""Sharded trainers (app/runtime/sharding.py): the same PPO updates, to float precision, whether
+"""Sharded trainers (app/runtime/trainer/trained.py): the same PPO updates, to float precision, whether
 the trainers replicate the model (DDP), shard it (FSDP2), split it (tensor parallel), or both;
 and a dropped shard gradient is caught."""
 
@@ -14,8 +14,8 @@ from app.loops.ppo.core import PPO, PPOSettings
 from app.runtime import Segment, UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.models.transformer import TransformerActorCritic
-from app.runtime.sharding import TrainedModule, TrainerGrid, share_segments
-from app.runtime.worker import Agent, RolloutWorker, as_segment
+from app.runtime.rollout.worker import Agent, RolloutWorker, as_segment
+from app.runtime.trainer.trained import TrainedModule, TrainerGrid, share_segments
 from rlcomm import LayoutSpec, ParallelMode, plan_layout
 from rlcomm.testing import free_port, planned_context, run_ranks
 from tests.helpers.parity import TOLERANCE, largest_gap, mean_losses

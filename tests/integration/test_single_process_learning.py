@@ -14,7 +14,7 @@ import torch
 from app.loops.ppo.core import PPOSettings
 from app.loops.vtrace.core import VTraceSettings
 from app.runtime import Segment, UpdateInfo
-from app.runtime.worker import as_segment
+from app.runtime.rollout.worker import as_segment
 from tests.helpers.single_process import train_ppo, vtrace_parts
 
 pytestmark = pytest.mark.integration

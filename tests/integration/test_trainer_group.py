@@ -1,4 +1,4 @@
-"""The trainers' membership (app/runtime/trainers/) on real gloo processes over 127.0.0.1,
+"""The trainers' membership (app/runtime/trainer/) on real gloo processes over 127.0.0.1,
 sharing a store this process hosts (tests/helpers/store_processes.py): a collective over
 TRAIN_DATA_PARALLEL that a lost trainer broke runs again on the survivors' next epoch, with three
 trainers; gradients are averaged over the live trainers, and a step whose average a loss broke
@@ -18,7 +18,7 @@ from torch import distributed as dist
 from torch import nn
 
 from app.runtime.membership.trainers import TrainerGroup
-from app.runtime.trainers.gradients import AveragedGradients
+from app.runtime.trainer.gradients import AveragedGradients
 from rlcomm import CommContext, ParallelMode, collectives
 from tests.helpers.store_processes import meet, run_processes
 

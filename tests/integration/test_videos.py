@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from app.loops.ppo.core import PPO, PPOSettings
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.vector import EnvConfig
 from app.runtime.evaluation.episodes import run_episodes
 from app.runtime.evaluation.video import render_problem
-from app.runtime.worker import Agent
+from app.runtime.rollout.worker import Agent
 from tests.helpers.videos import read_frames
 
 pytestmark = pytest.mark.integration

@@ -282,7 +282,7 @@ def test_the_spaces_validation_probed_reach_a_rank_that_builds_no_env(
 
     import app.__main__  # registers the schemas and resolvers
     import app.runtime.loop
-    import app.runtime.settings
+    import app.runtime.settings.schema
     from app.config.schema import AppConfig
     from app.launch.planning import validate_job
 
@@ -297,7 +297,7 @@ def test_the_spaces_validation_probed_reach_a_rank_that_builds_no_env(
     def no_env(*_: object) -> None:
         raise AssertionError("a rank built an env to probe its spaces")
 
-    monkeypatch.setattr(app.runtime.settings, "probe_spaces", no_env)
+    monkeypatch.setattr(app.runtime.settings.schema, "probe_spaces", no_env)
     rank_job = pickle.loads(pickle.dumps(job))  # as the local launcher hands it to a rank
     assert rank_job.loop.spaces == probed
     # Spaces that do not pickle stay behind: the rank probes them itself.
@@ -308,7 +308,7 @@ def test_the_spaces_validation_probed_reach_a_rank_that_builds_no_env(
 def test_every_derived_seed_fits_at_the_largest_seed_and_one_more_fails() -> None:
     import torch
 
-    from app.runtime.seeds import ENVPOOL_SEED_LIMIT, env_seed, largest_seed, minibatch_seed
+    from app.runtime.core.seeds import ENVPOOL_SEED_LIMIT, env_seed, largest_seed, minibatch_seed
 
     ranks, num_envs, updates = 4, 16, 100
     largest = largest_seed(ranks, num_envs, updates, envpool=False)

@@ -58,7 +58,7 @@ def test_the_twin_q_ensemble_is_sacs_update_to_rounding() -> None:
 
 @pytest.mark.parametrize("algorithm", ["ppo", "dqn", "sac"])
 def test_a_lone_trainer_bare_steps_as_ddp_over_a_group_of_one(algorithm: str) -> None:
-    """Why a lone trainer trains its module bare (app/runtime/sharding.py): DDP over a group of
+    """Why a lone trainer trains its module bare (app/runtime/trainer/trained.py): DDP over a group of
     one changes nothing in the update, only its cost (the ``ddp_of_one`` lever)."""
     import torch.distributed as dist
 

@@ -1,4 +1,4 @@
-"""``loop.compile`` (app/runtime/compiling.py): the modes it takes, what it refuses before launch,
+"""``loop.compile`` (app/runtime/core/compiling.py): the modes it takes, what it refuses before launch,
 the compiled PPO minibatch loss against the written one, and the one-line error naming the
 setting when a step cannot compile (docs/off-policy.md, "Learner speed")."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from app.runtime import compiling
-from app.runtime.compiling import CompileError, compile_problem, compiled
+from app.runtime.core import compiling
+from app.runtime.core.compiling import CompileError, compile_problem, compiled
 from benchmarks.learner_step import PPOLearner
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ from app.runtime import Spaces, UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.replay.buffer import ReplaySettings
 from app.runtime.replay.offpolicy import REPLAY_FIGURES
-from app.runtime.worker import Agent, RolloutWorker, as_segment
+from app.runtime.rollout.worker import Agent, RolloutWorker, as_segment
 from tests.helpers.apprun import REPO
 
 pytestmark = pytest.mark.unit

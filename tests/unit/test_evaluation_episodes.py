@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from app.loops.ppo.core import PPO, PPOSettings
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.vector import EnvConfig
 from app.runtime.evaluation.episodes import run_episodes
 from app.runtime.models.transformer import TransformerActorCritic
-from app.runtime.worker import Agent
+from app.runtime.rollout.worker import Agent
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import torch
 
 from app.runtime import RLLoop, Segment, UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
-from app.runtime.worker import Agent, RolloutWorker, as_segment
+from app.runtime.rollout.worker import Agent, RolloutWorker, as_segment
 from examples.reinforce import Reinforce, ReinforceLoop, ReinforceSettings, discounted_returns
 
 pytestmark = pytest.mark.unit

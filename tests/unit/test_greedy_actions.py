@@ -11,7 +11,7 @@ from torch import nn
 
 from app.loops.ppo.core import PPO, PPOSettings
 from app.loops.vtrace.core import VTrace, VTraceSettings
-from app.runtime.algorithm import Algorithm, AlgorithmSettings, Spaces
+from app.runtime.core.algorithm import Algorithm, AlgorithmSettings, Spaces
 from app.runtime.models.actor_critic import ActorCritic
 from examples.reinforce import Reinforce, ReinforceSettings
 from tests.helpers.transformer_inputs import BOX, DISCRETE, make_model, random_windows

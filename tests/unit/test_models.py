@@ -14,7 +14,7 @@ from gymnasium.wrappers.vector import NormalizeReward
 from torch import Tensor, nn
 from torch.distributions import Categorical, Normal
 
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.normalize import ReturnTracker, RunningNorm
 from app.runtime.models.actor_critic import (
     ActorCritic,

@@ -15,7 +15,7 @@ from app.runtime import UpdateInfo
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.replay.buffer import ReplaySettings
 from app.runtime.replay.offpolicy import REPLAY_FIGURES
-from app.runtime.worker import Agent, RolloutWorker, as_segment
+from app.runtime.rollout.worker import Agent, RolloutWorker, as_segment
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ import torch
 from app.loops.ppo import StaleDataError, check_staleness
 from app.loops.ppo.core import PPOSettings, compute_gae, ppo_batch
 from app.runtime import UpdateInfo
-from app.runtime.worker import as_segment
+from app.runtime.rollout.worker import as_segment
 from tests.helpers.lockstep_trajectory import FIXTURE, REL_TOL, deviations
 from tests.helpers.single_process import ppo_parts
 

@@ -9,8 +9,8 @@ import torch
 
 from app.loops.ppo.core import PPOSettings, compute_gae
 from app.runtime import Segment
-from app.runtime.segments import Field, SegmentFormat
-from app.runtime.worker import as_segment
+from app.runtime.core.segments import Field, SegmentFormat
+from app.runtime.rollout.worker import as_segment
 from tests.helpers.single_process import ppo_parts, train_ppo
 
 pytestmark = pytest.mark.unit

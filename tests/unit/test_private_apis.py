@@ -265,8 +265,8 @@ PINNED: list[tuple[str, str, Callable[[], None]]] = [
     ("/proc/<pid>/fd links", "app/launch/private.py: open_files (DeathWatch)", _open_files),
     ("multiprocessing.forkserver.main imports the preload", "app/launch/private.py: in_forkserver_preload", _forkserver_main),
     ("multiprocessing.forkserver's state and main", "app/launch/private.py: fork_forkserver", _forkserver_state),
-    ("torch.distributed._composable.replicate_with_fsdp.replicate", "app/runtime/sharding.py: DDP over a tensor-parallel policy", _composable_replicate),
-    ("torch.autograd.Variable._execution_engine.queue_callback", "app/runtime/trainers/gradients.py: gradients averaged at a backward pass's end", _queue_callback),
+    ("torch.distributed._composable.replicate_with_fsdp.replicate", "app/runtime/trainer/trained.py: DDP over a tensor-parallel policy", _composable_replicate),
+    ("torch.autograd.Variable._execution_engine.queue_callback", "app/runtime/trainer/gradients.py: gradients averaged at a backward pass's end", _queue_callback),
     ("hydra._internal.utils.run_and_report", "app/launch/private.py: one_line_override_errors", _hydra_run_and_report),
 ]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.runtime.algorithm import Record, Segment
+from app.runtime.core.algorithm import Record, Segment
 from app.runtime.replay.buffer import RateLimiter, Replay, ReplaySettings
 
 pytestmark = pytest.mark.unit

@@ -3,7 +3,7 @@ handed over through the algorithm contract (``Algorithm.learn_from``) is the one
 from; its own shard's rate limiter is built once, for its share of the whole run's
 ``min_size``; the replay ranks' client asks each replay rank (its own I/O, faked here) and
 counts their totals with a pure rule; and the replay ranks' sampling generators keep their
-seeds (app/runtime/seeds.py)."""
+seeds (app/runtime/core/seeds.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import torch
 
 from app.loops.dqn import DQN, DQNSettings
 from app.runtime import UpdateInfo
-from app.runtime.algorithm import Algorithm, AlgorithmSettings
+from app.runtime.core.algorithm import Algorithm, AlgorithmSettings
+from app.runtime.core.seeds import env_seed, replay_seed
 from app.runtime.replay.buffer import ReplaySettings
 from app.runtime.replay.client import LocalReplay
-from app.runtime.seeds import env_seed, replay_seed
 from tests.helpers.dqn_data import REPLAY, SPACES, segment
 
 pytestmark = pytest.mark.unit
@@ -83,10 +83,10 @@ class _ReplayRanks:
 
 def test_the_remote_client_asks_each_replay_rank_and_counts_their_totals(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.runtime.core.segments import Field, SegmentFormat
     from app.runtime.replay import client as client_module
     from app.runtime.replay.client import RemoteReplay, totals_limiter
     from app.runtime.replay.messages import ALLOW
-    from app.runtime.segments import Field, SegmentFormat
     from rlcomm import LayoutSpec, plan_layout
 
     plan = plan_layout(LayoutSpec(world_size=6, trainers=[0, 1], replay=[2, 3],

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from app.loops.dqn import DQNLoop
-from app.runtime.algorithm import Segment
+from app.runtime.core.algorithm import Segment
+from app.runtime.core.segments import EPISODE_FIELDS, Field, SegmentFormat, with_episodes
 from app.runtime.replay.messages import insert_format, packed_again
 from app.runtime.replay.routing import collectors, forwarded_to, writers_of
-from app.runtime.segments import EPISODE_FIELDS, Field, SegmentFormat, with_episodes
-from app.runtime.worker import as_segment
+from app.runtime.rollout.worker import as_segment
 from rlcomm import LayoutPlan, LayoutSpec, plan_layout
 from tests.helpers.shapes import shape_of
 

@@ -11,11 +11,11 @@ from hydra import compose, initialize_config_dir
 
 from app.errors import ConfigError
 from app.launch.planning import validate
-from app.runtime.algorithm import Record, Segment
+from app.runtime.core.algorithm import Record, Segment
+from app.runtime.core.segments import Field, SegmentFormat
 from app.runtime.replay.buffer import Replay, ReplaySettings
 from app.runtime.replay.messages import batch_format
 from app.runtime.replay.routing import batch_shares, collectors, replay_rank_of, writers_of
-from app.runtime.segments import Field, SegmentFormat
 from rlcomm import LayoutError, LayoutSpec, ParallelMode, format_plan, plan_layout
 from tests.helpers.apprun import REPO
 

@@ -28,12 +28,12 @@ from app.loops.sac import (
     soft_q_targets,
     squashed_log_prob,
 )
-from app.runtime.algorithm import Segment, Spaces, UpdateInfo
 from app.runtime.checkpoints.checkpoint import (
     TrainingState,
     newest_valid_checkpoint,
     save_checkpoint,
 )
+from app.runtime.core.algorithm import Segment, Spaces, UpdateInfo
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.offpolicy import soft_update
 from tests.helpers.apprun import REPO

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.loops.sac import SAC, SACSettings
-from app.runtime.algorithm import Spaces, UpdateInfo
+from app.runtime.core.algorithm import Spaces, UpdateInfo
 from app.runtime.replay.buffer import Batch
 
 pytestmark = pytest.mark.unit

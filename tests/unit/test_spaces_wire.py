@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.spaces_wire import decode_spaces, encode_spaces
 
 pytestmark = pytest.mark.unit

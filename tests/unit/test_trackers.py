@@ -12,7 +12,7 @@ from app.loops.ppo import PPOLoop
 from app.output.trackers import TRACKERS, check_trackers
 from app.output.trackers.base import finite, flat, summary_figures
 from app.output.trackers.fanout import read_side_file
-from app.runtime.builders import tracking as trackers_of
+from app.runtime.settings.builders import tracking as trackers_of
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributions import Normal
 
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.history import ObsHistory
 from app.runtime.envs.memory import (
     MASKED_CARTPOLE_ID,

@@ -11,7 +11,7 @@ import torch
 from app.loops.dqn import DQN, DQNSettings
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.replay.buffer import ReplaySettings
-from app.runtime.worker import Agent, RolloutWorker, as_segment
+from app.runtime.rollout.worker import Agent, RolloutWorker, as_segment
 
 pytestmark = pytest.mark.unit
 

@@ -12,9 +12,9 @@ from gymnasium import spaces as gym_spaces
 from app.loops.vtrace import VTraceLoop
 from app.loops.vtrace.core import VTrace, VTraceSettings, discounts_from_dones, vtrace_targets
 from app.runtime import Segment, Spaces, UpdateInfo
-from app.runtime.algorithm import Peers
+from app.runtime.core.algorithm import Peers
 from app.runtime.envs.vector import EnvConfig, probe_spaces
-from app.runtime.worker import Agent, as_segment
+from app.runtime.rollout.worker import Agent, as_segment
 from tests.helpers.single_process import vtrace_parts
 
 pytestmark = pytest.mark.unit

@@ -20,8 +20,8 @@ from app.loops.dqn.core import (
     epsilon_at,
 )
 from app.runtime import Algorithm
+from app.runtime.loop import OffPolicyLoop
 from app.runtime.replay.buffer import ReplaySettings
-from app.runtime.replay.offpolicy import OffPolicyLoop
 
 __all__ = ["DQN", "DQNLoop", "DQNSettings", "QNetwork", "apex_epsilon", "dqn_replay", "dqn_targets",
            "epsilon_at"]

@@ -25,8 +25,8 @@ from gymnasium import spaces as gym_spaces
 from torch import Tensor, nn
 
 from app.api import setting
-from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo, adam
-from app.runtime.compiling import compiled
+from app.runtime.core.algorithm import AlgorithmSettings, Spaces, UpdateInfo, adam
+from app.runtime.core.compiling import compiled
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.offpolicy import OffPolicyAlgorithm, hard_update
 

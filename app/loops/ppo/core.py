@@ -16,8 +16,8 @@ from torch import Tensor, nn
 
 from app.api import setting
 from app.runtime import Algorithm, AlgorithmSettings, Record, Segment, Spaces, UpdateInfo
-from app.runtime.algorithm import adam
-from app.runtime.compiling import compiled
+from app.runtime.core.algorithm import adam
+from app.runtime.core.compiling import compiled
 from app.runtime.models.actor_critic import ActorCritic, space_problem
 
 

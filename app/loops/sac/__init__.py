@@ -22,8 +22,8 @@ from app.loops.sac.core import (
     squashed_log_prob,
 )
 from app.runtime import Algorithm
+from app.runtime.loop import OffPolicyLoop
 from app.runtime.replay.buffer import ReplaySettings
-from app.runtime.replay.offpolicy import OffPolicyLoop
 
 __all__ = ["SAC", "SACLoop", "SACModule", "SACSettings", "actor_loss", "alpha_loss",
            "sac_replay", "soft_q_targets", "squashed_log_prob"]

@@ -26,8 +26,8 @@ from gymnasium import spaces as gym_spaces
 from torch import Tensor, nn
 
 from app.api import setting
-from app.runtime.algorithm import AlgorithmSettings, Spaces, UpdateInfo
-from app.runtime.compiling import compiled
+from app.runtime.core.algorithm import AlgorithmSettings, Spaces, UpdateInfo
+from app.runtime.core.compiling import compiled
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.offpolicy import OffPolicyAlgorithm, soft_update
 

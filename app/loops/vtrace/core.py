@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from app.api import setting
-from app.runtime.algorithm import (
+from app.runtime.core.algorithm import (
     Algorithm,
     AlgorithmSettings,
     Record,

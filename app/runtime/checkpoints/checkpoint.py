@@ -454,7 +454,7 @@ def checkpoint_content(
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a flat checkpoint holds, with its checksum: sent whole to a joining trainer
-    (app/runtime/trainers/healing.py)."""
+    (app/runtime/membership/healing.py)."""
     return with_checksum(snapshot(policy, optimizer, state, extra))
 
 

@@ -10,13 +10,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from app.api import JobInfo
 from app.output.logs import FILE_ONLY
-from app.runtime.algorithm import Algorithm
 from app.runtime.checkpoints.cadence import Cadence
 from app.runtime.checkpoints.checkpoint import (
     CHECKPOINT_DIR,
@@ -42,15 +41,27 @@ from app.runtime.checkpoints.shards import (
     stage_sharded_checkpoint,
 )
 from app.runtime.checkpoints.writes import BackgroundWrites
-from app.runtime.roles.trainer import Trainer
-from app.runtime.state import RunState
-from app.runtime.worker import Agent
+from app.runtime.core.algorithm import Algorithm
+from app.runtime.core.state import RunState
+from app.runtime.rollout.worker import Agent
+from app.runtime.trainer.trained import TrainedModule
 from rlcomm import CommContext, ParallelMode
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 log = logging.getLogger(__name__)
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint holds of a trainer (the trainer role: app/runtime/trainer/role.py):
+    the module it trains and its optimizer, the agent it acts with (the normalisers'
+    statistics) and the algorithm's own state."""
+
+    trained: TrainedModule
+    optimizer: torch.optim.Optimizer
+    agent: Agent
+    algorithm: Algorithm[Any]
 
 
 class Checkpointer:
@@ -63,7 +74,7 @@ class Checkpointer:
     (:func:`~app.runtime.checkpoints.checkpoint.run_settings`). An elastic run's checkpoint
     keeps its membership epoch, which its metrics rows carry."""
 
-    def __init__(self, ctx: CommContext, run_dir: Path, cadence: Cadence, trainer: Trainer,
+    def __init__(self, ctx: CommContext, run_dir: Path, cadence: Cadence, trainer: Checkpointed,
                  settings: dict[str, Any], replay: ReplayShard | None = None,
                  holder: tuple[int, int] = (0, 1),
                  on_save: Callable[[int], None] | None = None) -> None:

@@ -34,7 +34,7 @@ from app.runtime.checkpoints.durable import remove_stale, sync_folder, write_syn
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from app.runtime.sharding import TrainedModule
+    from app.runtime.trainer.trained import TrainedModule
 
 log = logging.getLogger(__name__)
 

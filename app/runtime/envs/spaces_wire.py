@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces as gym_spaces
 
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 
 
 def encode_spaces(spaces: Spaces) -> bytes | None:

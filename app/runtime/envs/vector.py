@@ -31,7 +31,7 @@ from gymnasium.vector.utils import batch_space
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
 
 from app.api import ConfigError, setting
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.memory import register_memory_envs
 
 __all__ = [
@@ -257,7 +257,7 @@ def check_env_names(cfg: EnvConfig) -> None:
     """What :func:`probe_spaces` checks without building an env: the id is registered (its
     package installed), or the factory imports, is callable and takes ``kwargs``. Each problem
     is the same one line. Ranks that receive the spaces from another process run this instead
-    (app/runtime/settings.py: ``RunSettings.validate_settings``)."""
+    (app/runtime/settings/schema.py: ``RunSettings.validate_settings``)."""
     if cfg.vector == "envpool":
         return  # envpool's ids are its own: its probe checks them
     if cfg._target_:

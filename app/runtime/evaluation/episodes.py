@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.runtime.algorithm import Algorithm
+from app.runtime.core.algorithm import Algorithm
 from app.runtime.envs.history import ObsHistory
 from app.runtime.envs.vector import EnvConfig, make_env
 from app.runtime.evaluation.video import EpisodeVideo, frame, make_rendering_env
-from app.runtime.worker import Agent
+from app.runtime.rollout.worker import Agent
 
 
 @dataclass(frozen=True)

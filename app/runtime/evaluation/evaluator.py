@@ -130,9 +130,9 @@ class BackgroundEvaluator:
 def _serve(loop: RunSettings, conn: Connection) -> None:
     """The evaluation process: builds the policy once, then evaluates each weights it is sent
     until the pipe closes."""
-    from app.runtime.builders import build_policy
     from app.runtime.evaluation.episodes import run_episodes
-    from app.runtime.worker import Agent
+    from app.runtime.rollout.worker import Agent
+    from app.runtime.settings.builders import build_policy
 
     os.nice(_NICE)
     torch.set_num_threads(1)

@@ -32,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from app.api import HandOffKind, JobInfo, RunShape
+from app.runtime.core.segments import SegmentFormat
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, ReplayHooks, Round
 from app.runtime.handoff.handoff import HandOff
 from app.runtime.handoff.route import (
@@ -47,7 +48,6 @@ from app.runtime.handoff.weights_sharded import ShardReceiver, ShardSender
 from app.runtime.membership.base import Membership, StaticMembership
 from app.runtime.membership.quorum import Quorum
 from app.runtime.membership.rollouts import EpochLeader, EpochMember, epoch_timeout
-from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 
 __all__ = ["HandOff", "HandOffSettings", "HandOffStats", "ReplayHooks", "Round", "build_hand_off",

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from app.runtime.algorithm import Segment
-from app.runtime.worker import Episode
+from app.runtime.core.algorithm import Segment
+from app.runtime.rollout.worker import Episode
 
 
 @dataclass
@@ -19,7 +19,7 @@ class Round:
     finished episodes it learns (every episode of the job, on ranks that take the stop
     decision) and the figures of the update's row (``segments``: how many the job collected;
     ``staleness``, the waits, and on elastic runs ``members`` and ``epoch``). ``stop_asked``: a
-    rank of a static layout was asked to stop (SIGTERM: app/runtime/stopping.py), so every
+    rank of a static layout was asked to stop (SIGTERM: app/runtime/core/stopping.py), so every
     rank stops after this update."""
 
     segments: list[Segment] = field(default_factory=list)

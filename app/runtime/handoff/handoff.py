@@ -12,7 +12,7 @@ from app.runtime.handoff.base import HandOffStats, Round
 from app.runtime.handoff.route import SegmentRoute
 from app.runtime.handoff.weights import WeightChannel
 from app.runtime.membership.base import Membership
-from app.runtime.worker import Episode
+from app.runtime.rollout.worker import Episode
 
 
 class HandOff:

@@ -2,7 +2,7 @@
 
 On a static layout (:class:`GatherRoute`) a trainer gathers one packed segment per rollout rank
 over WEIGHT_TRANSFER (bytes of a fixed segment format, tagged with the weights version it was
-collected with: app/runtime/segments.py), and over GLOBAL every rank learns every finished
+collected with: app/runtime/core/segments.py), and over GLOBAL every rank learns every finished
 episode, so all stop at the same update; colocated (no rollout ranks) a trainer trains on its
 own segment. A replay rank (``layout.replay``) takes no segment: its collectors write their
 transitions to it themselves (:class:`ToReplay` around their route; the segment then carries
@@ -22,12 +22,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from app.runtime import stopping
-from app.runtime.algorithm import Segment
+from app.runtime.core import stopping
+from app.runtime.core.algorithm import Segment
+from app.runtime.core.segments import SegmentFormat
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round, check_staleness
 from app.runtime.membership.base import Unchanging
-from app.runtime.segments import SegmentFormat
-from app.runtime.worker import Episode, as_segment
+from app.runtime.rollout.worker import Episode, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 from rlcomm.elastic import Keys
 

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from app.runtime.algorithm import Segment
+from app.runtime.core.algorithm import Segment
+from app.runtime.core.segments import EPISODE_FIELDS, SegmentFormat, pack_episodes, unpack_episodes
 from app.runtime.handoff.base import HandOffSettings, HandOffStats, Round, check_staleness
 from app.runtime.handoff.route import Version
 from app.runtime.membership.base import Unchanging
 from app.runtime.membership.rollouts import EpochLeader, EpochMember
-from app.runtime.segments import EPISODE_FIELDS, SegmentFormat, pack_episodes, unpack_episodes
-from app.runtime.sharding import share_segments
-from app.runtime.worker import Episode, as_segment
+from app.runtime.rollout.worker import Episode, as_segment
+from app.runtime.trainer.trained import share_segments
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.elastic import drain, receive_from_members, send_to_leader
 

@@ -5,7 +5,7 @@ job without a default group, as any replacement does. A tensor-parallel or FSDP 
 the group's new processes form a world of their own over a fresh store prefix (one per rebuild,
 counted by their arrivals), with the plan's grid groups inside it (``CommContext.form_subworld``).
 The lead admits the group only once every rank of it asked (app/runtime/membership/trainers.py), and
-each then heals from the lead's replica group (app/runtime/trainers/healing.py).
+each then heals from the lead's replica group (app/runtime/membership/healing.py).
 """
 
 from __future__ import annotations

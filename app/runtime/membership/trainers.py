@@ -19,8 +19,8 @@ which on a failure calls :meth:`TrainerGroup.recover` (the context's recovery fo
 
 A new process for a lost trainer asks to join; at an update boundary (:meth:`boundary`) the
 trainers agree on admitting it, form the next epoch with it, and it heals from the lead
-(app/runtime/trainers/healing.py). The update that a loss broke is the trainer role's to redo
-(app/runtime/roles/trainer.py): no optimizer steps on a gradient of two groups.
+(app/runtime/membership/healing.py). The update that a loss broke is the trainer role's to redo
+(app/runtime/trainer/role.py): no optimizer steps on a gradient of two groups.
 """
 
 from __future__ import annotations

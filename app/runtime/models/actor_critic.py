@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributions import Categorical, Distribution, Normal
 
 from app.api import setting
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 
 __all__ = [
     "MODEL_KINDS",

@@ -31,7 +31,7 @@ from torch.distributions import Categorical, Distribution, Normal
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-from app.runtime.algorithm import Spaces
+from app.runtime.core.algorithm import Spaces
 from app.runtime.models.actor_critic import action_shape, mode, sample, space_problem
 
 __all__ = [
@@ -336,7 +336,7 @@ class TransformerActorCritic(nn.Module):
         return self.evaluate(obs, action)
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
-        """The runtime's plan for this policy (app/runtime/sharding.py): the blocks split as
+        """The runtime's plan for this policy (app/runtime/trainer/trained.py): the blocks split as
         :func:`app.runtime.models.transformer_tp.tensor_parallel_plan` does, every other part
         replicated."""
         from app.runtime.models.transformer_tp import tensor_parallel_plan

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from app.runtime.worker import Episode
+from app.runtime.rollout.worker import Episode
 from rlcomm import CommContext, ParallelMode, collectives
 
 # metrics.csv's columns that count things: written as integers (``2048``, not ``2048.0``). They

@@ -15,14 +15,16 @@ refill included: the checkpoint keeps the counters, not the contents).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.runtime.data import Record, Segment
-from app.runtime.replay.buffer import Batch, RateLimiter, Replay, ReplaySettings
+from app.runtime.core.data import Record, Segment
+from app.runtime.core.replay_api import Batch, ReplayClient, ReplaySettings
+from app.runtime.core.segments import SegmentFormat
+from app.runtime.replay.buffer import RateLimiter, Replay
 from app.runtime.replay.messages import (
     ALLOW,
     INSERT,
@@ -40,55 +42,7 @@ from app.runtime.replay.messages import (
     tell,
 )
 from app.runtime.replay.routing import batch_shares, forwarded_to
-from app.runtime.segments import SegmentFormat
 from rlcomm import CommContext, LayoutPlan, ParallelMode
-
-
-class ReplayClient(Protocol):
-    """An off-policy algorithm's replay, as its update uses it
-    (app/runtime/replay/offpolicy.py)."""
-
-    #: ``loop.replay``.
-    settings: ReplaySettings
-
-    @property
-    def inserts(self) -> int:
-        """Transitions inserted over the run."""
-
-    @property
-    def samples(self) -> int:
-        """Transitions sampled over the run."""
-
-    @property
-    def size(self) -> int:
-        """Transitions held now."""
-
-    def insert(self, segment: Segment) -> int:
-        """The segment's transitions into the replay; returns how many this rank wrote."""
-
-    def sample(self, generator: torch.Generator) -> Batch:
-        """One learner batch (``batch_size`` transitions)."""
-
-    def update_priorities(self, indices: Tensor, priorities: Tensor) -> None:
-        """New priorities (e.g. |TD error|) for the last batch's ``indices``."""
-
-    def steps_allowed(self) -> int:
-        """The learner steps the rate limiter allows now."""
-
-    def steps_to_admit(self, count: int, most: int) -> int:
-        """The fewest learner steps (at most ``most``) after which collectors may insert
-        ``count`` more transitions (:meth:`RateLimiter.steps_to_admit`), on the counts as
-        :meth:`steps_allowed` left them."""
-
-    def figures(self) -> dict[str, float]:
-        """``replay_size``, ``replay_inserts``, ``replay_samples``, ``samples_per_insert``
-        (the ratio held since sampling began) and ``priority_spread``."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps."""
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """A checkpoint's counters; the rate limiter counts on from them."""
 
 
 def ratio_figures(replay: ReplayClient, counted: tuple[int, int], min_size: int,

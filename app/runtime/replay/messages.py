@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.runtime.data import Segment
+from app.runtime.core.data import Segment
+from app.runtime.core.segments import EPISODE_FIELDS, Field, SegmentFormat
 from app.runtime.replay.buffer import Batch
-from app.runtime.segments import EPISODE_FIELDS, Field, SegmentFormat
 
 HEADER_TAG, PAYLOAD_TAG, REPLY_TAG = 1, 2, 3
 INSERT, ALLOW, SAMPLE, PRIORITIES, STOP, SAVE = range(6)
@@ -50,7 +50,7 @@ def tell(kind: int, dst: int, group: Any, count: int = 0) -> None:
 
 def insert_format(segment_format: SegmentFormat) -> SegmentFormat:
     """What an INSERT carries: a segment without what an elastic member's segment carries for
-    its trainer alone (its episodes and wait, app/runtime/segments.py)."""
+    its trainer alone (its episodes and wait, app/runtime/core/segments.py)."""
     return SegmentFormat({k: v for k, v in segment_format.fields.items()
                           if k not in EPISODE_FIELDS})
 

@@ -21,25 +21,18 @@ replay's counters, not its contents (docs/off-policy.md).
 
 from __future__ import annotations
 
-import logging
 import time
-import typing
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from app.api import ConfigError, LoopMetrics, setting
-from app.runtime.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
-from app.runtime.builders import cadence
-from app.runtime.loop import RLLoop
+from app.runtime.core.algorithm import Algorithm, S, Segment, Spaces, UpdateInfo
 from app.runtime.replay.buffer import Batch, ReplaySettings
 from app.runtime.replay.client import LocalReplay, ReplayClient
-from app.runtime.settings import plain
 
 if TYPE_CHECKING:
-    from rlcomm import LayoutPlan
+    pass
 
 # The replay's figures every off-policy update returns (metrics.csv columns, averaged over the
 # trainers' shards): what the shard holds, what went in and out, the ratio held since sampling
@@ -199,73 +192,3 @@ def soft_update(target: nn.Module, source: nn.Module, tau: float) -> None:
     if targets:
         with torch.no_grad():
             torch._foreach_lerp_(targets, sources, tau)
-
-
-@dataclass
-class OffPolicyLoop(RLLoop):
-    """An RL loop whose algorithm learns from a replay: the runtime's settings, ``hparams``, and
-    ``replay`` (``loop.replay``, checked before launch)."""
-
-    replay: ReplaySettings = setting(doc="the replay shard and its rate limiter (docs/off-policy.md)",
-                                     factory=ReplaySettings)
-    # The runtime's figures plus, for a sweep to compare, the seconds each side waited on the
-    # limiter (this attempt's totals, as the last update left them).
-    metrics: ClassVar[LoopMetrics] = LoopMetrics(
-        {**RLLoop.metrics.directions, "collector_wait_s": "min", "learner_wait_s": "min"},
-        headline=RLLoop.metrics.headline)
-    # layout.replay may hold this loop's replay (app/launch/shape.py checks it); its trainers
-    # are DDP ones, never sharded (refused there too).
-    replay_ranks_supported: typing.ClassVar[bool] = True
-    sharded_trainers: typing.ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.replay, ReplaySettings):
-            self.replay = typing.get_type_hints(type(self))["replay"](**plain(self.replay))
-
-    def validate_settings(self, plan: LayoutPlan) -> None:
-        """The runtime's checks that build nothing, then the replay's (``loop.replay.<field>:
-        ...``), its share of a batch per replay rank, and the policy it acts with. Its trainers
-        are DDP ones (``sharded_trainers``: refused with the run's shape, app/launch/shape.py),
-        since its update (each trainer's batch from its own replay shard, one gradient step
-        through the DDP model) has no sharded form."""
-        super().validate_settings(plan)
-        shards = len(plan.replay) or len(plan.trainers)
-        errors = self.replay.range_errors(self.hparams.num_steps, shards)
-        if errors:
-            raise ConfigError(f"loop.{errors[0]}")
-        ranks = list(plan.replay)
-        if self.replay.batch_size < len(ranks):  # every replay rank gives a share of each batch
-            raise ConfigError(
-                f"loop.replay.batch_size: {self.replay.batch_size} is fewer than the "
-                f"{len(ranks)} replay ranks {ranks}, which each give a share of every batch; use "
-                f"at least {len(ranks)}")
-        if self.model.kind != "mlp":
-            raise ConfigError(f"loop.model.kind: {self.model.kind}, but an off-policy loop acts "
-                              "with its algorithm's own network; use loop.model.kind=mlp")
-
-    def validate(self, plan: LayoutPlan) -> None:
-        """:meth:`validate_settings` and the runtime's checks that build (the env's), then what
-        a replay checkpoint would hold."""
-        super().validate(plan)
-        if self.replay.checkpoint:
-            self._check_replay_checkpoint(plan, len(plan.replay) or len(plan.trainers))
-
-    def _check_replay_checkpoint(self, plan: LayoutPlan, shards: int) -> None:
-        """``loop.replay.checkpoint``: checkpoints on, the replay on the trainers; its size is
-        said at launch (the start lines)."""
-        if not cadence(self).on:
-            raise ConfigError("loop.replay.checkpoint: true, but checkpoints are off "
-                              "(loop.checkpoint_every=0)")
-        per = transition_bytes(self.spaces)
-        total = shards * self.replay.capacity * per
-        logging.getLogger("app").info(
-            "loop.replay.checkpoint: up to %.1f MB beside each checkpoint (%d shard%s x %d "
-            "transitions x %d bytes)", total / 1e6, shards, "s" if shards > 1 else "",
-            self.replay.capacity, per)
-
-    def build_algorithm(self, spaces: Spaces) -> Algorithm[Any]:
-        algorithm_cls: Any = self.algorithm  # an OffPolicyAlgorithm: it takes the replay too
-        algorithm: Algorithm[Any] = algorithm_cls(self.hparams, spaces, replay=self.replay)
-        algorithm.compile_mode = self.compile
-        return algorithm

@@ -52,9 +52,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from app.runtime.algorithm import Algorithm, Record
 from app.runtime.checkpoints.replay_shards import dealt_shards, shard_path, write_shard
 from app.runtime.checkpoints.writes import BackgroundWrites
+from app.runtime.core.algorithm import Algorithm, Record
+from app.runtime.core.seeds import replay_seed
+from app.runtime.core.segments import SegmentFormat
 from app.runtime.replay.buffer import RateLimiter, Replay, ReplaySettings
 from app.runtime.replay.client import RemoteReplay
 from app.runtime.replay.messages import (
@@ -76,9 +78,7 @@ from app.runtime.replay.messages import (
     tell,
 )
 from app.runtime.replay.routing import batch_shares, collectors, replay_rank_of, writers_of
-from app.runtime.seeds import replay_seed
-from app.runtime.segments import SegmentFormat
-from app.runtime.worker import MOMENTS, as_segment
+from app.runtime.rollout.worker import MOMENTS, as_segment
 from rlcomm import CommContext, LayoutPlan, ParallelMode
 
 log = logging.getLogger(__name__)

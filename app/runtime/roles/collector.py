@@ -6,12 +6,12 @@ import time
 
 from torch import Tensor
 
-from app.runtime.worker import Agent, Episode, RolloutWorker
+from app.runtime.rollout.worker import Agent, Episode, RolloutWorker
 
 
 class Collector:
     """Collects one segment per update with the agent's current weights, tagged with their
-    version (app/runtime/worker.py); ``split_s``: the rank's time split, which it adds its
+    version (app/runtime/rollout/worker.py); ``split_s``: the rank's time split, which it adds its
     ``collect``, ``env`` and ``act`` seconds to."""
 
     def __init__(self, worker: RolloutWorker, agent: Agent, split_s: dict[str, float]) -> None:

@@ -15,15 +15,15 @@ import logging
 import time
 from typing import Any
 
-from app.runtime import stopping
-from app.runtime.builders import target
 from app.runtime.checkpoints.checkpointer import Checkpointer
+from app.runtime.core import stopping
+from app.runtime.core.state import RunState
 from app.runtime.evaluation.evaluator import Evaluations, evaluation_row
 from app.runtime.records.recorder import Recorder
 from app.runtime.records.rows import Attempt, UpdateRecord
+from app.runtime.rollout.worker import Agent, Episode
 from app.runtime.settings import RunSettings
-from app.runtime.state import RunState
-from app.runtime.worker import Agent, Episode
+from app.runtime.settings.builders import target
 from rlcomm import ParallelMode
 
 log = logging.getLogger(__name__)

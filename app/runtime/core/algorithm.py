@@ -23,17 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
 
 from app.api import setting
-from app.runtime.data import Record, Segment, Spaces
-
-if TYPE_CHECKING:
-    from app.runtime.replay.buffer import ReplaySettings
-    from app.runtime.replay.client import ReplayClient
+from app.runtime.core.data import Record, Segment, Spaces
+from app.runtime.core.replay_api import ReplayClient, ReplaySettings
 
 __all__ = ["Algorithm", "AlgorithmSettings", "Record", "Segment", "Spaces", "UpdateInfo"]
 
@@ -52,7 +49,7 @@ class UpdateInfo:
 
 class Peers:
     """The trainers an update is made with: one here; the runtime's
-    (app/runtime/roles/trainer.py) are the live trainers, which elastic trainers re-form.
+    (app/runtime/trainer/role.py) are the live trainers, which elastic trainers re-form.
     Gradients through ``model`` are averaged over them already; what an algorithm steps outside
     it, or must agree on, goes through these."""
 
@@ -115,7 +112,7 @@ class Algorithm(Generic[S]):
     #: worker adds no :meth:`value` bootstrap to the reward: the update bootstraps a time-limit
     #: cut itself, with the weights it learns with (an off-policy algorithm's replay does).
     final_observations: ClassVar[bool] = False
-    #: ``loop.compile`` (app/runtime/compiling.py), which the loop sets on the algorithm it
+    #: ``loop.compile`` (app/runtime/core/compiling.py), which the loop sets on the algorithm it
     #: builds: how an update that supports it compiles its step ("off": as written).
     compile_mode: str = "off"
     #: True: the update compiles its step as :attr:`compile_mode` says (else loop.compile other

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.runtime.worker import Episode
+from app.runtime.core.data import Episode
 
 # Finished episodes a rank keeps in memory (and a checkpoint holds) at least: the stop rule reads
 # the last ``loop.window`` of them, and a resume may widen the window up to this many without

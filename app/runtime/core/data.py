@@ -1,5 +1,5 @@
 """The data an algorithm and the runtime exchange: an environment's spaces, what a step records
-and a collected segment. Apart from app/runtime/algorithm.py so that the replay, which stores
+and a collected segment. Apart from app/runtime/core/algorithm.py so that the replay, which stores
 segments, and the algorithm contract, which declares the replay it learns from, build on them
 without importing each other."""
 
@@ -10,6 +10,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+# (episodic return, episode length) of one finished episode.
+Episode = tuple[float, int]
 
 
 @dataclass(frozen=True)

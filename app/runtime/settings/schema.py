@@ -1,6 +1,6 @@
 """The runtime's settings (``loop.*``): their schema, each field with its one-line doc. Their
 checks before any rank starts are app/runtime/validation.py's, what they build (the policy,
-the checkpoint cadence, the stop rule, the summary) app/runtime/builders.py's; one rank's run
+the checkpoint cadence, the stop rule, the summary) app/runtime/settings/builders.py's; one rank's run
 (app/runtime/run.py) reads them; :class:`~app.runtime.loop.RLLoop` adds the loop's hooks and
 the entry every rank calls.
 """
@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 from omegaconf import DictConfig, OmegaConf
 
 from app.api import LoopMetrics, setting
-from app.runtime.algorithm import Algorithm, AlgorithmSettings, Spaces
 from app.runtime.checkpoints.cadence import DEFAULT_INTERVAL_S, DEFAULT_KEEP
+from app.runtime.core.algorithm import Algorithm, AlgorithmSettings, Spaces
 from app.runtime.envs.vector import EnvConfig, probe_spaces
 from app.runtime.models.actor_critic import ModelConfig
 

@@ -15,15 +15,14 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from app.runtime.algorithm import Algorithm, Segment, Spaces
+from app.runtime.core.algorithm import Algorithm, Segment, Spaces
+from app.runtime.core.data import Episode
+from app.runtime.core.segments import Field, SegmentFormat
 from app.runtime.envs.history import ObsHistory
 from app.runtime.envs.normalize import ReturnTracker, RunningNorm
 from app.runtime.envs.vector import EnvConfig, EnvError, make_vector_env
 from app.runtime.models.actor_critic import action_dtype, action_shape, obs_shape
-from app.runtime.segments import Field, SegmentFormat
 
-# (episodic return, episode length) of one finished episode.
-Episode = tuple[float, int]
 # What a segment carries for the trainers' normalisers (not for the update).
 MOMENTS = ("obs_moments", "return_moments")
 
@@ -66,7 +65,7 @@ class Agent(nn.Module):
 
 def build_segment_format(algorithm: Algorithm[Any], spaces: Spaces, agent: Agent, num_steps: int,
                    num_envs: int) -> SegmentFormat:
-    """Where each field of one packed segment lives (app/runtime/segments.py)."""
+    """Where each field of one packed segment lives (app/runtime/core/segments.py)."""
     T, N = num_steps, num_envs
     obs, obs_dtype = agent.policy_obs_shape(spaces), _obs_dtype(spaces, agent)
     fields = {

@@ -38,8 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from app.api import RunShape
-from app.runtime.algorithm import Segment
-from app.runtime.trainers.gradients import AveragedAcrossReplicas
+from app.runtime.core.algorithm import Segment
+from app.runtime.trainer.gradients import AveragedAcrossReplicas
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 
 DATA_PARALLEL_KINDS = ("ddp", "fsdp")
@@ -95,7 +95,7 @@ class TrainedModule:
             self.trained: nn.Module = net
             # DDP's group: the trainers (the same ranks as a planned DATA_PARALLEL grid). Elastic
             # trainers re-form theirs: their gradients are averaged over the live trainers by
-            # app/runtime/trainers/gradients.py instead, on the acting module itself. A lone
+            # app/runtime/trainer/gradients.py instead, on the acting module itself. A lone
             # trainer has nothing to average: DDP over a group of one would still copy every
             # gradient into its buckets and all-reduce them with itself: up to a third of a
             # small learner step on one thread (docs/off-policy.md, "Learner speed").

@@ -7,12 +7,17 @@ from typing import Any
 
 import torch
 
-from app.runtime.algorithm import Algorithm, Peers, Segment, UpdateInfo
-from app.runtime.seeds import minibatch_seed
-from app.runtime.sharding import TrainedModule, TrainerGrid, replica_rank, share_replica_segments
-from app.runtime.state import RunState
-from app.runtime.trainers.gradients import AveragedGradients
-from app.runtime.worker import Agent
+from app.runtime.core.algorithm import Algorithm, Peers, Segment, UpdateInfo
+from app.runtime.core.seeds import minibatch_seed
+from app.runtime.core.state import RunState
+from app.runtime.rollout.worker import Agent
+from app.runtime.trainer.gradients import AveragedGradients
+from app.runtime.trainer.trained import (
+    TrainedModule,
+    TrainerGrid,
+    replica_rank,
+    share_replica_segments,
+)
 from rlcomm import CommContext, LayoutPlan, ParallelMode, collectives
 
 TDP = ParallelMode.TRAIN_DATA_PARALLEL
@@ -29,8 +34,8 @@ class Trainer:
                  split_s: dict[str, float]) -> None:
         self.ctx, self.algorithm, self.agent, self.trained = ctx, algorithm, agent, trained
         self.optimizer = algorithm.optimizer(trained.trained)
-        # Elastic trainers (app/runtime/trainers/): averaged over the live ones (sharded ones in
-        # replica groups: by their FSDP units, app/runtime/sharding.py).
+        # Elastic trainers (app/runtime/trainer/): averaged over the live ones (sharded ones in
+        # replica groups: by their FSDP units, app/runtime/trainer/trained.py).
         self.averaged = AveragedGradients(ctx, self.optimizer) \
             if trained.shape.elastic_trainers and not trained.sharded else None
         self.peers = TrainerPeers(ctx) if len(plan.trainers) > 1 else Peers()

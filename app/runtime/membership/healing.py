@@ -19,7 +19,7 @@ import torch
 
 from app.runtime.checkpoints.checkpoint import content_checksum
 from app.runtime.checkpoints.checkpointer import Checkpointer, restore_counters, restore_history
-from app.runtime.state import RunState
+from app.runtime.core.state import RunState
 from rlcomm import CommContext, ParallelMode, collectives
 
 log = logging.getLogger(__name__)

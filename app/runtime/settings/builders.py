@@ -1,4 +1,4 @@
-"""What the runtime's settings (``loop.*``, app/runtime/settings.py) build for a run: the policy,
+"""What the runtime's settings (``loop.*``, app/runtime/settings/schema.py) build for a run: the policy,
 the checkpoint cadence, the target return and the stop rule, the trackers, and the closing
 summary's figures. The algorithm itself is the settings' own ``build_algorithm`` (a subclass
 gives it more: an off-policy loop its replay)."""
@@ -14,9 +14,9 @@ from torch import nn
 
 from app.output.progress import StopRule
 from app.output.trackers import FOLDERS, Tracking
-from app.runtime.algorithm import Algorithm, Spaces
 from app.runtime.checkpoints.cadence import Cadence
 from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR
+from app.runtime.core.algorithm import Algorithm, Spaces
 from app.runtime.envs.vector import ensure_registered
 from app.runtime.models.transformer import TransformerActorCritic
 
