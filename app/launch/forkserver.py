@@ -213,8 +213,10 @@ def _side_main(name: str, fn: Callable[..., Any], args: tuple[Any, ...], conn: A
     from app.launch.lifeline import tie_to_launcher
 
     tie_to_launcher(launched_here=True)
-    # Ctrl-C stops the launcher, which then stops this job (or waits for it): not halfway.
+    # Ctrl-C stops the launcher, which then stops this job (or waits for it): not halfway. So does
+    # SIGTERM, which a batch system's preemption sends to the whole process group (srun).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.nice(nice)
     set_process_name(f"rlcomm-{name}")

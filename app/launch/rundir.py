@@ -12,7 +12,8 @@ The rules (docs/data-safety.md):
 
 - held by a live process: refused, naming the holder;
 - free, and the record names this very run (an elastic restart, a requeued SLURM job, a host that
-  rejoins): the run continues in its own dir;
+  rejoins), unfinished or stopped by SIGTERM (``result.json`` says ``stopped``): the run
+  continues in its own dir;
 - free, and the dir holds a finished run (``result.json``), or an unfinished run of another
   run, or an earlier sweep: refused, saying how to continue it or start fresh;
 - a dir where no rank ever ran (only ``.hydra/`` and the layout pictures: a plan, or a config
@@ -112,6 +113,17 @@ def _parse(raw: bytes) -> Holder:
     return Holder(**{k: data[k] for k in Holder.__dataclass_fields__ if k in data})
 
 
+def _finished(directory: Path) -> bool:
+    """Whether the dir's run ended for good. One asked to stop (SIGTERM: a batch system's
+    preemption or requeue) wrote a result that says ``stopped``, and its own job may go on."""
+    try:
+        return json.loads((directory / FINISHED).read_bytes()).get("status") != "stopped"
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, AttributeError):
+        return True  # a result that cannot be read is not taken over
+
+
 def _markers(directory: Path, kind: Kind) -> list[str]:
     names = RUN_MARKERS if kind == "run" else SWEEP_MARKERS
     return [n for n in names if (directory / n).exists()]
@@ -121,7 +133,7 @@ def _refusal(
     key: str, directory: Path, kind: Kind, holder: Holder | None, identity: str, resumable: bool
 ) -> str | None:
     """Why this run may not use ``directory`` now that nobody holds it; None when it may."""
-    if holder is not None and holder.run == identity and not (directory / FINISHED).exists():
+    if holder is not None and holder.run == identity and not _finished(directory):
         return None  # this run continuing: an elastic restart, a requeued job, a rejoining host
     found = _markers(directory, kind)
     if not found:
@@ -131,7 +143,8 @@ def _refusal(
         who = f" ({holder.describe_stale()})" if holder is not None else ""
         return f"{key}: {directory} holds an earlier sweep{who}; {fresh}"
     if FINISHED in found:
-        what = "a finished run" + (f" ({holder.describe()})" if holder is not None else "")
+        ended = "a finished run" if _finished(directory) else "a run stopped by a signal"
+        what = ended + (f" ({holder.describe()})" if holder is not None else "")
     elif holder is not None:
         what = f"an unfinished run ({holder.describe_stale()}, no longer running)"
     else:

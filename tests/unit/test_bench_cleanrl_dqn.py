@@ -111,9 +111,9 @@ def test_the_command_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "--seeds" in capsys.readouterr().err
     args = cleanrl_dqn.parse_args(["--cleanrl-script", str(script)])
     assert (args.seeds, args.max_seconds, args.layout) == ([1, 2, 3], 300.0, None)
-    # The user's layout; neither a progress line nor checkpoints, as CleanRL's dqn.py.
+    # The user's layout; no progress line (CleanRL's dqn.py prints none), our checkpoints on.
     assert cleanrl_dqn.our_overrides(args, 2) == [
-        "loop=dqn", "seed=2", "loop.progress=false", "loop.checkpoint_every=0"]
+        "loop=dqn", "seed=2", "loop.progress=false"]
     args = cleanrl_dqn.parse_args(["--cleanrl-script", str(script), "--seeds", "4",
                                    "--layout", "single", "--max-seconds", "60"])
     assert (args.seeds, args.max_seconds) == ([4], 60.0)

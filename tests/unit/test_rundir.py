@@ -97,6 +97,19 @@ def test_a_finished_run_is_refused_even_to_its_own_job(tmp_path: Path, released:
             str(err.value)), err.value
 
 
+def test_a_run_stopped_by_sigterm_goes_on_in_its_own_job_and_is_refused_to_others(
+    tmp_path: Path, released: None
+) -> None:
+    """A preempted or requeued job's ranks were asked to stop: their result says so, and the
+    same job continues from its newest checkpoint; any other run is told how to resume it."""
+    stale(tmp_path, "slurm-27.0", ".hydra", "checkpoints")
+    (tmp_path / "result.json").write_text(json.dumps({"status": "stopped"}))
+    with pytest.raises(RunDirError, match=r"holds a run stopped by a signal \(run slurm-27\.0 "):
+        claim(tmp_path, KEY, identity="run-b", resumable=True)
+    continued = claim(tmp_path, KEY, identity="slurm-27.0")
+    assert continued is not None and continued.run == "slurm-27.0"
+
+
 def test_files_of_a_run_without_a_lock_are_refused_and_left_alone(
     tmp_path: Path, released: None
 ) -> None:
