@@ -265,13 +265,13 @@ class DeathWatch:
 
     def killed(self) -> dict[int, str]:
         """Ranks among the first to end that a signal killed, with the signal's name."""
-        found = {}
-        for proc, rank in self._first.items():
-            code = proc.exitcode  # the agent has collected it: this reads nothing new
-            if code is not None and code < 0:
-                with contextlib.suppress(ValueError):
-                    found[rank] = signal.Signals(-code).name
-        return found
+        return _signal_names(self._first)
+
+    def signalled(self) -> dict[int, str]:
+        """Every rank of this attempt that a signal other than SIGTERM (the agent's stop)
+        killed, however late its end was seen."""
+        return {rank: name for rank, name in _signal_names(self._attempt).items()
+                if name != "SIGTERM"}
 
     def only_stragglers_failed(self) -> bool:
         """The run finished (result.json), and the only ranks that did not exit cleanly are the
@@ -345,6 +345,17 @@ class DeathWatch:
         return None
 
 
+def _signal_names(procs: dict[BaseProcess, int]) -> dict[int, str]:
+    """Of ``procs`` (process -> rank), the ranks a signal killed, with the signal's name."""
+    found = {}
+    for proc, rank in procs.items():
+        code = proc.exitcode  # the agent has collected it: this reads nothing new
+        if code is not None and code < 0:
+            with contextlib.suppress(ValueError):
+                found[rank] = signal.Signals(-code).name
+    return found
+
+
 def _ended(procs: list[BaseProcess]) -> list[BaseProcess]:
     """Those of ``procs`` that have ended: their sentinel is ready (nothing is read from it)."""
     sentinels = {}
@@ -358,16 +369,25 @@ def _ended(procs: list[BaseProcess]) -> list[BaseProcess]:
 
 
 def describe_failures(
-    err: ChildFailedError, run_dir: Path, killed: dict[int, str] | None = None
+    err: ChildFailedError, run_dir: Path, killed: dict[int, str] | None = None,
+    signalled: dict[int, str] | None = None,
 ) -> str:
     """One line naming the rank(s) that caused the failure, why, and where their logs are.
 
     The agent reports whichever failed rank it noticed first, often a peer that merely lost its
     connection; every rank's failure record (above) tells the cause apart, and
     ``killed`` (from :class:`DeathWatch`) names the ranks a signal killed, which leave none.
+    ``signalled`` (the same, for every rank of the attempt) names the cause when every rank that
+    wrote a record only lost a peer and none of the first to end was killed: the forkserver that
+    reaps the ranks tells of their ends in no set order, so a busy machine can show a killed
+    rank's end after its peers'.
     """
     records = read_records(run_dir / "logs")
-    why, kinds, writes = _what_each_rank_says(err, run_dir, records, killed or {})
+    killed = dict(killed or {})
+    if (signalled and all(r.kind == "peer_lost" for r in records.values())
+            and all(name == "SIGTERM" for name in killed.values())):
+        killed.update(signalled)
+    why, kinds, writes = _what_each_rank_says(err, run_dir, records, killed)
     causes = {r: w for r, w in why.items() if kinds[r] != "peer_lost"} or why
     if any(w.startswith("killed by") for w in causes.values()):
         # A crash wins: the hang its peers may report is its consequence.

@@ -140,7 +140,8 @@ def launch_local(job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str
         elastic_launch(launch, _local_rank)(job, plan, str(run_dir), dict(os.environ))
     except ChildFailedError as err:
         if not deaths.only_stragglers_failed():
-            raise RankFailedError(describe_failures(err, run_dir, deaths.killed())) from None
+            raise RankFailedError(describe_failures(err, run_dir, deaths.killed(),
+                                                      deaths.signalled())) from None
         # Every rank finished; the ones that would not exit were named and killed.
     except SignalException as err:  # the agent forwarded the signal to every rank and waited
         name = signal.Signals(err.sigval).name

@@ -131,3 +131,18 @@ def test_a_leader_that_lost_its_members_is_no_cause_beside_the_rank_that_failed(
     (tmp_path / "logs" / "rank1.error.json").unlink()  # rank 1 left no record: the leader's line
     assert describe_failures(_failed(r0=1), tmp_path).startswith(
         "rank 0 exit code 1: MembersLostError: 0 live rollout ranks")
+
+
+def test_a_killed_rank_seen_ending_after_its_peers_is_still_the_cause(tmp_path: Path) -> None:
+    # Seen in CI under load: rank 2 SIGKILLed, its peers' records say they lost it, and the
+    # agent and the first scan saw only the peers end (the forkserver told of rank 2's end last).
+    for rank in (0, 1, 3):
+        _record(tmp_path / "logs", rank,
+                RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:5"))
+    killed = f"rank 2 killed by SIGKILL (log: {tmp_path / 'logs' / 'rank2.log'})"
+    assert describe_failures(_failed(r0=1), tmp_path, killed={},
+                             signalled={2: "SIGKILL"}) == killed
+    # A rank's own error wins: a rank the agent's stop escalated to SIGKILL is not named.
+    _record(tmp_path / "logs", 1, ValueError("boom"))
+    assert describe_failures(_failed(r1=1), tmp_path, killed={}, signalled={2: "SIGKILL"}) == (
+        f"rank 1 exit code 1: ValueError: boom (log: {tmp_path / 'logs' / 'rank1.log'})")
