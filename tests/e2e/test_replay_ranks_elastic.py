@@ -63,7 +63,10 @@ def test_a_killed_collector_keeps_its_sent_transitions_in_the_replay_rank_and_re
     (leave,) = result["leaves"]
     (join,) = result["joins"]
     seen = f"left {leave['time'] - killed:.2f} s, joined {join['time'] - killed:.2f} s after the kill"
-    assert (leave["rank"], leave["reason"]) == (3, "connection closed"), (leave, seen)
+    # Under load the restart can ask to join before the trainer's wait sees the close: then the
+    # new process replaces the old one (seen in CI: left 0.12 s, joined 0.21 s after the kill).
+    assert leave["rank"] == 3 and leave["reason"] in ("connection closed",
+                                                      "replaced by a new process"), (leave, seen)
     assert (join["rank"], join["reason"]) == (3, "admitted"), join
     assert ranks[3]["joined"] is True and ranks[3]["segments_sent"] > 0
     members = _members(app)
@@ -71,7 +74,8 @@ def test_a_killed_collector_keeps_its_sent_transitions_in_the_replay_rank_and_re
         [2, 1, 2], [2]), members  # 1 only if an update went by before the rejoin
     # What it lost is counted, as with the replay beside the trainer
     # (tests/e2e/test_dqn.py::test_a_killed_collector_loses_only_its_unsent_transitions_counted).
-    assert trainer["segments_discarded"] >= 1
+    # (When its restart replaced it first, the trainer counted none lost: seen in CI.)
+    assert trainer["segments_discarded"] >= (leave["reason"] == "connection closed")
     # Every segment the trainer was handed reached the replay rank in its update, before the
     # learner sampled, and the replay never lost any: its inserts and size only grow.
     rows = metrics(app.run_dir)
