@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from app.api import JobInfo
-from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR, run_settings
+from app.runtime.checkpoints.agreement import run_settings
+from app.runtime.checkpoints.checkpoint import CHECKPOINT_DIR
 from app.runtime.checkpoints.checkpointer import Checkpointer
 from app.runtime.checkpoints.replay_shards import ReplayShard
 from app.runtime.core.algorithm import Algorithm
@@ -92,13 +93,8 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     if elastic:  # a member's episodes travel in its segment
         segment_format = with_episodes(segment_format, episode_cap)
     split_s = dict.fromkeys(("collect", "env", "act", "update", "comm"), 0.0)
-    collector = None
-    if collects:
-        worker = RolloutWorker(algorithm, spaces, loop.env, agent, seed=env_seed(job.seed, rank))
-        worker.use_segment_format(segment_format)
-        # Which collector it is, for per-collector exploration.
-        algorithm.set_collector(collectors(plan).index(rank), len(collectors(plan)))
-        collector = Collector(worker, agent, split_s)
+    collector = _collector(loop, job, rank, algorithm, agent, segment_format,
+                          split_s) if collects else None
     # A sharded trainer's copy is made before the hand-off, which sends its shards; DDP wraps
     # the acting module itself, only once the hand-off bound it to its send buffer (the
     # parameters then live there).
@@ -127,6 +123,18 @@ def build_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> Rank:
     if loop.eval_every and deciders is not None:  # beside training, in the lead trainer's process
         parts.evaluations = Evaluations(loop, ctx, min(plan.trainers), deciders, job.run_dir)
     return parts
+
+
+def _collector(loop: RunSettings, job: JobInfo, rank: int, algorithm: Algorithm, agent: Agent,
+               segment_format: Any, split_s: dict[str, float]) -> Collector:
+    """A collecting rank's worker, stepping its envs into segments of ``segment_format``."""
+    worker = RolloutWorker(algorithm, loop.spaces, loop.env, agent,
+                           seed=env_seed(job.seed, rank))
+    worker.use_segment_format(segment_format)
+    # Which collector it is, for per-collector exploration.
+    plan = job.plan
+    algorithm.set_collector(collectors(plan).index(rank), len(collectors(plan)))
+    return Collector(worker, agent, split_s)
 
 
 def _hand_off_settings(loop: RunSettings, ctx: CommContext, job: JobInfo,

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from app.api import ConfigError, JobInfo, LoopMetrics, setting
-from app.runtime import validation
 from app.runtime.core.algorithm import Algorithm, Spaces
 from app.runtime.core.replay_api import ReplaySettings
 from app.runtime.membership.reports import reporting_ranks
@@ -40,6 +39,7 @@ from app.runtime.replay.offpolicy import transition_bytes
 from app.runtime.run import run_rank
 from app.runtime.settings import RunSettings, plain
 from app.runtime.settings.builders import cadence, run_summary
+from app.runtime.validation import check_env, check_seed, check_settings
 from rlcomm import CommContext, LayoutPlan
 
 
@@ -54,17 +54,17 @@ class RLLoop(RunSettings):
     def validate(self, plan: LayoutPlan) -> None:
         """Range checks and the environment's, run by the launcher before any rank starts."""
         self.validate_settings(plan)
-        validation.check_env(self, plan)
+        check_env(self, plan)
 
     def validate_settings(self, plan: LayoutPlan) -> None:
         """The checks of :meth:`validate` that build nothing (no env, no policy): all that a
         rank of a joined run other than rank 0 runs (app/launch/rank.py)."""
-        validation.check_settings(self, plan)
+        check_settings(self, plan)
 
     def check_seed(self, seed: int, plan: LayoutPlan) -> None:
         """The top-level ``seed`` against the seeds every rank derives from it
         (app/runtime/core/seeds.py), run by the launcher after :meth:`validate`."""
-        validation.check_seed(self, seed, plan)
+        check_seed(self, seed, plan)
 
     def summary(self, result: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         """The closing summary's figures and files, from rank 0's result."""

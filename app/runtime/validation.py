@@ -12,12 +12,12 @@ from app.api import ConfigError
 from app.output.logs import write_console
 from app.output.trackers import check_trackers
 from app.output.trackers.tensorboard import check_tensorboard
-from app.runtime.checkpoints.checkpoint import (
-    newest_valid_checkpoint,
+from app.runtime.checkpoints.agreement import (
     policy_shapes,
     resume_mismatch,
     run_settings,
 )
+from app.runtime.checkpoints.checkpoint import newest_valid_checkpoint
 from app.runtime.core.compiling import compile_problem
 from app.runtime.core.seeds import seed_problem
 from app.runtime.envs.vector import check_env_names

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from app.api import ConfigError
 from app.launch.failures import write_error_line
+from app.runtime.checkpoints.agreement import policy_shapes, resume_mismatch
 from app.runtime.checkpoints.checkpoint import (
     STATE_FILE,
     TrainingState,
@@ -31,8 +32,6 @@ from app.runtime.checkpoints.checkpoint import (
     last_checkpoint_note,
     load_checkpoint,
     newest_valid_checkpoint,
-    policy_shapes,
-    resume_mismatch,
 )
 from app.runtime.checkpoints.policy import load_policy_state
 from app.runtime.checkpoints.shards import load_sharded_checkpoint, save_sharded_checkpoint

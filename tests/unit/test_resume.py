@@ -17,13 +17,15 @@ import torch
 from app.api import ConfigError
 from app.loops.ppo import PPOLoop
 from app.loops.ppo.core import PPOSettings, make_optimizer
+from app.runtime.checkpoints.agreement import (
+    policy_shapes,
+    resume_mismatch,
+    run_settings,
+)
 from app.runtime.checkpoints.checkpoint import (
     TrainingState,
     load_checkpoint,
     newest_valid_checkpoint,
-    policy_shapes,
-    resume_mismatch,
-    run_settings,
     save_checkpoint,
 )
 

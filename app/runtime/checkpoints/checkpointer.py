@@ -71,7 +71,7 @@ class Checkpointer:
     between two updates and written in the background (app/runtime/checkpoints/writes.py);
     once it is durable, checkpoints beyond the cadence's ``keep`` are removed
     (app/runtime/checkpoints/retention.py). ``settings``: what a checkpoint records of the run's
-    (:func:`~app.runtime.checkpoints.checkpoint.run_settings`). An elastic run's checkpoint
+    (:func:`~app.runtime.checkpoints.agreement.run_settings`). An elastic run's checkpoint
     keeps its membership epoch, which its metrics rows carry."""
 
     def __init__(self, ctx: CommContext, run_dir: Path, cadence: Cadence, trainer: Checkpointed,

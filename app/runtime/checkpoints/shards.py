@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from app.runtime.checkpoints.agreement import policy_shapes
 from app.runtime.checkpoints.checkpoint import (
     CHECKPOINT_DIR,
     SHARDED_FORMAT,
@@ -27,7 +28,6 @@ from app.runtime.checkpoints.checkpoint import (
     content_checksum,
     file_digest,
     named_write_error,
-    policy_shapes,
 )
 from app.runtime.checkpoints.durable import remove_stale, sync_folder, write_synced
 
