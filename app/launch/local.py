@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import uuid
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,12 @@ from app.launch.failures import (
     write_error_line,
 )
 from app.launch.lifeline import tie_to_launcher
-from app.launch.private import AgentRestartNotice, NoWorkerTraceback, name_agent_host
+from app.launch.private import (
+    AgentRestartNotice,
+    NoWorkerTraceback,
+    name_agent_host,
+    started_processes,
+)
 from app.launch.rank import run_rank
 from app.output.logs import console_handler
 from rlcomm import LayoutPlan
@@ -66,6 +72,8 @@ if TYPE_CHECKING:
     from app.launch.planning import ValidatedJob
 
 LOOPBACK = "127.0.0.1"
+# What the agent turns into SignalException (TORCHELASTIC_SIGNALS_TO_HANDLE's default).
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _BACKEND = "rlcomm-loopback"
 
 
@@ -135,15 +143,14 @@ def launch_local(job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str
                         log=_launcher_log())
     previous = signal.signal(signal.SIGUSR1,
                              lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir, deaths))
+    stops = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+    before = set(started_processes())
     try:
-        # The launcher's environment travels with the ranks: a forked rank adopts it.
-        elastic_launch(launch, _local_rank)(job, plan, str(run_dir), dict(os.environ))
-    except ChildFailedError as err:
-        if not deaths.only_stragglers_failed():
-            raise RankFailedError(describe_failures(err, run_dir, deaths.killed(),
-                                                      deaths.signalled())) from None
-        # Every rank finished; the ones that would not exit were named and killed.
-    except SignalException as err:  # the agent forwarded the signal to every rank and waited
+        return _run_agent(launch, job, plan, run_dir, deaths)
+    except SignalException as err:  # the agent forwarded the signal to the ranks it knew of
+        for stop in _STOP_SIGNALS:  # one stop at a time: a repeated signal must not cut it short
+            signal.signal(stop, signal.SIG_IGN)
+        _stop_survivors(before, err.sigval, float(job.launcher.shutdown_timeout))
         name = signal.Signals(err.sigval).name
         raise LaunchInterruptedError(
             f"interrupted by {name}: stopped all {plan.world_size} ranks "
@@ -153,8 +160,45 @@ def launch_local(job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str
     finally:
         deaths.stop()
         signal.signal(signal.SIGUSR1, previous)
+        for stop, handler in stops.items():  # the agent's handler raises; it ends with the run
+            if handler is not None:  # None: not set from Python, nothing to put back
+                signal.signal(stop, handler)
+
+
+def _run_agent(launch: LaunchConfig, job: ValidatedJob, plan: LayoutPlan, run_dir: Path,
+               deaths: DeathWatch) -> dict[str, Any]:
+    """The agent's run of every rank; rank 0's summary, or RankFailedError. A signal (the
+    agent's SignalException) may land anywhere in here, the failure's description included."""
+    try:
+        # The launcher's environment travels with the ranks: a forked rank adopts it.
+        elastic_launch(launch, _local_rank)(job, plan, str(run_dir), dict(os.environ))
+    except ChildFailedError as err:
+        if not deaths.only_stragglers_failed():
+            raise RankFailedError(describe_failures(err, run_dir, deaths.killed(),
+                                                      deaths.signalled())) from None
+        # Every rank finished; the ones that would not exit were named and killed.
     # Rank 0 reports through result.json (JSON), not through the agent's pickled return values.
     return read_result(run_dir)
+
+
+def _stop_survivors(before: set[BaseProcess], signum: int, grace_s: float) -> None:
+    """Stops every process the agent started that is still running once it gave up: ``signum``,
+    then SIGKILL ``grace_s`` later, as the agent stops its ranks. A signal that lands while the
+    agent starts them (before it holds them: torch 2.13's MultiprocessContext) leaves ranks it
+    never stops, which would train on unseen and hold the launcher's exit (multiprocessing joins
+    its children) for ever."""
+    survivors = [p for p in started_processes() if p not in before and p.is_alive()]
+    for pid in (p.pid for p in survivors):
+        if pid is not None:  # started: it has one
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+    deadline = time.monotonic() + grace_s
+    for proc in survivors:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in survivors:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
 
 
 def _quiet_agent() -> None:

@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from tests.helpers.apprun import (
     AppProcess,
     describe,
     read_result,
+    rows_so_far,
     run_app,
 )
 
@@ -319,9 +321,12 @@ def test_sigint_sigterm_and_ctrl_c_stop_every_rank_then_a_new_run_starts_cleanly
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
 def test_an_interrupted_multirun_stops_at_the_interrupted_job(
-    start_app: Callable[..., AppProcess], tmp_path: Path
+    start_app: Callable[..., AppProcess], tmp_path: Path, signals: int
 ) -> None:
+    # A second SIGTERM (a scheduler's, then the user's) while the ranks are being stopped cuts
+    # nothing short and does not let the sweep go on.
     sweep = tmp_path / "sweep"
     app = start_app("sweep", "--multirun", "layout=1t1r", "seed=0,1", *PPO_FOREVER,
                     f"hydra.sweep.dir={sweep}")
@@ -329,10 +334,49 @@ def test_an_interrupted_multirun_stops_at_the_interrupted_job(
     app.wait_until("job 0 training", lambda: all(
         (first / f"rank{r}.log").exists() and "groups:" in (first / f"rank{r}.log").read_text()
         for r in range(2)))
-    os.kill(app.pid, signal.SIGTERM)
+    for _ in range(signals):
+        os.kill(app.pid, signal.SIGTERM)
+        time.sleep(0.5)
     assert app.wait() == 128 + signal.SIGTERM, app.describe()
     assert app.last_line == f"error: interrupted by SIGTERM: stopped all 2 ranks (logs: {first})"
     assert not (sweep / "1").exists(), "the sweep went on after the interrupt"
+    app.assert_all_ended()
+
+
+# The launcher stalls right after it started its ranks, before torch's agent holds them (as a
+# launcher starved on a loaded machine does): a signal then finds an agent with nothing to stop.
+STALLED_AGENT = """
+import importlib, runpy, sys, time
+
+spawn = importlib.import_module("torch.multiprocessing.spawn")
+hold = spawn.ProcessContext.__init__
+
+def stalled(self, *args, **kwargs):
+    time.sleep(600)
+    hold(self, *args, **kwargs)
+
+spawn.ProcessContext.__init__ = stalled
+sys.argv = ["app", *sys.argv[4:]]  # what followed `python -m app`
+runpy.run_module("app", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.e2e
+def test_sigterm_while_the_agent_starts_the_ranks_still_stops_them_with_a_checkpoint(
+    start_app: Callable[..., AppProcess], tmp_path: Path
+) -> None:
+    wrapper = tmp_path / "stalled_agent.py"
+    wrapper.write_text(STALLED_AGENT)
+    app = start_app("stalled", "layout=1t1r", *PPO_FOREVER, "loop.checkpoint_every_s=1e6",
+                    prefix=(sys.executable, str(wrapper)))
+    app.wait_until("an update", lambda: bool(rows_so_far(app.run_dir)))
+    os.kill(app.pid, signal.SIGTERM)
+    assert app.wait() == 128 + signal.SIGTERM, app.describe()
+    assert app.last_line == (
+        f"error: interrupted by SIGTERM: stopped all 2 ranks (logs: {app.run_dir / 'logs'})")
+    # The ranks were asked, as the agent asks them: they stopped at an update, with a checkpoint.
+    assert "stopped: asked by SIGTERM" in app.log(0), app.describe()
+    assert list((app.run_dir / "checkpoints").glob("ckpt_*.pt")), app.describe()
     app.assert_all_ended()
 
 
