@@ -248,7 +248,9 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
     assert first_reach is not None and first_reach <= 2 * STEPS_PER_UPDATE, first_reach
     clean.assert_all_ended()
 
-    app = start_app("restarted", *settings)
+    # A grace longer than the agent waits for the ranks it stops to restart them (30 s): a rank
+    # asked to stop whose update cannot end (the lost trainer's rollout rank) must not wait it out.
+    app = start_app("restarted", *settings, f"launcher.shutdown_timeout={4 * STOP_S}")
     checkpoints = app.run_dir / "checkpoints"
     app.wait_until("a first checkpoint", lambda: any(checkpoints.glob("ckpt_*.pt")))
     first = app.ranks()
@@ -256,6 +258,7 @@ def test_restart_resumes_from_the_last_checkpoint_without_loss(
     # A trainer, once: with static trainers (the restart path) every rank restarts.
     first[1].send_signal(signal.SIGKILL)
     assert app.wait() == 0, app.describe()
+    assert "forcefully exiting" not in app.stderr, app.describe()  # every rank ended when asked
 
     result = read_result(app.run_dir)
     assert per_rank(result, "updates", "env_steps") == expected, app.describe()

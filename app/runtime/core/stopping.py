@@ -7,7 +7,9 @@ layout, the trainers' records otherwise), and the run stops there as it would at
 with a checkpoint (docs/data-safety.md, "Stopping with a checkpoint"); a rank that follows its
 trainer is stopped by it. A rank that has not reached that stop ``grace_s`` seconds after the
 signal (a peer is gone, so the update cannot end) ends as SIGTERM would have ended it, and so
-does one whose run fails once it was asked: to the launcher it was stopped, not a cause.
+does one whose run fails once it was asked: to the launcher it was stopped, not a cause. A
+rollout rank whose trainer is gone does not wait for the grace: it ends at once
+(app/runtime/membership/rollouts.py).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from app.runtime.core import stopping
 from app.runtime.membership.base import Follower, Transfer
 from app.runtime.membership.quorum import Quorum, QuorumWait, rejoinable
 from rlcomm import CommContext, ParallelMode, collectives
@@ -340,7 +341,9 @@ class EpochMember:
         leader's does). Waits (up to ``comm.timeout``) for the leader to form a newer epoch
         (True: follow it) or to stop (False), or, where the leader was a trainer lost with
         elastic trainers, for the trainer that takes this rank over (its rank: join it);
-        re-raises if none of these comes (it is lost)."""
+        re-raises if none of these comes (it is lost), and at once once this rank was asked to
+        stop: its update cannot end, and it holds nothing a checkpoint needs (the launcher's
+        restart after a lost trainer stops every rank so, ``layout.elastic_trainers=false``)."""
         deadline = time.monotonic() + self.timeout_s
         store, keys = self.ctx.store, self.side.keys
         adopted = moved(self.rank)
@@ -350,8 +353,8 @@ class EpochMember:
                     return self._stopped()
                 if store.check([adopted]) and int(store.get(adopted)) != self.leader:
                     return int(store.get(adopted))
-                if time.monotonic() > deadline:
-                    raise err
+                if time.monotonic() > deadline or stopping.asked():
+                    raise err  # asked to stop (SIGTERM) with its leader gone: nothing to wait for
                 time.sleep(0.05)
         except RuntimeError:  # the store is gone with the leader's host
             raise err from None
