@@ -96,7 +96,7 @@ def _run(cfg: DictConfig, run_dir: Path, env: RankEnv) -> dict[str, Any] | None:
     resolve_backend(cfg.comm.backend)  # nccl without CUDA fails here, before any process
     # The one place a launcher is picked (app/launch/launcher.py). The local one imports torch's
     # elastic agent here, while the forkserver still imports.
-    launcher = launcher_for(env)
+    launcher = launcher_for(env, cfg.launcher.engine)
     timeline.mark("validated")
     timeline.export()  # for the ranks (app/output/timeline.py)
     result = _launch(launcher, job, plan, run_dir, env)

@@ -47,7 +47,8 @@ class RankEnv:
 
     ``launcher`` is ``local`` when this process launches the layout's ranks itself; otherwise how
     the rank was started: ``torchrun`` (torch's elastic agent, the app's own local launch
-    included), ``slurm``, ``submitit`` (a local submitit task) or ``env`` (RANK/WORLD_SIZE by hand).
+    included), ``ray`` (a rank the Ray engine's actor started), ``slurm``, ``submitit`` (a local
+    submitit task) or ``env`` (RANK/WORLD_SIZE by hand).
     """
 
     launcher: str

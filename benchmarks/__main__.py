@@ -37,12 +37,14 @@ SECTIONS = (
     "trainer_loss",
     "seeds",
     "long_run",
+    "ray",
 )
 # Run only when named (--only): hours of side-by-side runs against CleanRL's scripts, minutes
 # of runs that each lose a trainer, half an hour (or more, under load) of every shipped
 # configuration over ten seeds, the long runs (an hour and more), and minutes of thousands of
 # simulated members that take both cores (and load the machine for a while after).
-ONLY_BY_NAME = ("learner_speed", "trainer_loss", "seeds", "long_run", "membership_scale")
+ONLY_BY_NAME = ("learner_speed", "trainer_loss", "seeds", "long_run", "membership_scale",
+                "ray")
 NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation",
                 "replay_layouts")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes

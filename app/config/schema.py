@@ -14,6 +14,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING
@@ -83,10 +84,35 @@ else:
     LayoutConfig = structured_mirror(LayoutSpec, "LayoutConfig")
 
 
+class Engine(str, Enum):
+    """What starts the ranks of ``python -m app`` (app/launch/launcher.py)."""
+
+    local = "local"  # torch's elastic agent, on this machine
+    ray = "ray"  # one Ray actor per rank, on a Ray cluster (app/launch/ray_engine.py)
+
+
+@dataclass
+class RayConfig:
+    """Where and how ``launcher.engine=ray`` places the ranks (docs/clusters.md, Ray)."""
+
+    address: str | None = setting(
+        None, "Ray cluster: null starts a local Ray for this run; auto the one `ray start` runs "
+        "on this machine; or host:port of its head"
+    )
+    cpus_per_rank: float = setting(1.0, "CPUs each rank's actor reserves (>= 0)")
+    gpus_per_rank: float = setting(0.0, "GPUs each rank's actor reserves (>= 0)")
+    placement_timeout: float = setting(
+        60.0, "seconds to wait for the ranks' placement groups before the run ends in one line"
+    )
+
+
 @dataclass
 class LauncherConfig:
-    """How local ranks are started (torch's elastic agent)."""
+    """How the ranks are started: torch's elastic agent on this machine, or Ray actors."""
 
+    engine: Engine = setting(Engine.local, "local (torch's elastic agent here) or ray (an actor "
+                             "per rank on a Ray cluster: launcher.ray)")
+    ray: RayConfig = setting(doc="launcher.engine=ray: cluster and resources", factory=RayConfig)
     max_restarts: int = setting(0, "restart every rank this many times after a failure")
     # torch's default: a finished run's exit is noticed within this.
     monitor_interval: float = setting(0.1, "seconds between the agent's health checks")

@@ -2,7 +2,8 @@
 
 The only module that reads launcher variables. Join mode is detected in this order:
 
-1. torchrun/torchelastic (TORCHELASTIC_RUN_ID + RANK): first, since it can run inside SLURM.
+1. A rank the Ray engine started (RLCOMM_ENGINE=ray + RANK: app/launch/ray_rank.py), then
+   torchrun/torchelastic (TORCHELASTIC_RUN_ID + RANK): first, since they can run inside SLURM.
 2. A task of an srun job step with more than one task (plain ``srun``, or a submitit SLURM job):
    rank SLURM_PROCID, world size SLURM_NTASKS, local rank SLURM_LOCALID. The batch script itself
    (``sbatch`` sets SLURM_PROCID=0 and SLURM_NTASKS there too, but no SLURM_STEP_ID) and a
@@ -61,6 +62,7 @@ RUN_ID_VARIABLE = "RLCOMM_RUN_ID"  # the run directory's name every rank of a jo
 JOB_START_VARIABLE = "RLCOMM_JOB_START"  # time.time() when the job started
 TIMELINE_VARIABLE = "RLCOMM_TIMELINE"  # the launcher's marks (app/output/timeline.py)
 FORKSERVER_VARIABLE = "RLCOMM_FORKSERVER"  # the launcher's forkserver (app/launch/forkserver.py)
+ENGINE_VARIABLE = "RLCOMM_ENGINE"  # "ray" in a rank a Ray actor started (app/launch/ray_rank.py)
 _PROCESS_START = time.time()  # roughly this process's start: the app imports this module early
 
 # Every variable through which a launcher describes a rank: tests and benchmarks scrub these to
@@ -68,8 +70,8 @@ _PROCESS_START = time.time()  # roughly this process's start: the app imports th
 # RANK_VARIABLES from the jobs it submits: see app/hydra/submitit.py.)
 LAUNCHER_VARIABLES = (
     *RANK_VARIABLES, "GROUP_RANK", "ROLE_RANK", RUN_ID_VARIABLE, JOB_START_VARIABLE,
-    TIMELINE_VARIABLE, FORKSERVER_VARIABLE, PICTURES_VARIABLE, GLOO_SOCKET_IFNAME,
-    NCCL_SOCKET_IFNAME,
+    TIMELINE_VARIABLE, FORKSERVER_VARIABLE, ENGINE_VARIABLE, PICTURES_VARIABLE,
+    GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME,
 )
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "SUBMITIT_")
 
@@ -87,6 +89,8 @@ def launched_by(env: Mapping[str, str] | None = None) -> str:
     """:attr:`RankEnv.launcher` alone, from ``env`` (default: the process environment): cheap
     enough for ``python -m app`` to ask before its own imports (app/launch/forkserver.py)."""
     env = os.environ if env is None else env
+    if env.get(ENGINE_VARIABLE) == "ray" and RANK in env:
+        return "ray"
     if "TORCHELASTIC_RUN_ID" in env and RANK in env:
         return "torchrun"
     if slurm_step(env) is not None:
@@ -107,6 +111,9 @@ def resolve_rank_env(env: Mapping[str, str] | None = None) -> RankEnv:
     node = socket.gethostname()
     restarts = int(env.get(RESTART_COUNT) or 0)
     launcher = launched_by(env)
+    if launcher == "ray":  # the Ray engine's ranks see what torchrun's would, and its run id
+        return _from_torch_variables("ray", env, node, restarts,
+                                     f"ray-{env.get('TORCHELASTIC_RUN_ID', '')}")
     if launcher == "torchrun":
         return _from_torch_variables("torchrun", env, node, restarts, _torchrun_name(env))
     step = slurm_step(env)

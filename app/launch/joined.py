@@ -26,7 +26,7 @@ class JoinedLauncher:
     name = "joined"
     starts_ranks = False
 
-    def claims(self, env: RankEnv) -> bool:
+    def claims(self, env: RankEnv, engine: str) -> bool:
         return env.joins
 
     def launch(self, job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str, Any] | None:

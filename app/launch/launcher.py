@@ -1,17 +1,20 @@
 """What a launcher is: how the ranks of one run start, and what this process does in the run.
 
 ``python -m app`` composes and validates the config, then hands the plan to the one launcher
-that claims this process (:func:`launcher_for`). There are three:
+that claims this process (:func:`launcher_for`). There are four:
 
 - ``local`` (app/launch/local.py): this process starts ``layout.world_size`` ranks on this
   machine through torch's elastic agent and waits for them;
+- ``ray`` (app/launch/ray_engine.py, ``launcher.engine=ray``): this process is the driver of a
+  Ray job; it starts each rank as a Ray actor on a Ray cluster and waits for them;
 - ``submitit`` (app/launch/slurm.py): this process is one task of a job that
   ``hydra/launcher=rlcomm_slurm`` or ``rlcomm_local`` submitted, and runs one rank;
 - ``joined`` (app/launch/joined.py): this process is one rank that something else started:
   torchrun, an srun job step, or RANK and WORLD_SIZE set by hand.
 
 Which one claims a process is read from its environment variables, by
-app/launch/environment.py alone (:class:`app.api.RankEnv`).
+app/launch/environment.py alone (:class:`app.api.RankEnv`), and, for a process that starts the
+ranks itself, from ``launcher.engine``.
 
 Adding one (say Kubernetes or TorchX): write a module with a class that has these members; if
 its ranks see variables of their own, teach ``launched_by`` and ``resolve_rank_env`` in
@@ -39,8 +42,9 @@ class Launcher(Protocol):
     # picture to them); False where this process is one of the ranks.
     starts_ranks: bool
 
-    def claims(self, env: RankEnv) -> bool:
-        """Whether this process runs under this launcher, from how it was started (``env``)."""
+    def claims(self, env: RankEnv, engine: str) -> bool:
+        """Whether this process runs under this launcher, from how it was started (``env``) and
+        the engine the config names (``launcher.engine``: ``local`` or ``ray``)."""
         ...
 
     def launch(self, job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str, Any] | None:
@@ -63,15 +67,18 @@ class Launcher(Protocol):
 LAUNCHERS = (
     "app.launch.slurm:SubmititLauncher",
     "app.launch.joined:JoinedLauncher",
+    "app.launch.ray_engine:RayLauncher",
     "app.launch.local:LocalLauncher",
 )
 
 
-def launcher_for(env: RankEnv) -> Launcher:
-    """The launcher that claims this process (``env``: how it was started)."""
+def launcher_for(env: RankEnv, engine: str = "local") -> Launcher:
+    """The launcher that claims this process (``env``: how it was started; ``engine``:
+    ``launcher.engine``)."""
+    engine = str(getattr(engine, "value", engine))  # an Engine (str, Enum) prints as its name
     for name in LAUNCHERS:
         module, _, cls = name.partition(":")
         launcher: Launcher = getattr(importlib.import_module(module), cls)()
-        if launcher.claims(env):
+        if launcher.claims(env, engine):
             return launcher
     raise LookupError(f"no launcher claims a process started by {env.launcher!r}")

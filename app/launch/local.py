@@ -119,8 +119,8 @@ class LocalLauncher:
     name = "local"
     starts_ranks = True
 
-    def claims(self, env: RankEnv) -> bool:
-        return not env.joins
+    def claims(self, env: RankEnv, engine: str) -> bool:
+        return not env.joins and engine == "local"
 
     def launch(self, job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str, Any]:
         logging.getLogger("app").info("starting %d local ranks; run dir %s", plan.world_size,
@@ -140,7 +140,7 @@ def launch_local(job: ValidatedJob, plan: LayoutPlan, run_dir: Path) -> dict[str
     launch = _launch_config(job, plan, run_dir)
     deaths = DeathWatch(run_dir / "logs", plan.world_size, result=run_dir / "result.json",
                         exit_bound_s=2 * float(job.launcher.shutdown_timeout),
-                        log=_launcher_log())
+                        log=launcher_log())
     previous = signal.signal(signal.SIGUSR1,
                              lambda *_: _forward_to_ranks(signal.SIGUSR1, run_dir, deaths))
     stops = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
@@ -267,18 +267,18 @@ def _local_rank(job: ValidatedJob, plan: LayoutPlan, run_dir: str,
             tie_to_launcher(launched_here=True)  # the slot as a rank is: its child is tied to it
             setting = "rollout_restarts" if rank in plan.rollouts else "trainer_restarts"
             slots.supervise(rank,
-                            lambda _incarnation: _run_rank_here(job, plan, run_dir),
-                            getattr(job.launcher, setting), Path(run_dir), _launcher_log(),
+                            lambda _incarnation: run_rank_here(job, plan, run_dir),
+                            getattr(job.launcher, setting), Path(run_dir), launcher_log(),
                             f"launcher.{setting}")
             return
-        _launcher_log().warning("rank %d: its process runs other threads and cannot fork a "
+        launcher_log().warning("rank %d: its process runs other threads and cannot fork a "
                                 "rank it survives; losing this rank fails the run", rank)
-    _run_rank_here(job, plan, run_dir)
+    run_rank_here(job, plan, run_dir)
 
 
-def _run_rank_here(job: ValidatedJob, plan: LayoutPlan, run_dir: str) -> None:
-    """The rank, in this process: the agent's worker process, or a slot's child
-    (app/launch/slots.py)."""
+def run_rank_here(job: ValidatedJob, plan: LayoutPlan, run_dir: str) -> None:
+    """The rank, in this process: the agent's worker process, a slot's child
+    (app/launch/slots.py), or a Ray actor's child (app/launch/ray_rank.py)."""
     forkserver.set_process_name(f"rlcomm-rank{os.environ.get('RANK', '')}")  # ps, top
     try:
         run_rank(job, plan, run_dir, launched_here=True)
@@ -339,7 +339,7 @@ def _forward_to_ranks(signum: int, run_dir: Path, deaths: DeathWatch) -> None:
     )
 
 
-def _launcher_log() -> logging.Logger:
+def launcher_log() -> logging.Logger:
     """``[launcher] ...`` lines on the console, above any progress bar."""
     log = logging.getLogger("rlcomm.launcher")
     if not log.handlers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
 import pickle
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, Valid
         seconds = cfg.launcher[key]
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ConfigError(f"launcher.{key}: must be a positive number of seconds, got {seconds}")
+    if cfg.launcher.engine == "ray":
+        check_ray_settings(cfg.launcher.ray)
     _check_target(cfg.loop)
     if cfg.sweep.rank_by is not None:  # the configured loop's declared metrics, or the app's
         check_metric_name(cfg.sweep.rank_by, str(cfg.loop._target_))
@@ -101,6 +104,34 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, Valid
                                            elastic_trainers=shape.elastic_trainers))
     _check_loop(loop, plan, int(cfg.seed), probe)
     return plan, typed_job(cfg, loop, shape)
+
+
+def check_ray_settings(ray: Any) -> None:
+    """``launcher.engine=ray``'s settings, checked without Ray or a cluster: Ray installed, the
+    resources per rank and the placement timeout in range, the address's form. Reaching the
+    address and fitting the cluster are checked by the engine, before any actor starts."""
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # a "ray" that cannot be imported is no Ray either
+        found = False
+    if not found:
+        raise ConfigError("launcher.engine=ray: Ray is not installed; install it with "
+                          "pip install -c constraints.txt -e '.[ray]'")
+    for key in ("cpus_per_rank", "gpus_per_rank"):
+        if not (ray[key] >= 0 and math.isfinite(ray[key])):
+            raise ConfigError(f"launcher.ray.{key}: must be >= 0, got {ray[key]}")
+    if ray.cpus_per_rank == 0 and ray.gpus_per_rank == 0:
+        raise ConfigError("launcher.ray.cpus_per_rank=0 with launcher.ray.gpus_per_rank=0: a "
+                          "rank must reserve some CPU or GPU to be placed")
+    if not (ray.placement_timeout > 0 and math.isfinite(ray.placement_timeout)):
+        raise ConfigError("launcher.ray.placement_timeout: must be a positive number of seconds, "
+                          f"got {ray.placement_timeout}")
+    address = ray.address
+    if address not in (None, "auto"):
+        host, _, port = str(address).rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"launcher.ray.address: {address!r} is not null, auto or "
+                              "host:port of a Ray head")
 
 
 def typed_job(cfg: DictConfig, loop: Any, shape: RunShape) -> ValidatedJob:

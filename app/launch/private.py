@@ -159,10 +159,16 @@ def one_line_override_errors() -> None:
 
 def override_error_line(err: BaseException) -> str | None:
     """``Could not override 'a.b'`` with its cause (``Key 'b' not in 'Schema'``) as one line
-    naming the override: ``a.b: Key 'b' not in 'Schema'``; None for any other error."""
+    naming the override: ``a.b: Key 'b' not in 'Schema'``; ``Error merging override a.b=v``
+    likewise, with the refusal's first line; None for any other error."""
     first = str(err).split("\n", 1)[0]
-    if not first.startswith("Could not override '") or err.__cause__ is None:
+    if err.__cause__ is None or not str(err.__cause__).strip():
+        return None
+    cause = str(err.__cause__).strip().splitlines()[0]
+    if first.startswith("Error merging override "):
+        # A value its type refuses: launcher.engine=kubernetes, comm.timeout=abc.
+        return f"{first[len('Error merging override '):].partition('=')[0]}: {cause}"
+    if not first.startswith("Could not override '"):
         return None
     key = first[len("Could not override '"):].rstrip(".").rstrip("'")
-    cause = str(err.__cause__).strip().splitlines()[0]
     return f"{key}: {cause}"

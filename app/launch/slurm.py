@@ -23,6 +23,6 @@ class SubmititLauncher(JoinedLauncher):
 
     name = "submitit"
 
-    def claims(self, env: RankEnv) -> bool:
+    def claims(self, env: RankEnv, engine: str) -> bool:
         return env.launcher == "submitit" or (env.launcher == "slurm"
                                               and submitit_executor() == "slurm")

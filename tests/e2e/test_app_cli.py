@@ -235,7 +235,9 @@ def test_a_user_loop_registers_its_schema_like_the_shipped_ones(tmp_path: Path) 
     assert "loop.scale: int = 3  # what each rank adds" in proc.stdout
     assert "count*" in proc.stdout and "count_schema" not in proc.stdout
     proc = run_app(*args, "loop.scale=abc", env=env, cwd=tmp_path)  # Hydra rejects it
-    assert proc.returncode == 1 and "loop.scale" in proc.stderr, describe(proc)
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: loop.scale: Value 'abc' of type 'str' could not be converted to Integer")
 
 
 @pytest.mark.e2e
@@ -249,15 +251,17 @@ def test_help_lists_groups_and_every_setting_with_its_doc() -> None:
     assert "comm.timeout: float = 300.0  # seconds; bounds the rendezvous, init and every group" in out
     assert "loop.hparams.gamma: float = 0.99  # discount factor, in (0, 1]" in out
     from app.config import AppConfig, CommConfig, LauncherConfig, LayoutConfig
+    from app.config.schema import RayConfig
     from app.loops.ppo import PPOLoop
     from app.loops.ppo.core import PPOSettings
     from app.runtime.envs.vector import EnvConfig
 
     for prefix, schema in [("comm", CommConfig), ("layout", LayoutConfig),
-                           ("launcher", LauncherConfig), ("loop", PPOLoop),
+                           ("launcher", LauncherConfig), ("launcher.ray", RayConfig),
+                           ("loop", PPOLoop),
                            ("loop.hparams", PPOSettings), ("loop.env", EnvConfig)]:
         for f in fields(schema):
-            if f.name not in ("hparams", "env", "model"):  # nested: listed by their own fields
+            if f.name not in ("hparams", "env", "model", "ray"):  # nested: listed by their own fields
                 assert f.metadata["doc"], f"{prefix}.{f.name} has no doc"
                 assert f"  {prefix}.{f.name}: " in out
     assert all(f.metadata["doc"] for f in fields(AppConfig))
@@ -274,7 +278,13 @@ def test_a_bad_override_is_one_line_and_exit_2_before_any_rank_starts(tmp_path: 
     )
     assert not (tmp_path / "logs").exists()  # no rank ever started
     proc = run_app("loop.hparams.num_envs=abc", f"hydra.run.dir={tmp_path}")  # Hydra's own check
-    assert proc.returncode == 1 and "loop.hparams.num_envs" in proc.stderr, describe(proc)
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip().splitlines() == [
+        "error: loop.hparams.num_envs: Value 'abc' of type 'str' could not be converted to Integer"]
+    proc = run_app("launcher.engine=kubernetes", f"hydra.run.dir={tmp_path}")  # an Enum's values
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.strip().splitlines() == [
+        "error: launcher.engine: Invalid value 'kubernetes', expected one of [local, ray]"]
     assert not (tmp_path / "logs").exists()
 
 

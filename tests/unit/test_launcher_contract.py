@@ -32,18 +32,30 @@ _SUBMITIT_LOCAL = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "1",
 def test_one_launcher_claims_each_way_a_process_is_started(
     environ: dict[str, str], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from app.launch.environment import is_launcher_variable, resolve_rank_env
-
-    for variable in [v for v in os.environ if is_launcher_variable(v)]:
-        monkeypatch.delenv(variable)
-    for variable, value in environ.items():
-        monkeypatch.setenv(variable, value)
-    env = resolve_rank_env()
+    env = _started_with(environ, monkeypatch)
     launcher = launcher_for(env)
     assert launcher.name == name
     assert launcher.starts_ranks == (not env.joins)
-    claiming = [n for n in LAUNCHERS if _load(n).claims(env)]
+    claiming = [n for n in LAUNCHERS if _load(n).claims(env, "local")]
     assert claiming[0].endswith(type(launcher).__name__)
+
+
+@pytest.mark.parametrize(("environ", "name"), [
+    ({}, "ray"),  # python -m app launcher.engine=ray: the driver of a Ray job
+    (_TORCHRUN, "joined"),  # a rank already: the engine is the launching process's choice
+    (_SRUN, "joined"),
+    ({"RLCOMM_ENGINE": "ray", "RANK": "1", "WORLD_SIZE": "4"}, "joined"),  # a Ray engine's rank
+])
+def test_launcher_engine_ray_picks_the_ray_engine_where_this_process_starts_the_ranks(
+    environ: dict[str, str], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.config.schema import Engine
+
+    env = _started_with(environ, monkeypatch)
+    assert launcher_for(env, Engine.ray).name == name
+    assert launcher_for(env, "ray").name == name
+    if "RLCOMM_ENGINE" in environ:
+        assert env.launcher == "ray" and env.rank == 1 and env.world_size == 4
 
 
 def test_every_launcher_keeps_the_contract() -> None:
@@ -64,6 +76,17 @@ def test_the_local_launcher_is_asked_last() -> None:
     # local launcher's module imports, is not imported into it.
     assert launcher_for(RankEnv("torchrun", rank=1, world_size=2)).name == "joined"
     assert LAUNCHERS[-1] == "app.launch.local:LocalLauncher"
+
+
+def _started_with(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> RankEnv:
+    """This process's RankEnv as if started with ``environ`` and no other launcher variable."""
+    from app.launch.environment import is_launcher_variable, resolve_rank_env
+
+    for variable in [v for v in os.environ if is_launcher_variable(v)]:
+        monkeypatch.delenv(variable)
+    for variable, value in environ.items():
+        monkeypatch.setenv(variable, value)
+    return resolve_rank_env()
 
 
 def _load(name: str) -> Launcher:
