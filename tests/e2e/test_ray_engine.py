@@ -332,11 +332,15 @@ def _actor_alive(name: str) -> bool:
     return True
 
 
-def test_sigterm_to_the_driver_stops_every_rank_with_a_checkpoint(
+def test_sigusr1_then_sigterm_to_the_driver_reach_every_rank(
     cluster: Any, start_app: Callable[..., AppProcess],
 ) -> None:
     app = start_app("driver-stopped", *on(cluster), "launcher.shutdown_timeout=30")
     wait_for_updates(app, 3)
+    app.proc.send_signal(signal.SIGUSR1)  # stacks on demand, from every rank, first
+    app.wait_until("every rank's stacks", lambda: all(
+        "stacks on demand (SIGUSR1)" in app.log(rank) for rank in range(4)), timeout=60)
+    assert "SIGUSR1: the ranks write their Python stacks and collectives to" in app.stderr
     app.proc.send_signal(signal.SIGTERM)
     assert app.wait() == 128 + signal.SIGTERM, app.describe()
     assert "interrupted by SIGTERM: stopped all 4 ranks" in app.stderr, app.describe()
