@@ -361,12 +361,14 @@ def _free_port() -> int:
     ("launcher.ray.gpus_per_rank=-0.5", "launcher.ray.gpus_per_rank: must be >= 0, got -0.5"),
     ("launcher.ray.placement_timeout=0", "launcher.ray.placement_timeout: must be a positive"),
     ("launcher.ray.address=nohost", "launcher.ray.address: 'nohost' is not null, auto or"),
-    (f"launcher.ray.address=127.0.0.1:{_free_port()}", "no Ray head answers there"),
+    # The port is picked when the test runs: a parameter must read alike on every xdist worker.
+    ("launcher.ray.address=127.0.0.1:{free_port}", "no Ray head answers there"),
     ("launcher.ray.cpus_per_rank=4096", "launcher.ray.cpus_per_rank=4096: the local Ray is "
                                          "this machine"),
 ])
 def test_a_bad_ray_setting_is_one_line_and_exit_2(override: str, expected: str,
                                                    tmp_path: Path) -> None:
+    override = override.format(free_port=_free_port())
     done = run_app("launcher.engine=ray", override, f"hydra.run.dir={tmp_path / 'run'}",
                    timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -418,3 +420,12 @@ def test_each_job_of_a_multirun_has_its_own_ray_and_actors(tmp_path: Path) -> No
     assert all(len(a) == 4 for a in actors) and actors[0].isdisjoint(actors[1]), actors
     for job in (0, 1):
         assert read_result(tmp_path / "sweep" / str(job))["status"] == "ok"
+
+
+def test_plan_only_under_the_ray_engine_starts_no_ray(tmp_path: Path) -> None:
+    done = run_app("launcher.engine=ray", "plan_only=true", f"hydra.run.dir={tmp_path / 'run'}",
+                   timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layout picture:" in done.stdout and "TRAIN_DATA_PARALLEL" in done.stdout
+    assert not (tmp_path / "run" / "placement.json").exists()
+    assert "Ray" not in done.stderr  # no Ray was started, nor connected to
