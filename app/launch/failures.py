@@ -405,8 +405,13 @@ def describe_failures(
 
 def _stopped(err: ChildFailedError, records: dict[int, FailureRecord],
              killed: dict[int, str]) -> set[int]:
-    """The ranks the agent stopped with SIGTERM after another failed: not causes."""
-    failed_alone = any(record.kind != "peer_lost" for record in records.values())
+    """The ranks the agent stopped with SIGTERM after another failed: not causes. A SIGTERMed
+    rank with no record is the cause only where nothing else is: no rank's own error, and no
+    rank killed by another signal (a SIGKILL is the failure the agent's SIGTERMs followed)."""
+    killed_otherwise = any(f.exitcode < 0 and f.exitcode != -signal.SIGTERM
+                           for f in err.failures.values())
+    killed_otherwise |= any(name != "SIGTERM" for name in killed.values())
+    failed_alone = killed_otherwise or any(r.kind != "peer_lost" for r in records.values())
     sigterms = {r for r, f in err.failures.items() if f.exitcode == -signal.SIGTERM}
     sigterms |= {r for r, name in killed.items() if name == "SIGTERM"}
     return {r for r in sigterms if r in records or failed_alone}

@@ -115,6 +115,18 @@ def test_a_rank_sigtermed_while_its_peers_only_lost_it_is_the_cause(tmp_path: Pa
         f"rank 1 killed by SIGTERM (log: {tmp_path / 'logs' / 'rank1.log'})")
 
 
+def test_a_rank_sigtermed_beside_one_sigkilled_is_not_the_cause(tmp_path: Path) -> None:
+    # Seen in CI under load (tests/e2e/test_replay_ranks_elastic.py): trainer 1 SIGKILLed, the
+    # replay rank's record says it lost a peer, and the agent reported the lead it SIGTERMed
+    # (no record: it died of the stop's grace) beside rank 1.
+    _record(tmp_path / "logs", 2, RuntimeError("[pair.cc:537] Read error [127.0.0.1]:5: "
+                                               "Connection reset by peer"))
+    killed = f"rank 1 killed by SIGKILL (log: {tmp_path / 'logs' / 'rank1.log'})"
+    assert describe_failures(_failed(r0=-signal.SIGTERM, r1=-signal.SIGKILL), tmp_path) == killed
+    assert describe_failures(_failed(r0=-signal.SIGTERM), tmp_path,
+                             killed={1: "SIGKILL"}) == killed
+
+
 def test_a_leader_that_lost_its_members_is_no_cause_beside_the_rank_that_failed(
         tmp_path: Path) -> None:
     # Whether the leader (rank 0) notices the loss and raises before the launcher stops it is a
