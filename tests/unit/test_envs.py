@@ -342,3 +342,28 @@ def test_bad_vector_kind_and_clip_are_one_line() -> None:
 def test_image_env_helper_is_a_gymnasium_env() -> None:
     env = ImageSideEnv(height=48, width=64)
     assert isinstance(env, gym.Env) and env.observation_space.shape == (48, 64, 1)
+
+
+# --- WaitingCartPole-v1: a step that waits, not computes ---------------------------------------
+
+
+@pytest.mark.unit
+def test_the_waiting_cartpole_steps_as_cartpole_after_waiting_its_latency() -> None:
+    import time
+
+    from app.runtime.envs.waiting import WAITING_CARTPOLE_ID
+
+    assert probe_spaces(EnvConfig(id=WAITING_CARTPOLE_ID)).action == Discrete(2)
+    waiting = gym.make(WAITING_CARTPOLE_ID, latency_s=0.02)
+    plain = gym.make("CartPole-v1")
+    tick = time.monotonic()
+    observed, _ = waiting.reset(seed=3)
+    expected, _ = plain.reset(seed=3)
+    for action in (0, 1, 1, 0):
+        np.testing.assert_array_equal(observed, expected)
+        observed, *_ = waiting.step(action)
+        expected, *_ = plain.step(action)
+    assert time.monotonic() - tick >= 5 * 0.02  # a reset and four steps, each after its wait
+    assert waiting.spec is not None and waiting.spec.max_episode_steps == 500
+    with pytest.raises(ValueError, match=r"latency_s: must be a number of seconds >= 0, got -1"):
+        gym.make(WAITING_CARTPOLE_ID, latency_s=-1)

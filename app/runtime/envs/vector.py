@@ -33,6 +33,7 @@ from gymnasium.wrappers.vector import RecordEpisodeStatistics
 from app.api import ConfigError, setting
 from app.runtime.core.algorithm import Spaces
 from app.runtime.envs.memory import register_memory_envs
+from app.runtime.envs.waiting import register_waiting_envs
 
 __all__ = [
     "VECTOR_KINDS",
@@ -90,8 +91,10 @@ class EnvError(RuntimeError):
 def ensure_registered(env_id: str) -> None:
     """Register the ids of the package ``env_id`` needs, where Gymnasium does not by itself:
     ``ALE/...`` ids exist once ``ale_py`` is imported (raises ModuleNotFoundError without it);
-    the runtime's own memory tasks (``MaskedCartPole-v1``) once registered here."""
+    the runtime's own tasks (``MaskedCartPole-v1``, ``WaitingCartPole-v1``) once registered
+    here."""
     register_memory_envs()
+    register_waiting_envs()
     if env_id.startswith(_ATARI_PREFIX) and env_id not in gym.registry:
         import ale_py
 
