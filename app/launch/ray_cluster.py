@@ -97,7 +97,7 @@ def connect(settings: RayConfig, world_size: int,
                  namespace=NAMESPACE)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise ConfigError(f"launcher.ray.address={address}: cannot connect to a Ray cluster "
-                          f"there ({_gist(err)})") from None
+                          f"there ({gist(err)})") from None
     return None
 
 
@@ -187,6 +187,7 @@ def store_host(started_here: bool) -> str:
     return str(ray.util.get_node_ip_address())
 
 
-def _gist(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+def gist(err: BaseException) -> str:
+    """A Ray error in a few words: its type and its first line (Ray's run on for pages)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__

@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.errors import LaunchInterruptedError, RankFailedError
-from app.launch import ray_cluster, ray_reaper
+from app.launch import ray_cluster, ray_reaper, slots
 from app.launch.environment import ENGINE_VARIABLE, FORKSERVER_VARIABLE
 from app.launch.failures import read_records
 from app.launch.local import launcher_log, read_result
-from app.launch.slots import INCARNATION_VARIABLE
 from app.output import timeline
 from rlcomm.net.env import (
     LOCAL_RANK,
@@ -157,6 +156,7 @@ class Driver:
         import ray
 
         self.attempt_start = time.time()
+        self.replaced = {}  # every rank starts afresh: its restarts too, as a new slot's
         self.actors = {rank: self._new_actor(rank) for rank in range(self.plan.world_size)}
         self.where = self._where_actors_are()
         self._write_placement()
@@ -194,8 +194,7 @@ class Driver:
                 self._kill_all()
                 raise RankFailedError(
                     f"rank {rank} ({self.plan.role(rank)}): its Ray actor did not start within "
-                    f"comm.timeout={self.job.comm.timeout:g} s ({type(err).__name__}: "
-                    f"{_first_line(err)})") from None
+                    f"comm.timeout={self.job.comm.timeout:g} s ({ray_cluster.gist(err)})") from None
         return where
 
     def _finished_at(self) -> float | None:
@@ -254,7 +253,7 @@ class Driver:
             RESTART_COUNT: str(self.attempt), MAX_RESTARTS: str(self.job.launcher.max_restarts),
         })
         if self.replaced.get(rank):
-            environ[INCARNATION_VARIABLE] = str(self.replaced[rank])
+            environ[slots.INCARNATION_VARIABLE] = str(self.replaced[rank])
         return environ
 
     def _why_ended(self, ref: Any, rank: int) -> tuple[str, bool] | None:
@@ -267,12 +266,12 @@ class Driver:
         try:
             status = int(ray.get(ref))
         except RayActorError as err:
-            return f"its Ray actor died ({type(err).__name__}: {_first_line(err)})", False
+            return f"its Ray actor died ({ray_cluster.gist(err)})", False
         if status == 0:
             return None
         record = read_records(self.run_dir / "logs").get(rank)
         if record is not None and record.time >= self.started[rank]:  # this start's own
-            return record.summary, status > 0 and record.kind != "peer_lost"
+            return record.summary, slots.failed_on_its_own(status, record)
         if status < 0:
             return f"killed by {signal.Signals(-status).name}", False
         return f"exit code {status}", False
@@ -374,8 +373,3 @@ def _kill(actor: Any) -> None:
 
     with contextlib.suppress(Exception):  # already gone
         ray.kill(actor, no_restart=True)
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return lines[0].strip() if lines else ""

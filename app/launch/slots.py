@@ -95,7 +95,7 @@ def supervise(rank: int, run_child: Callable[[int], None], restarts: int, run_di
             if status == 0:
                 return
             record = _record_of(log_dir, rank, pid, started)
-            if status > 0 and record is not None and record.kind != "peer_lost":
+            if failed_on_its_own(status, record):
                 _end(status)  # the rank's own error: the run fails as it would without a slot
             if _take_stop():
                 _end(0)
@@ -216,6 +216,13 @@ def _take_stop() -> bool:
     if not signal.sigpending() & _STOPS:
         return False
     return signal.sigtimedwait(_STOPS, 0) is not None
+
+
+def failed_on_its_own(status: int, record: FailureRecord | None) -> bool:
+    """Whether a rank process that ended with ``status``, leaving ``record``, failed on its own
+    error (a bug no new process would fix) rather than being lost: it exited non-zero with a
+    failure record other than a lost peer's. The Ray engine's driver asks the same."""
+    return status > 0 and record is not None and record.kind != "peer_lost"
 
 
 def _record_of(log_dir: Path, rank: int, pid: int, since: float) -> FailureRecord | None:
