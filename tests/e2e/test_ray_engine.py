@@ -266,9 +266,11 @@ def test_a_replacement_ray_cannot_place_waits_and_the_run_ends_without_it(
     assert app.wait() == 0, app.describe()
     assert f"rank {rank} (rollout) lost: its Ray actor died" in app.stderr, app.describe()
     assert "starting a new actor for it (1 of launcher.rollout_restarts=1)" in app.stderr
-    assert re.search(rf"^\[launcher\] rank\(s\) \[{rank}\] still running \d+ s after the "
-                     r"run ended \(result.json\); ending them$", app.stderr, re.MULTILINE), \
-        app.describe()
+    # The replacement that never started is among them; on a loaded machine, a finished rank
+    # slow to exit may be too (its work is done: the run has succeeded either way).
+    stragglers = re.search(r"^\[launcher\] rank\(s\) \[([\d, ]+)\] still running \d+ s after "
+                           r"the run ended \(result.json\); ending them$", app.stderr, re.MULTILINE)
+    assert stragglers and str(rank) in stragglers[1].split(", "), app.describe()
     result = read_result(app.run_dir)
     assert result["joins"] == [] and [leave["rank"] for leave in result["leaves"]] == [rank]
     app.assert_all_ended()
