@@ -21,6 +21,7 @@ from app.api import JobInfo, Loop, LoopHooks, RankEnv
 from app.errors import naming
 from app.launch.environment import job_start_time, resolve_rank_env
 from app.launch.failures import recording_failures
+from app.launch.jobfile import write_job_record
 from app.launch.lifeline import tie_to_launcher
 from app.launch.planning import ValidatedJob, check_world_size
 from app.output import timeline
@@ -112,6 +113,8 @@ def _run(
     tick = time.perf_counter()
     one_machine = launched_here or env.launcher == "submitit"  # both start every rank here
     plan, hosts = _agree_and_create_groups(ctx, plan, env, one_machine)
+    if plan.elastic_modes and env.rank == 0:  # python -m app.leave and app.join reach it so
+        write_job_record(run_dir, plan, float(cfg.comm.timeout))
     group_creation_s = time.perf_counter() - tick
     timeline.mark("groups")
     log.info("rank %d (%s) groups: %s", env.rank, plan.role(env.rank), sorted(ctx.describe()))

@@ -7,7 +7,8 @@ reconfigures its groups, with public torch APIs only. The rendezvous store is th
 every key is :mod:`rlcomm.elastic.keys`'. The parts:
 
 - :mod:`~rlcomm.elastic.epochs`: an epoch's group (:func:`build_epoch_group`) and the store
-  records of every change (:class:`EpochRecords`, :func:`request_join`, :func:`acknowledge`);
+  records of every change (:class:`EpochRecords`, :func:`request_join`, :func:`ask_to_leave`,
+  :func:`acknowledge`);
 - :class:`Leader` and :class:`Member` (``leader.py``, ``member.py``): the two sides, built on
   them: propose, settle and form an epoch; follow, join, move to another leader;
 - :class:`~rlcomm.elastic.groups.EpochGroups`: the epoch group of a mode in the context
@@ -28,6 +29,7 @@ from rlcomm.elastic.epochs import (
     EpochRecords,
     Join,
     acknowledge,
+    ask_to_leave,
     await_admission,
     build_epoch_group,
     close_membership,
@@ -35,8 +37,10 @@ from rlcomm.elastic.epochs import (
     epoch_members,
     is_running,
     latest_epoch,
+    let_go_epoch,
     mark_running,
     request_join,
+    was_let_go,
 )
 from rlcomm.elastic.groups import EpochGroups
 from rlcomm.elastic.keys import Keys, ShardKeys, moved, subworld
@@ -55,9 +59,9 @@ from rlcomm.errors import MembershipError
 
 __all__ = [
     "BEAT_LOST_S", "BEAT_S", "SEGMENT_TAG", "CallCommit", "Change", "Changes", "EpochGroups",
-    "EpochRecords", "Join", "Keys", "Leader", "Liveness", "Member", "MembershipError",
-    "ShardKeys", "acknowledge", "await_admission", "build_epoch_group", "close_membership",
+    "EpochRecords", "Join", "Keys", "Leader", "Liveness", "Member", "MembershipError", "ShardKeys",
+    "acknowledge", "ask_to_leave", "await_admission", "build_epoch_group", "close_membership",
     "closing_members", "drain", "epoch_members", "graveyard", "is_running", "latest_epoch",
-    "mark_running", "moved", "patience_s", "process_ended", "receive_from_members",
-    "request_join", "send_to_leader", "subworld",
+    "let_go_epoch", "mark_running", "moved", "patience_s", "process_ended", "receive_from_members",
+    "request_join", "send_to_leader", "subworld", "was_let_go",
 ]

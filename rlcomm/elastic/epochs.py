@@ -24,7 +24,7 @@ from typing import cast
 import torch
 from torch import distributed as dist
 
-from rlcomm.elastic.keys import RUNNING, Keys
+from rlcomm.elastic.keys import RUNNING, Keys, leave_request, leave_requests, let_go
 from rlcomm.errors import MembershipError
 from rlcomm.net.gloo_words import describe_loss
 
@@ -99,6 +99,7 @@ class EpochRecords:
         self.epoch = epoch
         # Every join request of this job's store counts: one may come before this exists.
         self._joins_seen = 0
+        self._leaves_seen = 0  # every leave request of the job counts, as the joins
         first = json.dumps([leader, *self.members])
         store.set(self.keys.epoch(epoch), first)
         # Fixed as it starts: a member of a lost predecessor that reads it is told it is out
@@ -117,6 +118,22 @@ class EpochRecords:
         self._joins_seen = count
         return found
 
+    def pending_leaves(self) -> dict[int, str]:
+        """Leave requests (:func:`ask_to_leave`) for this group's members that arrived since
+        the last call: rank -> reason (one store round trip when none)."""
+        count = int(self.store.add(leave_requests(), 0))
+        found: dict[int, str] = {}
+        for n in range(self._leaves_seen, count):
+            record = json.loads(self.store.get(leave_request(n)))
+            if record["rank"] in self.members:
+                found[int(record["rank"])] = str(record["reason"])
+        self._leaves_seen = count
+        return found
+
+    def let_go(self, rank: int) -> None:
+        """``rank`` leaves at its request: the epoch proposed next is the first without it."""
+        self.store.set(let_go(rank), str(self.epoch + 1))
+
     def announce(self, members: list[int], joins: list[Join]) -> int:
         """Proposes the next epoch with ``members`` (leader excluded): its record goes in the
         store, and each joiner is told it; returns the epoch. The members acknowledge it
@@ -126,6 +143,8 @@ class EpochRecords:
         self.store.set(self.keys.epoch(self.epoch), json.dumps([self.leader, *self.members]))
         self.store.set(self.keys.latest(), str(self.epoch))
         for join in joins:
+            # A new process for a rank once let go: not this one, which must not end so.
+            self.store.delete_key(let_go(join.rank))
             self.store.set(self.keys.admit(join.rank, join.pid), str(self.epoch))
         return self.epoch
 
@@ -178,6 +197,25 @@ def request_join(store: dist.Store, leader: int, rank: int, space: str = "") -> 
     n = int(store.add(keys.joins(), 1)) - 1
     store.set(keys.join(n), json.dumps(join.__dict__))
     return join
+
+
+def ask_to_leave(store: dist.Store, rank: int, reason: str) -> None:
+    """Asks ``rank``'s leader, whichever it is, to let it go at its next update boundary (the
+    rank itself, or a process that reaches the job's store)."""
+    n = int(store.add(leave_requests(), 1)) - 1
+    store.set(leave_request(n), json.dumps({"rank": rank, "reason": reason}))
+
+
+def let_go_epoch(store: dist.Store, rank: int) -> int | None:
+    """The epoch from which ``rank``'s leader let it go at its request, or None."""
+    key = let_go(rank)
+    return int(store.get(key)) if store.check([key]) else None
+
+
+def was_let_go(store: dist.Store, rank: int, epoch: int) -> bool:
+    """Whether ``rank``'s leader let it go at its request by ``epoch``."""
+    since = let_go_epoch(store, rank)
+    return since is not None and since <= epoch
 
 
 def await_admission(store: dist.Store, leader: int, join: Join, timeout_s: float,

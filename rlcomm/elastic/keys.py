@@ -4,7 +4,7 @@
 A leader's series of epochs lives under ``elastic/<leader>/<space>`` (:class:`Keys`); ``space``
 tells apart several series the same leader leads (its members' groups, and the groups of the
 leaders among themselves, say). A few keys belong to the whole job (:data:`RUNNING`,
-:func:`moved`, :class:`ShardKeys`, :func:`subworld`).
+:func:`moved`, the leave requests, :class:`ShardKeys`, :func:`subworld`).
 """
 
 from __future__ import annotations
@@ -100,6 +100,23 @@ class Keys:
     def done(self, epoch: int, call: int, rank: int) -> str:
         """``rank`` completed call ``call`` over ``epoch``'s group (rlcomm.elastic.commit)."""
         return self.key(f"done/{epoch}/{call}/{rank}")
+
+
+def leave_requests() -> str:
+    """How many leave requests were made in the job (a counter: every leader reads them all and
+    takes those of its members)."""
+    return f"{ROOT}leaves"
+
+
+def leave_request(n: int) -> str:
+    """The ``n``-th leave request: rank, reason."""
+    return f"{ROOT}leave/{n}"
+
+
+def let_go(rank: int) -> str:
+    """The epoch from which ``rank``'s leader let it go at its request (the member then ends,
+    where it would otherwise ask to join again)."""
+    return f"{ROOT}let-go/{rank}"
 
 
 def moved(rank: int) -> str:

@@ -70,6 +70,15 @@ class Leader:
         """Join requests that arrived since the last call, from ranks that may join."""
         return self.records.pending_joins()
 
+    def pending_leaves(self) -> dict[int, str]:
+        """Leave requests for this group's members since the last call: rank -> reason."""
+        return self.records.pending_leaves()
+
+    def let_go(self, rank: int) -> None:
+        """``rank`` leaves at its request: the next epoch is the first without it, and the
+        member, left out of it, ends instead of asking to join again."""
+        self.records.let_go(rank)
+
     def propose(self, members: list[int], joins: list[Join]) -> int:
         """The next epoch with ``members`` (the leader left out), its record in the store, and
         each joiner told it; returns the epoch."""

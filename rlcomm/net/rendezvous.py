@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import socket
 import time
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -23,7 +24,19 @@ from rlcomm.net import env
 from rlcomm.net.interfaces import choose_socket_interfaces, is_loopback, socket_address
 from rlcomm.utils import format_ranks
 
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """Where a job's rendezvous store is, and the prefix its keys live under in it: what a
+    process outside the job needs to reach them (:func:`connect_store`)."""
+
+    host: str
+    port: int
+    prefix: str
+
+
 _stores: dict[tuple[str, int, int], dist.Store] = {}
+_location: list[StoreLocation] = []  # the last TCP store this process joined a world on
 _listeners: list[socket.socket] = []
 _hosted: list[dist.Store] = []  # the stores this process serves (it is their rank 0)
 _generation = 0
@@ -47,9 +60,24 @@ def join_world(
     # apart there. A store hosted by rank 0 is new on every attempt, and the restart count of a
     # host restarted by hand (a new torchrun, count 0) differs from the others' anyway.
     attempt = env.restart_count() if env.uses_agent_store() else 0
-    store = dist.PrefixStore(f"rlcomm/{attempt}/{_generation}/", base)
+    prefix = f"rlcomm/{attempt}/{_generation}/"
+    store = dist.PrefixStore(prefix, base)
+    if isinstance(base, dist.TCPStore):
+        _location[:] = [StoreLocation(base.host, base.port, prefix)]
     _wait_for_ranks(store, rank, world_size, timeout, hosts_store=base in _hosted)
     return store
+
+
+def store_location() -> StoreLocation | None:
+    """Where the store of this process's last world is (None: not a TCP store)."""
+    return _location[0] if _location else None
+
+
+def connect_store(location: StoreLocation, timeout: datetime.timedelta) -> dist.Store:
+    """A client of the job's store at ``location``, seeing its keys as the job's ranks do; raises
+    (DistStoreError, RuntimeError) when it cannot be reached within ``timeout``."""
+    base = dist.TCPStore(location.host, location.port, None, False, timeout)
+    return dist.PrefixStore(location.prefix, base)
 
 
 def serves_store() -> bool:

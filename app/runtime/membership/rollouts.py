@@ -31,12 +31,23 @@ from app.runtime.membership.base import Follower, Transfer
 from app.runtime.membership.quorum import Quorum, QuorumWait, rejoinable
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.diagnostics.watchdog import default_hang_timeout
-from rlcomm.elastic import Change, Join, Leader, Member, latest_epoch, moved, patience_s
+from rlcomm.elastic import (
+    Change,
+    Join,
+    Leader,
+    Member,
+    ask_to_leave,
+    latest_epoch,
+    moved,
+    patience_s,
+    was_let_go,
+)
 from rlcomm.net.gloo_words import describe_loss
 from rlcomm.weights import TransfersEnded
 
 log = logging.getLogger(__name__)
 REPLACED = "replaced by a new process"
+ASKED = "asked"  # a leave asked of the rank (SIGTERM to it alone, python -m app.leave)
 # What a joining rollout rank's record adds: its first segment's version lag, and seconds from
 # its admission to that segment trained.
 JOIN_DETAILS = ("first_segment_lag", "first_trained_s")
@@ -101,11 +112,23 @@ class EpochLeader:
         """Admits joiners and drops the lost (a new epoch, whose first weights the followers
         send), else the next ``transfer``."""
         joins = self.side.pending_joins()
+        self._let_go_those_asked()
         if self._agree(bool(joins or self.dropped)):
             self.change(joins)
         else:
             transfer(first)
         return True
+
+    def _let_go_those_asked(self) -> None:
+        """Members asked to leave go at this boundary, unless this trainer was asked to stop
+        too: the whole job stops then (a SIGTERM to every rank), and they with it."""
+        asked = self.side.pending_leaves()
+        if stopping.asked():
+            return
+        for rank, reason in asked.items():
+            if rank in self.live:
+                self.side.let_go(rank)
+                self.leave(rank, reason)
 
     def change(self, joins: list[Join]) -> None:
         """The next epoch: survivors and ``joins``, once they acknowledge it."""
@@ -231,6 +254,8 @@ class EpochMember:
         # Lost with its group while sending, this rank followed its leader to a new epoch and
         # holds that epoch's first weights: the next sync has nothing to take.
         self.followed = False
+        self.leaving = False  # it asked its leader to let it go
+        self.left: str | None = None  # why this rank left while the run went on
         self.epochs_followed = 0
         self.final: dict[str, Any] = {}  # the job's counts at the stop (EpochLeader.stop)
         self.followers: list[Follower] = []
@@ -259,7 +284,9 @@ class EpochMember:
         """The next ``transfer``; False once the run stopped."""
         if self.followed:  # a new epoch's first weights came with following it
             self.followed = False
-            return True
+            return self.left is None
+        if stopping.asked() and not self.leaving:
+            self._ask_to_leave()
         try:
             transfer(first)
         except TransfersEnded as ended:
@@ -270,6 +297,14 @@ class EpochMember:
         except RuntimeError as err:  # gloo's error, or rlcomm's HangError around it
             return self.recover(err)
         return True
+
+    def _ask_to_leave(self) -> None:
+        """SIGTERM to this rank alone: its leader lets it go at its next update boundary (a
+        SIGTERM to every rank stops the run there instead: the leader, asked too, keeps it)."""
+        self.leaving = True
+        ask_to_leave(self.ctx.store, self.rank, ASKED)
+        log.warning("rank %d: asked to stop (%s); it leaves rank %d's group at its next update "
+                    "boundary", self.rank, stopping.reason(), self.leader)
 
     def recover(self, err: BaseException) -> bool:
         """A transfer on this rank's group failed: follows its leader to its next epoch, or
@@ -319,6 +354,11 @@ class EpochMember:
             self.side.enter(epoch, members)
             self._entered(members)
             return True
+        if was_let_go(self.ctx.store, self.rank, epoch):
+            self.left = ASKED
+            log.warning("rank %d: rank %d let it go (epoch %d goes on without it); it ends",
+                        self.rank, self.leader, epoch)
+            return False
         self._join()
         return True
 
@@ -353,7 +393,7 @@ class EpochMember:
                     return self._stopped()
                 if store.check([adopted]) and int(store.get(adopted)) != self.leader:
                     return int(store.get(adopted))
-                if time.monotonic() > deadline or stopping.asked():
+                if time.monotonic() > deadline or (stopping.asked() and not self.leaving):
                     raise err  # asked to stop (SIGTERM) with its leader gone: nothing to wait for
                 time.sleep(0.05)
         except RuntimeError:  # the store is gone with the leader's host
@@ -377,4 +417,4 @@ class EpochMember:
         """The job's counts, as its leader stopped at, like every rank reports them; this
         rank's epoch, and whether it joined a running job."""
         return {"updates": self.final.get("updates"), "env_steps": self.final.get("env_steps"),
-                "epoch": self.epoch, "joined": self.joining}
+                "epoch": self.epoch, "joined": self.joining, "left": self.left}

@@ -1,0 +1,69 @@
+"""``python -m app.leave RUN_DIR rank=N``: asks rollout rank N of the job running in RUN_DIR to
+leave at its trainer's next update boundary, as a SIGTERM to that rank alone does; the others go
+on, and the leave is recorded with reason ``asked`` (docs/elastic.md, "Growing and shrinking").
+It waits until the trainer let the rank go, up to the job's ``comm.timeout``. Bad input is one
+line, exit 2."""
+
+from __future__ import annotations
+
+import os
+
+# c10d logs a store it cannot reach on stderr, frames and all: the one line below says it.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+import sys
+import time
+from pathlib import Path
+
+from app.launch.jobfile import JobUnreachable, reach_job
+from rlcomm.elastic import ask_to_leave, let_go_epoch
+
+USAGE = "usage: python -m app.leave RUN_DIR rank=N"
+
+
+def parse(argv: list[str]) -> tuple[Path, int]:
+    """The run dir and the rank; one line (ValueError) where they are not given right."""
+    if len(argv) != 2 or not argv[1].startswith("rank="):
+        raise ValueError(USAGE)
+    value = argv[1].removeprefix("rank=")
+    if not value.isdigit():
+        raise ValueError(f"rank={value}: a rank number (an integer >= 0)")
+    return Path(argv[0]), int(value)
+
+
+def leave(run_dir: Path, rank: int) -> str:
+    """Asks ``rank`` to leave and waits for its trainer to let it go; what happened, in a line."""
+    job, store = reach_job(run_dir)
+    if not job.elastic_rollouts:
+        raise JobUnreachable(f"{run_dir}: its rollout ranks are not elastic "
+                             "(layout.elastic_rollouts=false): none can leave while it runs")
+    if rank in job.trainers:
+        raise JobUnreachable(f"rank={rank}: a trainer (trainers {job.trainers}); only rollout "
+                             "ranks leave when asked")
+    before = let_go_epoch(store, rank)
+    ask_to_leave(store, rank, "asked")
+    deadline = time.monotonic() + job.timeout_s
+    while time.monotonic() < deadline:
+        epoch = let_go_epoch(store, rank)
+        if epoch is not None and epoch != before:
+            return f"rank {rank} left the job: its trainer let it go from epoch {epoch}"
+        time.sleep(0.1)
+    raise TimeoutError(f"rank {rank} was not let go within comm.timeout={job.timeout_s:g} s: "
+                       "it is not a live rollout rank of the job, or the job is stopping")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run_dir, rank = parse(sys.argv[1:] if argv is None else argv)
+        print(leave(run_dir, rank))
+    except (ValueError, JobUnreachable) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except TimeoutError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
