@@ -12,15 +12,18 @@ line, exit 2, otherwise (:class:`JobUnreachable`).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import socket
 from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from torch import distributed as dist
 
 from app.errors import ConfigError
+from app.output.trackers.fanout import RUN_CONFIG
 from rlcomm.elastic import is_running
 from rlcomm.net.rendezvous import StoreLocation, connect_store, store_location
 from rlcomm.plan.layout import LayoutPlan
@@ -46,6 +49,8 @@ class JobRecord:
     timeout_s: float
     pid: int  # rank 0's
     host: str  # rank 0's
+    version: str  # the package's, which a joiner must run too
+    config_digest: str  # of the run's composed config as the job started (.hydra/config.yaml)
 
 
 def write_job_record(run_dir: Path, plan: LayoutPlan, timeout_s: float) -> None:
@@ -56,11 +61,24 @@ def write_job_record(run_dir: Path, plan: LayoutPlan, timeout_s: float) -> None:
         return
     record = JobRecord(location, plan.world_size, list(plan.trainers), list(plan.rollouts),
                        plan.elastic_rollouts, plan.elastic_trainers, timeout_s, os.getpid(),
-                       socket.gethostname())
+                       socket.gethostname(), package_version(), config_digest(run_dir))
     path = run_dir / JOB_FILE
     fresh = path.with_name(f".{JOB_FILE}.{os.getpid()}")
     fresh.write_text(json.dumps(asdict(record), indent=2))
     fresh.replace(path)  # whole or not at all: a reader never sees half of it
+
+
+def package_version() -> str:
+    try:
+        return version("rlcomm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def config_digest(run_dir: Path) -> str:
+    """A digest of the run's composed config (empty where there is none)."""
+    path = run_dir / RUN_CONFIG
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else ""
 
 
 def read_job_record(run_dir: Path) -> JobRecord:
@@ -80,11 +98,16 @@ def read_job_record(run_dir: Path) -> JobRecord:
         raise JobUnreachable(f"{run_dir / JOB_FILE}: unreadable ({err})") from None
 
 
-def reach_job(run_dir: Path, timeout_s: float | None = None) -> tuple[JobRecord, dist.Store]:
-    """The running job's record and its store; one line where it cannot be reached within
-    ``timeout_s`` (default: the job's own timeout)."""
+def reach_job(run_dir: Path) -> tuple[JobRecord, dist.Store]:
+    """The running job's record and its store; one line where it cannot be reached."""
     record = read_job_record(run_dir)
-    wait = record.timeout_s if timeout_s is None else timeout_s
+    return record, connect_job(run_dir, record)
+
+
+def connect_job(run_dir: Path, record: JobRecord) -> dist.Store:
+    """The job's store, once it answers and says the job runs; one line where it does not
+    within the job's ``comm.timeout``."""
+    wait = record.timeout_s
     where = f"{record.store.host}:{record.store.port}"
     try:
         store = connect_store(record.store, datetime.timedelta(seconds=wait))
@@ -96,4 +119,4 @@ def reach_job(run_dir: Path, timeout_s: float | None = None) -> tuple[JobRecord,
             f"has ended or this host cannot reach it ({reason})") from None
     if not running:
         raise JobUnreachable(f"{run_dir}: the job at {where} does not admit joiners yet")
-    return record, store
+    return store

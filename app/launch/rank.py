@@ -30,7 +30,7 @@ from app.output.logs import FILE_ONLY
 from app.output.summary import run_summary
 from app.output.trackers import close_trackers, finish_trackers
 from rlcomm import CommContext, CommMode, LayoutPlan, collectives
-from rlcomm.elastic import mark_running
+from rlcomm.elastic import BEYOND_PLAN, mark_running
 from rlcomm.errors import MembersLostError, PeerLostError
 from rlcomm.net.gloo_words import gist
 from rlcomm.net.hosts import Hosts, agree_on_hosts, announce_lost, lost_hosts
@@ -296,6 +296,9 @@ def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any
     if changes:
         summary["summary"]["rollout_ranks"] = {"left": len(summary["leaves"]),
                                                "joined": len(summary["joins"])}
+        grown = {c["rank"] for c in summary["joins"] if c["reason"] == BEYOND_PLAN}
+        if grown:  # ranks the plan did not have joined: the most the job ever had
+            summary["summary"]["rollout_ranks"]["grew_to"] = max(grown) + 1
     trainers = sorted((c for r in reports for c in (r.get("result") or {}).get(
         "trainer_changes", [])), key=lambda c: c["time"])
     if any("trainer_changes" in (r.get("result") or {}) for r in reports):
@@ -308,12 +311,36 @@ def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any
                                     for c in summary["trainer_leaves"])}
 
 
+def run_beyond_plan(job: ValidatedJob, plan: LayoutPlan, run_dir: Path, store: Any,
+                    env: RankEnv) -> None:
+    """A rollout rank the plan did not have (``python -m app.join``), in this process: ``plan``
+    has it (LayoutPlan.with_rollout_rank), ``store`` is the running job's; its trainer admits
+    it at an update boundary, as a replacement, and it runs until the job ends."""
+    from app.output.logs import setup_rank_logging
+
+    timeline.reset()
+    timeline.mark("started")
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as a rank before its watchdog: not fatal
+    setup_rank_logging(run_dir, env.rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    try:
+        with recording_failures(run_dir / "logs", env.rank, env.restart_count, env.node):
+            ctx = CommContext()
+            ctx.join_running_job(store, env.rank, env.world_size, int(job.comm.timeout))
+            _join_running_job(job, plan, env, run_dir, ctx)
+    except BaseException:
+        log.exception("rank %d failed", env.rank, extra=FILE_ONLY)
+        raise
+
+
 def _join_running_job(
     cfg: ValidatedJob, plan: LayoutPlan, env: RankEnv, run_dir: Path, ctx: CommContext,
 ) -> None:
-    """A rollout rank started while its job runs (a restart, one more torchrun or srun task):
-    its trainer admits it at an update boundary; it reports like the others."""
-    log.info("rank %d joins the running job (replacing a lost process)", env.rank)
+    """A rollout rank started while its job runs (a restart, one more torchrun or srun task, a
+    rank beyond the plan): its trainer admits it at an update boundary; it reports like the
+    others."""
+    why = "beyond its plan" if env.rank >= env.world_size else "replacing a lost process"
+    log.info("rank %d joins the running job (%s)", env.rank, why)
     _seed_everything(cfg.seed + env.rank)
     loop: Loop = cfg.loop
     result = loop(ctx, JobInfo(plan=plan, run_dir=run_dir, seed=cfg.seed, rank=env.rank,

@@ -66,7 +66,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"learner waited {replay.get('learner_wait_s', 0):.1f} s")
     changes = summary.get("rollout_ranks")
     if changes:  # an elastic run whose rollout ranks came and went (result.json: leaves, joins)
-        lines.append(f"rollout ranks: {changes['left']} left, {changes['joined']} joined "
+        grew = f", grew to {changes['grew_to']} ranks" if changes.get("grew_to") else ""
+        lines.append(f"rollout ranks: {changes['left']} left, {changes['joined']} joined{grew} "
                      "(result.json: leaves, joins)")
     trainers = summary.get("trainers")
     if trainers:  # elastic trainers lost and healed (result.json: trainer_leaves, trainer_joins)

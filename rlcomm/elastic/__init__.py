@@ -26,6 +26,7 @@ work, what a joiner heals from) is its users' policy. docs/library.md shows it o
 from rlcomm.elastic.changes import Change, Changes
 from rlcomm.elastic.commit import CallCommit
 from rlcomm.elastic.epochs import (
+    BEYOND_PLAN,
     EpochRecords,
     Join,
     acknowledge,
@@ -39,6 +40,7 @@ from rlcomm.elastic.epochs import (
     latest_epoch,
     let_go_epoch,
     mark_running,
+    new_rank,
     request_join,
     was_let_go,
 )
@@ -58,10 +60,11 @@ from rlcomm.elastic.transport import (
 from rlcomm.errors import MembershipError
 
 __all__ = [
-    "BEAT_LOST_S", "BEAT_S", "SEGMENT_TAG", "CallCommit", "Change", "Changes", "EpochGroups",
-    "EpochRecords", "Join", "Keys", "Leader", "Liveness", "Member", "MembershipError", "ShardKeys",
-    "acknowledge", "ask_to_leave", "await_admission", "build_epoch_group", "close_membership",
-    "closing_members", "drain", "epoch_members", "graveyard", "is_running", "latest_epoch",
-    "let_go_epoch", "mark_running", "moved", "patience_s", "process_ended", "receive_from_members",
-    "request_join", "send_to_leader", "subworld", "was_let_go",
+    "BEAT_LOST_S", "BEAT_S", "BEYOND_PLAN", "SEGMENT_TAG", "CallCommit", "Change", "Changes",
+    "EpochGroups", "EpochRecords", "Join", "Keys", "Leader", "Liveness", "Member",
+    "MembershipError", "ShardKeys", "acknowledge", "ask_to_leave", "await_admission",
+    "build_epoch_group", "close_membership", "closing_members", "drain", "epoch_members",
+    "graveyard", "is_running", "latest_epoch", "let_go_epoch", "mark_running", "moved", "new_rank",
+    "patience_s", "process_ended", "receive_from_members", "request_join", "send_to_leader",
+    "subworld", "was_let_go",
 ]

@@ -24,7 +24,7 @@ from typing import cast
 import torch
 from torch import distributed as dist
 
-from rlcomm.elastic.keys import RUNNING, Keys, leave_request, leave_requests, let_go
+from rlcomm.elastic.keys import RUNNING, Keys, grown, leave_request, leave_requests, let_go
 from rlcomm.errors import MembershipError
 from rlcomm.net.gloo_words import describe_loss
 
@@ -39,6 +39,10 @@ def is_running(store: dist.Store) -> bool:
     return bool(store.check([RUNNING]))
 
 
+# What a join of a rank the plan did not have is recorded as (its users' records, result.json).
+BEYOND_PLAN = "beyond the plan"
+
+
 @dataclass(frozen=True)
 class Join:
     """A process asking to join ``leader``'s group as ``rank``."""
@@ -46,6 +50,7 @@ class Join:
     rank: int
     host: str
     pid: int
+    beyond_plan: bool = False  # a rank the plan did not have (the job grows by it)
 
 
 def build_epoch_group(
@@ -113,8 +118,12 @@ class EpochRecords:
         found = []
         for n in range(self._joins_seen, count):
             record = json.loads(self.store.get(self.keys.join(n)))
+            beyond = bool(record.get("beyond_plan"))
+            if beyond and record["rank"] not in self.planned:  # it asked this leader: it may
+                self.planned.append(int(record["rank"]))
             if record["rank"] in self.planned and record["rank"] != self.leader:
-                found.append(Join(int(record["rank"]), str(record["host"]), int(record["pid"])))
+                found.append(Join(int(record["rank"]), str(record["host"]), int(record["pid"]),
+                                  beyond))
         self._joins_seen = count
         return found
 
@@ -190,13 +199,20 @@ def acknowledge(store: dist.Store, leader: int, epoch: int, rank: int,
     return members if rank in members else None
 
 
-def request_join(store: dist.Store, leader: int, rank: int, space: str = "") -> Join:
-    """A new process asks ``leader`` to admit it as ``rank`` at its next update boundary."""
-    join = Join(rank, socket.gethostname(), os.getpid())
+def request_join(store: dist.Store, leader: int, rank: int, space: str = "",
+                 beyond_plan: bool = False) -> Join:
+    """A new process asks ``leader`` to admit it as ``rank`` at its next update boundary;
+    ``beyond_plan``: a rank the plan did not have, which the leader then admits too."""
+    join = Join(rank, socket.gethostname(), os.getpid(), beyond_plan)
     keys = Keys(leader, space)
     n = int(store.add(keys.joins(), 1)) - 1
     store.set(keys.join(n), json.dumps(join.__dict__))
     return join
+
+
+def new_rank(store: dist.Store, world_size: int) -> int:
+    """A rank number beyond the plan of ``world_size`` ranks, never given before in the job."""
+    return world_size + int(store.add(grown(), 1)) - 1
 
 
 def ask_to_leave(store: dist.Store, rank: int, reason: str) -> None:

@@ -102,6 +102,12 @@ class Keys:
         return self.key(f"done/{epoch}/{call}/{rank}")
 
 
+def grown() -> str:
+    """How many ranks joined the job beyond its plan (a counter: the ``n``-th takes rank
+    ``world_size + n - 1``)."""
+    return f"{ROOT}grown"
+
+
 def leave_requests() -> str:
     """How many leave requests were made in the job (a counter: every leader reads them all and
     takes those of its members)."""

@@ -24,7 +24,7 @@ from rlcomm.elastic.epochs import (
     request_join,
 )
 from rlcomm.elastic.keys import Keys
-from rlcomm.modes import Mode
+from rlcomm.modes import Mode, ParallelMode
 
 if TYPE_CHECKING:
     from rlcomm.context import CommContext
@@ -65,8 +65,9 @@ class Member:
         """Asks the leader to admit this process as its rank, and enters the epoch that admits
         it; returns its members, or None when it answered too late and ``again`` is False
         (else it asks again)."""
+        beyond_plan = self.rank >= self.ctx.get_world_size(ParallelMode.GLOBAL)  # it grows the job
         while True:
-            join = request_join(self.ctx.store, self.leader, self.rank, self.space)
+            join = request_join(self.ctx.store, self.leader, self.rank, self.space, beyond_plan)
             log.info("rank %d (%s) asks rank %d to admit it", self.rank, socket.gethostname(),
                      self.leader)
             epoch, _ = await_admission(self.ctx.store, self.leader, join, timeout_s,

@@ -163,6 +163,25 @@ class LayoutPlan:
     def group(self, mode: str) -> GroupSpec | None:
         return next((g for g in self.groups if g.mode == mode_name(mode)), None)
 
+    def with_rollout_rank(self, rank: int, leader: int) -> LayoutPlan:
+        """This plan and one more elastic rollout rank beyond it, ``rank``, in ``leader``'s
+        WEIGHT_TRANSFER group: what a process that joins a running job beyond its plan sees
+        (rlcomm.elastic; the other ranks keep the plan they started with)."""
+        if not self.elastic_rollouts or leader not in self._trainer_set:
+            raise ValueError(f"rank {rank}: a rollout rank beyond the plan needs elastic rollout "
+                             f"ranks and a trainer to lead it, not rank {leader}")
+        weight_transfer = ParallelMode.WEIGHT_TRANSFER.value
+        grown = []
+        for spec in self.groups:
+            if spec.mode == ParallelMode.GLOBAL.value:
+                spec = replace(spec, rank_lists=((*spec.rank_lists[0], rank),))
+            elif spec.mode == weight_transfer:
+                spec = replace(spec, rank_lists=tuple(
+                    (*ranks, rank) if ranks[0] == leader else ranks for ranks in spec.rank_lists))
+            grown.append(spec)
+        return replace(self, world_size=max(self.world_size, rank + 1),
+                       rollouts=(*self.rollouts, rank), groups=tuple(grown))
+
 
 def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     """Validate ``spec`` and return every group to create, in creation order."""

@@ -1,7 +1,12 @@
-"""A job that shrinks when asked, on real processes: SIGTERM to one rollout rank (or
-``python -m app.leave RUN_DIR rank=N``) makes it finish its segment and leave at its trainer's
-next update boundary; the others go on, the leave is recorded with reason ``asked``, and no
-restart is spent on it (docs/elastic.md, "Growing and shrinking")."""
+"""A job that grows and shrinks while it runs, on real processes.
+
+``python -m app.join RUN_DIR role=rollout`` adds a rollout rank the plan did not have: it gets a
+new rank number, the trainer leading the fewest rollout ranks admits it at an update boundary
+with the current weights, and trains on its segments; it exits with the job. SIGTERM to one
+rollout rank (or ``python -m app.leave RUN_DIR rank=N``) makes it leave at its trainer's next
+update boundary: the others go on, the leave is recorded with reason ``asked``, and no restart
+is spent on it. Bad input to either command is one line, exit 2, and the job is untouched.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,44 +27,136 @@ from tests.helpers.apprun import AppProcess, read_result, rows_so_far
 
 pytestmark = pytest.mark.e2e
 
-# On the waiting CartPole (2 ms a step) an update of 1t3r takes about 2 s on 2 cores: the run
-# lasts long enough to act on it while it goes (CartPole itself would be done in 2 s).
-RUN = ("layout=1t3r", "loop.env.id=WaitingCartPole-v1", "loop.progress=false",
-       "loop.target_return=1e9", "loop.total_env_steps=40960", "comm.timeout=60")
+# On the waiting CartPole (2 ms a step) an update takes about 2 s whatever the rollout ranks
+# (they wait in parallel): the run lasts long enough to act on it while it goes, where CartPole
+# itself would be done in seconds.
+WAITING = ("loop.env.id=WaitingCartPole-v1", "loop.progress=false", "loop.target_return=1e9",
+           "comm.timeout=60")
+RUN = ("layout=1t3r", *WAITING, "loop.total_env_steps=40960")
+JOINER_S = 180  # a joiner's whole life, its imports on a loaded machine included
 
 
 def members_by_update(run_dir: Path) -> list[int]:
     return [int(float(row["members"])) for row in rows_so_far(run_dir)]
 
 
-def test_a_sigtermed_rollout_rank_leaves_asked_and_the_run_goes_on_without_a_restart(
-    start_app: Callable[..., AppProcess],
-) -> None:
-    app = start_app("asked", *RUN, "launcher.rollout_restarts=1")
-    app.wait_until("3 updates", lambda: len(rows_so_far(app.run_dir)) >= 3)
-    process = app.ranks()[3]
-    assert process.name() == "rlcomm-rank3", process.name()
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=60)  # it leaves at the next boundary (its code: the slot's, below)
-    assert app.wait() == 0, app.describe()
-    result = read_result(app.run_dir)
-    (leave,) = result["leaves"]
-    assert (leave["rank"], leave["reason"]) == (3, "asked"), leave
-    assert result["joins"] == []
-    members = members_by_update(app.run_dir)
-    assert members[0] == 3 and members[-1] == 2, members
-    assert "starting it again" not in app.stderr and "was killed" not in app.stderr, \
-        app.describe()
-    assert re.search(r"rank 3: asked to stop \(SIGTERM\); it leaves rank 0's group at its next "
-                     r"update boundary", app.log(3)), app.log(3)[-3000:]
-    assert "rank 0 let it go" in app.log(3)
-    assert "rollout ranks: 1 left, 0 joined" in app.stdout, app.describe()
-    app.assert_all_ended()
+def collapse(values: list[int]) -> list[int]:
+    """Runs of equal values as one: [2, 2, 3, 3, 4] -> [2, 3, 4]."""
+    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
 
 
 def side_command(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, check=False)
+
+
+@pytest.fixture
+def start_joiner(tmp_path: Path) -> Iterator[Callable[[Path, str], subprocess.Popen[str]]]:
+    """``start_joiner(run_dir, name)``: ``python -m app.join RUN_DIR role=rollout`` in the
+    background, its output in ``<tmp>/<name>.out``; any still running at teardown is killed and
+    fails the test."""
+    joiners: list[subprocess.Popen[str]] = []
+
+    def start(run_dir: Path, name: str) -> subprocess.Popen[str]:
+        out = (tmp_path / f"{name}.out").open("w")
+        joiner = subprocess.Popen([sys.executable, "-m", "app.join", str(run_dir), "role=rollout"],
+                                  stdout=out, stderr=subprocess.STDOUT, text=True)
+        joiners.append(joiner)
+        return joiner
+
+    yield start
+    survivors = [j.pid for j in joiners if j.poll() is None]
+    for joiner in joiners:
+        if joiner.poll() is None:
+            joiner.kill()
+            joiner.wait(timeout=30)
+    assert not survivors, f"joiners still running: {survivors}"
+
+
+def wait_for_members(app: AppProcess, count: int) -> None:
+    app.wait_until(f"{count} members", lambda: (members_by_update(app.run_dir) or [0])[-1] == count,
+                   timeout=JOINER_S)
+
+
+def joins_beyond_the_plan(result: dict[str, Any]) -> list[int]:
+    return [join["rank"] for join in result["joins"] if join["reason"] == "beyond the plan"]
+
+
+def test_two_joiners_one_after_another_grow_a_default_run_from_2_to_3_to_4_rollout_ranks(
+    start_app: Callable[..., AppProcess], start_joiner: Callable[[Path, str], subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """The default layout (2t2r); the job is untouched by refused joiners first."""
+    app = start_app("grown", *WAITING, "loop.total_env_steps=90000")
+    app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
+    trainer = side_command("app.join", str(app.run_dir), "role=trainer")
+    assert (trainer.returncode, trainer.stderr.strip()) == (2, (
+        "error: role=trainer: trainers beyond the plan cannot join yet; a lost trainer's "
+        "replacement can (launcher.trainer_restarts, or RANK=N python -m app by hand)")), trainer
+    other_env = side_command("app.join", str(app.run_dir), "role=rollout", "loop.env.id=Pong")
+    assert (other_env.returncode, other_env.stderr.strip()) == (2, (
+        "error: loop.env.id=Pong: a joiner runs the job's own config (.hydra/config.yaml); "
+        "only loop.threads may differ")), other_env
+    first = start_joiner(app.run_dir, "first")
+    wait_for_members(app, 3)
+    second = start_joiner(app.run_dir, "second")
+    wait_for_members(app, 4)
+    assert app.wait() == 0, app.describe()
+    for joiner, name in ((first, "first"), (second, "second")):
+        assert joiner.wait(timeout=60) == 0, (tmp_path / f"{name}.out").read_text()[-3000:]
+    members = members_by_update(app.run_dir)
+    assert collapse(members) == [2, 3, 4], members
+    result = read_result(app.run_dir)
+    assert joins_beyond_the_plan(result) == [4, 5], result["joins"]
+    for join in result["joins"]:  # each joiner's first segment was trained on
+        assert join["first_segment_lag"] is not None and join["first_trained_s"] is not None
+    assert result["leaves"] == []
+    reports = {r["rank"]: r for r in result["ranks"]}
+    assert sorted(reports) == [0, 1, 2, 3, 4, 5]
+    for rank in (4, 5):
+        assert reports[rank]["role"] == "rollout" and reports[rank]["result"]["joined"] is True
+        assert 0 < reports[rank]["result"]["segments_sent"] < reports[0]["result"]["updates"]
+        assert "joins the running job (beyond its plan)" in app.log(rank)
+    # The trainers each led one of the joiners (the fewest rollout ranks first).
+    assert "rank 4 (rollout, beyond the plan of 4) asks rank 0 to admit it" in \
+        (tmp_path / "first.out").read_text()
+    assert "rank 5 (rollout, beyond the plan of 4) asks rank 1 to admit it" in \
+        (tmp_path / "second.out").read_text()
+    assert "rollout ranks: 0 left, 2 joined, grew to 6 ranks" in app.stdout, app.describe()
+    finished = side_command("app.join", str(app.run_dir), "role=rollout")
+    assert (finished.returncode, finished.stderr.strip()) == (2, (
+        f"error: {app.run_dir}: the run finished (result.json); nothing runs there")), finished
+    app.assert_all_ended()
+
+
+def test_a_rollout_rank_sigtermed_leaves_asked_without_a_restart_and_a_joiner_takes_its_place(
+    start_app: Callable[..., AppProcess], start_joiner: Callable[[Path, str], subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    app = start_app("replaced", "layout=1t2r", *WAITING, "loop.total_env_steps=60000",
+                    "launcher.rollout_restarts=1")
+    app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
+    process = app.ranks()[2]
+    assert process.name() == "rlcomm-rank2", process.name()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)  # it leaves at the next boundary (its exit: the slot's, below)
+    wait_for_members(app, 1)
+    joiner = start_joiner(app.run_dir, "joiner")
+    wait_for_members(app, 2)
+    assert app.wait() == 0, app.describe()
+    assert joiner.wait(timeout=60) == 0, (tmp_path / "joiner.out").read_text()[-3000:]
+    assert collapse(members_by_update(app.run_dir)) == [2, 1, 2]
+    result = read_result(app.run_dir)
+    (leave,) = result["leaves"]
+    assert (leave["rank"], leave["reason"]) == (2, "asked"), leave
+    assert joins_beyond_the_plan(result) == [3], result["joins"]
+    # It left: no restart was spent on it, and the launcher saw no loss.
+    assert "starting it again" not in app.stderr and "was killed" not in app.stderr, \
+        app.describe()
+    assert re.search(r"rank 2: asked to stop \(SIGTERM\); it leaves rank 0's group at its next "
+                     r"update boundary", app.log(2)), app.log(2)[-3000:]
+    assert "rank 0 let it go" in app.log(2)
+    app.assert_all_ended()
 
 
 def test_app_leave_lets_one_rollout_rank_go_and_refuses_a_trainer_in_one_line(
@@ -79,6 +178,7 @@ def test_app_leave_lets_one_rollout_rank_go_and_refuses_a_trainer_in_one_line(
     assert (leave["rank"], leave["reason"]) == (2, "asked"), leave
     assert "rank 0 let it go" in app.log(2)
     assert members_by_update(app.run_dir)[-1] == 2
+    assert "rollout ranks: 1 left, 0 joined" in app.stdout, app.describe()
     finished = side_command("app.leave", str(app.run_dir), "rank=1")
     assert finished.returncode == 2, finished
     assert finished.stderr.strip() == (f"error: {app.run_dir}: the run finished (result.json); "
@@ -86,34 +186,87 @@ def test_app_leave_lets_one_rollout_rank_go_and_refuses_a_trainer_in_one_line(
     app.assert_all_ended()
 
 
+NO_JOB = "error: {empty}: no running job there (job.json is written once a job with elastic " \
+         "ranks runs)"
+
+
 @pytest.mark.parametrize(("args", "line"), [
-    ((), "error: usage: python -m app.leave RUN_DIR rank=N"),
-    (("{missing}", "rank=1"), "error: {missing}: no such run dir"),
-    (("{empty}", "rank=one"), "error: rank=one: a rank number (an integer >= 0)"),
-    (("{empty}", "rank=1"), "error: {empty}: no running job there (job.json is written once a "
-                            "job with elastic ranks runs)"),
+    (("app.leave",), "error: usage: python -m app.leave RUN_DIR rank=N"),
+    (("app.leave", "{missing}", "rank=1"), "error: {missing}: no such run dir"),
+    (("app.leave", "{empty}", "rank=one"), "error: rank=one: a rank number (an integer >= 0)"),
+    (("app.leave", "{empty}", "rank=1"), NO_JOB),
+    (("app.join", "{empty}"), "error: usage: python -m app.join RUN_DIR role=rollout "
+                              "[loop.threads=N]"),
+    (("app.join", "{empty}", "role=learner"), "error: role=learner: one of rollout, trainer, "
+                                              "replica"),
+    (("app.join", "{missing}", "role=rollout"), "error: {missing}: no such run dir"),
+    (("app.join", "{empty}", "role=rollout"), NO_JOB),
 ])
-def test_app_leave_refuses_bad_input_in_one_line(
+def test_app_leave_and_app_join_refuse_bad_input_in_one_line(
     tmp_path: Path, args: tuple[str, ...], line: str,
 ) -> None:
     names = {"missing": str(tmp_path / "missing"), "empty": str(tmp_path)}
-    done = side_command("app.leave", *(a.format(**names) for a in args), timeout=60)
+    module, *rest = args
+    done = side_command(module, *(a.format(**names) for a in rest), timeout=60)
     assert (done.returncode, done.stderr.strip()) == (2, line.format(**names)), done
 
 
-def test_app_leave_names_a_job_whose_store_is_gone(tmp_path: Path) -> None:
-    """A job.json left by a job that ended without result.json (killed): its store does not
-    answer; one line, exit 2, within the job's timeout."""
+def write_job_record(run_dir: Path, **changes: Any) -> int:
+    """A job.json as a job that is gone left it (its store's port is free); returns the port."""
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    (tmp_path / "job.json").write_text(json.dumps({
-        "store": {"host": "127.0.0.1", "port": port, "prefix": "rlcomm/0/1/"},
-        "world_size": 2, "trainers": [0], "rollouts": [1], "elastic_rollouts": True,
-        "elastic_trainers": False, "timeout_s": 3.0, "pid": 1, "host": "gone"}))
-    done = side_command("app.leave", str(tmp_path), "rank=1", timeout=60)
+    (run_dir / ".hydra").mkdir()
+    (run_dir / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    from app.launch.jobfile import config_digest, package_version
+
+    record = {"store": {"host": "127.0.0.1", "port": port, "prefix": "rlcomm/0/1/"},
+              "world_size": 2, "trainers": [0], "rollouts": [1], "elastic_rollouts": True,
+              "elastic_trainers": False, "timeout_s": 3.0, "pid": 1, "host": "gone",
+              "version": package_version(), "config_digest": config_digest(run_dir), **changes}
+    (run_dir / "job.json").write_text(json.dumps(record))
+    return port
+
+
+@pytest.mark.parametrize("module", ["app.leave", "app.join"])
+def test_a_job_whose_store_is_gone_is_one_line_within_its_timeout(
+    tmp_path: Path, module: str,
+) -> None:
+    """A job.json left by a job that ended without result.json (killed): its store does not
+    answer; one line, exit 2, within the job's timeout (3 s here)."""
+    port = write_job_record(tmp_path)
+    tick = time.monotonic()
+    done = side_command(module, str(tmp_path), "rank=1" if module == "app.leave" else "role=rollout",
+                        timeout=60)
     assert done.returncode == 2, done
     assert done.stderr.startswith(f"error: {tmp_path}: the job's store at 127.0.0.1:{port} did "
                                   "not answer within 3 s: the job has ended or this host cannot "
                                   "reach it ("), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert time.monotonic() - tick < 40
+
+
+def test_a_joiner_of_another_version_or_config_or_role_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    write_job_record(tmp_path / "a", version="0.0.1")
+    write_job_record(tmp_path / "b", config_digest="0123456789abcdef")
+    write_job_record(tmp_path / "c")
+    static = side_command("app.join", str(tmp_path / "c"), "role=replica", timeout=60)
+    assert (static.returncode, static.stderr.strip()) == (2, (
+        "error: role=replica: this job's trainers are not elastic "
+        "(layout.elastic_trainers=false): none can join while it runs")), static
+    from app.launch.jobfile import package_version
+
+    older = side_command("app.join", str(tmp_path / "a"), "role=rollout", timeout=60)
+    assert (older.returncode, older.stderr.strip()) == (2, (
+        f"error: this is rlcomm {package_version()}, and the job runs rlcomm 0.0.1: a joiner "
+        "must run the job's version")), older
+    edited = side_command("app.join", str(tmp_path / "b"), "role=rollout", timeout=60)
+    assert edited.returncode == 2, edited
+    assert re.fullmatch(rf"error: {re.escape(str(tmp_path / 'b' / '.hydra' / 'config.yaml'))} "
+                        r"changed since the job started \(digest [0-9a-f]{16}, the job's "
+                        r"0123456789abcdef\): a joiner would run another config",
+                        edited.stderr.strip()), edited.stderr

@@ -32,6 +32,7 @@ from app.runtime.membership.quorum import Quorum, QuorumWait, rejoinable
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.diagnostics.watchdog import default_hang_timeout
 from rlcomm.elastic import (
+    BEYOND_PLAN,
     Change,
     Join,
     Leader,
@@ -151,16 +152,17 @@ class EpochLeader:
             else:
                 self.leave(rank, f"did not answer epoch {epoch} within {self.patience_s:g} s")
         self.side.form()
+        beyond = {join.rank for join in joins if join.beyond_plan}
         for rank in joining:
-            self._joined(rank, epoch)
+            self._joined(rank, epoch, BEYOND_PLAN if rank in beyond else "admitted")
         self.dropped = {}
         for follower in self.followers:
             follower.renew(epoch, self.members)
         log.info("rank %d: epoch %d formed in %.3f s: members %s", self.rank, epoch,
                  time.perf_counter() - tick, self.members)
 
-    def _joined(self, rank: int, epoch: int) -> None:
-        change = self.side.note("join", rank, "admitted", self.update, epoch)
+    def _joined(self, rank: int, epoch: int, reason: str) -> None:
+        change = self.side.note("join", rank, reason, self.update, epoch)
         change.details = dict.fromkeys(JOIN_DETAILS)
         log.warning("rank %d (%s) joined rank %d's group: epoch %d, %d %s", rank, change.host,
                     self.rank, epoch, len(self.members), self.quorum.members)

@@ -1,0 +1,144 @@
+"""``python -m app.join RUN_DIR role=rollout``: one more rollout rank for the job running in
+RUN_DIR, beyond its plan (docs/failures.md, "Growing and shrinking").
+
+It runs on any host that reaches the job's rendezvous store (``job.json`` in the run dir says
+where), takes the job's own composed config (``.hydra/config.yaml``; only ``loop.threads`` may
+differ here), gets a rank number the job never had, asks the trainer that leads the fewest
+rollout ranks to admit it, and runs until the job ends: its trainer admits it at an update
+boundary, sends it the current weights and normaliser statistics (verified by checksum), and
+trains on its segments. Bad input is one line, exit 2, and the running job is untouched.
+"""
+
+from __future__ import annotations
+
+import os
+
+# c10d logs a store it cannot reach on stderr, frames and all: the one line below says it.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from app.api import ConfigError, RankEnv
+from app.launch.jobfile import (
+    JobRecord,
+    JobUnreachable,
+    config_digest,
+    connect_job,
+    package_version,
+    read_job_record,
+)
+from app.launch.planning import ValidatedJob, validate_job
+from app.output.trackers.fanout import RUN_CONFIG
+from rlcomm import LayoutPlan
+from rlcomm.elastic import epoch_members, latest_epoch, new_rank
+
+USAGE = "usage: python -m app.join RUN_DIR role=rollout [loop.threads=N]"
+ROLES = ("rollout", "trainer", "replica")
+MAY_DIFFER = ("loop.threads",)  # a host's own choice; everything else is the job's
+
+
+@dataclass(frozen=True)
+class Request:
+    run_dir: Path
+    role: str
+    overrides: tuple[str, ...] = ()
+
+
+def parse(argv: list[str]) -> Request:
+    """The run dir, the role and the overrides; one line (ValueError) where they are wrong."""
+    if len(argv) < 2 or not argv[1].startswith("role="):
+        raise ValueError(USAGE)
+    role = argv[1].removeprefix("role=")
+    if role not in ROLES:
+        raise ValueError(f"role={role}: one of {', '.join(ROLES)}")
+    for override in argv[2:]:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key not in MAY_DIFFER:
+            raise ValueError(f"{override}: a joiner runs the job's own config "
+                             f"({RUN_CONFIG}); only {', '.join(MAY_DIFFER)} may differ")
+    return Request(Path(argv[0]), role, tuple(argv[2:]))
+
+
+def check_role(record: JobRecord, role: str) -> None:
+    """What the job can take; one line where it cannot."""
+    if role == "rollout":
+        if not record.elastic_rollouts:
+            raise JobUnreachable("role=rollout: this job's rollout ranks are not elastic "
+                                 "(layout.elastic_rollouts=false): none can join while it runs")
+        return
+    if not record.elastic_trainers:
+        raise JobUnreachable(f"role={role}: this job's trainers are not elastic "
+                             "(layout.elastic_trainers=false): none can join while it runs")
+    raise JobUnreachable(f"role={role}: trainers beyond the plan cannot join yet; a lost "
+                         "trainer's replacement can (launcher.trainer_restarts, or RANK=N "
+                         "python -m app by hand)")
+
+
+def check_same_job(run_dir: Path, record: JobRecord) -> None:
+    """The joiner runs the job's package and config; one line where it would not."""
+    mine = package_version()
+    if record.version != mine:
+        raise JobUnreachable(f"this is rlcomm {mine}, and the job runs rlcomm {record.version}: "
+                             "a joiner must run the job's version")
+    now = config_digest(run_dir)
+    if record.config_digest and now != record.config_digest:
+        raise JobUnreachable(f"{run_dir / RUN_CONFIG} changed since the job started (digest "
+                             f"{now}, the job's {record.config_digest}): a joiner would run "
+                             "another config")
+
+
+def job_config(request: Request) -> tuple[LayoutPlan, ValidatedJob]:
+    """The job's plan and config, as it validated them, with this host's overrides."""
+    cfg = OmegaConf.load(request.run_dir / RUN_CONFIG)
+    for override in request.overrides:
+        key, value = override.lstrip("+~").split("=", 1)
+        OmegaConf.update(cfg, key, value, force_add=True)  # the schema types it (validate_job)
+    # Probed here: the job's rank 0 shares its spaces only with ranks that validated themselves.
+    return validate_job(cfg)  # type: ignore[arg-type]  # the run's own config
+
+
+def least_led(store: object, trainers: list[int]) -> int:
+    """The trainer that leads the fewest rollout ranks now (the lowest rank of those)."""
+    def led(trainer: int) -> int:
+        return len(epoch_members(store, trainer, latest_epoch(store, trainer)))  # type: ignore[arg-type]
+
+    return min(trainers, key=lambda trainer: (led(trainer), trainer))
+
+
+def join(request: Request) -> None:
+    """Runs one rank beyond the job's plan until the job ends."""
+    record = read_job_record(request.run_dir)
+    check_role(record, request.role)
+    check_same_job(request.run_dir, record)
+    store = connect_job(request.run_dir, record)
+    plan, job = job_config(request)
+    rank = new_rank(store, record.world_size)
+    leader = least_led(store, record.trainers)
+    env = RankEnv("join", rank=rank, world_size=record.world_size, node=socket.gethostname(),
+                  master_addr=record.store.host, master_port=record.store.port)
+    print(f"rank {rank} (rollout, beyond the plan of {record.world_size}) asks rank {leader} "
+          "to admit it", file=sys.stderr, flush=True)
+    from app.launch.rank import run_beyond_plan  # torch and the runtime: once the checks passed
+
+    run_beyond_plan(job, plan.with_rollout_rank(rank, leader), request.run_dir, store, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        join(parse(sys.argv[1:] if argv is None else argv))
+    except (ValueError, ConfigError) as err:  # JobUnreachable is a ConfigError
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # the rank failed: its log has the traceback
+        print(f"error: the joiner failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
