@@ -1,5 +1,5 @@
 """``python -m app.join RUN_DIR role=rollout``: one more rollout rank for the job running in
-RUN_DIR, beyond its plan (docs/failures.md, "Growing and shrinking").
+RUN_DIR, beyond its plan (docs/growth.md).
 
 It runs on any host that reaches the job's rendezvous store (``job.json`` in the run dir says
 where), takes the job's own composed config (``.hydra/config.yaml``; only ``loop.threads`` may

@@ -1,6 +1,6 @@
 """``python -m app.leave RUN_DIR rank=N``: asks rollout rank N of the job running in RUN_DIR to
 leave at its trainer's next update boundary, as a SIGTERM to that rank alone does; the others go
-on, and the leave is recorded with reason ``asked`` (docs/elastic.md, "Growing and shrinking").
+on, and the leave is recorded with reason ``asked`` (docs/growth.md).
 It waits until the trainer let the rank go, up to the job's ``comm.timeout``. Bad input is one
 line, exit 2."""
 

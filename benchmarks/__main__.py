@@ -38,13 +38,14 @@ SECTIONS = (
     "seeds",
     "long_run",
     "ray",
+    "growth",
 )
 # Run only when named (--only): hours of side-by-side runs against CleanRL's scripts, minutes
 # of runs that each lose a trainer, half an hour (or more, under load) of every shipped
 # configuration over ten seeds, the long runs (an hour and more), and minutes of thousands of
 # simulated members that take both cores (and load the machine for a while after).
 ONLY_BY_NAME = ("learner_speed", "trainer_loss", "seeds", "long_run", "membership_scale",
-                "ray")
+                "ray", "growth")
 NOT_IN_QUICK = ("rl_throughput", "rl_staleness", "mujoco", "elastic", "evaluation",
                 "replay_layouts")
 BUDGET_S = {"quick": 115.0, "full": 570.0}  # the goals: under 2 and under 10 minutes
