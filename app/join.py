@@ -67,11 +67,11 @@ def parse(argv: list[str]) -> Request:
 def check_role(record: JobRecord, role: str) -> None:
     """What the job can take; one line where it cannot."""
     if role == "rollout":
-        if not record.elastic_rollouts:
+        if not record.shape.elastic_rollouts:
             raise JobUnreachable("role=rollout: this job's rollout ranks are not elastic "
                                  "(layout.elastic_rollouts=false): none can join while it runs")
         return
-    if not record.elastic_trainers:
+    if not record.shape.elastic_trainers:
         raise JobUnreachable(f"role={role}: this job's trainers are not elastic "
                              "(layout.elastic_trainers=false): none can join while it runs")
     raise JobUnreachable(f"role={role}: trainers beyond the plan cannot join yet; a lost "

@@ -34,7 +34,7 @@ def parse(argv: list[str]) -> tuple[Path, int]:
 def leave(run_dir: Path, rank: int) -> str:
     """Asks ``rank`` to leave and waits for its trainer to let it go; what happened, in a line."""
     job, store = reach_job(run_dir)
-    if not job.elastic_rollouts:
+    if not job.shape.elastic_rollouts:
         raise JobUnreachable(f"{run_dir}: its rollout ranks are not elastic "
                              "(layout.elastic_rollouts=false): none can leave while it runs")
     if rank in job.trainers:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from torch import distributed as dist
 
+from app.api import RunShape
 from app.errors import ConfigError
 from app.output.trackers.fanout import RUN_CONFIG
 from rlcomm.elastic import is_running
@@ -44,8 +45,7 @@ class JobRecord:
     world_size: int
     trainers: list[int]
     rollouts: list[int]
-    elastic_rollouts: bool
-    elastic_trainers: bool
+    shape: RunShape  # what may join and leave (its elastic_* flags)
     timeout_s: float
     pid: int  # rank 0's
     host: str  # rank 0's
@@ -53,15 +53,15 @@ class JobRecord:
     config_digest: str  # of the run's composed config as the job started (.hydra/config.yaml)
 
 
-def write_job_record(run_dir: Path, plan: LayoutPlan, timeout_s: float) -> None:
+def write_job_record(run_dir: Path, plan: LayoutPlan, shape: RunShape, timeout_s: float) -> None:
     """Rank 0, once the job admits joiners; nothing where its store is not a TCP store (a
     ``file://`` rendezvous: no process outside the job can reach it)."""
     location = store_location()
     if location is None:
         return
     record = JobRecord(location, plan.world_size, list(plan.trainers), list(plan.rollouts),
-                       plan.elastic_rollouts, plan.elastic_trainers, timeout_s, os.getpid(),
-                       socket.gethostname(), package_version(), config_digest(run_dir))
+                       shape, timeout_s, os.getpid(), socket.gethostname(), package_version(),
+                       config_digest(run_dir))
     path = run_dir / JOB_FILE
     fresh = path.with_name(f".{JOB_FILE}.{os.getpid()}")
     fresh.write_text(json.dumps(asdict(record), indent=2))
@@ -89,7 +89,8 @@ def read_job_record(run_dir: Path) -> JobRecord:
         raise JobUnreachable(f"{run_dir}: the run finished ({FINISHED}); nothing runs there")
     try:
         data = json.loads((run_dir / JOB_FILE).read_text())
-        return JobRecord(**{**data, "store": StoreLocation(**data["store"])})
+        return JobRecord(**{**data, "store": StoreLocation(**data["store"]),
+                            "shape": RunShape(**data["shape"])})
     except FileNotFoundError:
         raise JobUnreachable(
             f"{run_dir}: no running job there ({JOB_FILE} is written once a job with elastic "

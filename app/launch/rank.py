@@ -114,7 +114,7 @@ def _run(
     one_machine = launched_here or env.launcher == "submitit"  # both start every rank here
     plan, hosts = _agree_and_create_groups(ctx, plan, env, one_machine)
     if plan.elastic_modes and env.rank == 0:  # python -m app.leave and app.join reach it so
-        write_job_record(run_dir, plan, float(cfg.comm.timeout))
+        write_job_record(run_dir, plan, cfg.shape, float(cfg.comm.timeout))
     group_creation_s = time.perf_counter() - tick
     timeline.mark("groups")
     log.info("rank %d (%s) groups: %s", env.rank, plan.role(env.rank), sorted(ctx.describe()))

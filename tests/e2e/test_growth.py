@@ -221,8 +221,8 @@ def write_job_record(run_dir: Path, **changes: Any) -> int:
     from app.launch.jobfile import config_digest, package_version
 
     record = {"store": {"host": "127.0.0.1", "port": port, "prefix": "rlcomm/0/1/"},
-              "world_size": 2, "trainers": [0], "rollouts": [1], "elastic_rollouts": True,
-              "elastic_trainers": False, "timeout_s": 3.0, "pid": 1, "host": "gone",
+              "world_size": 2, "trainers": [0], "rollouts": [1],
+              "shape": {"elastic_rollouts": True}, "timeout_s": 3.0, "pid": 1, "host": "gone",
               "version": package_version(), "config_digest": config_digest(run_dir), **changes}
     (run_dir / "job.json").write_text(json.dumps(record))
     return port
