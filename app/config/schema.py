@@ -104,6 +104,10 @@ class RayConfig:
     placement_timeout: float = setting(
         60.0, "seconds to wait for the ranks' placement groups before the run ends in one line"
     )
+    max_rollouts: int | None = setting(
+        None, "null: the planned rollout ranks only; N: the driver adds rollout actors beyond "
+        "the plan, up to N rollout ranks in all, while the cluster has free CPUs for them"
+    )
 
 
 @dataclass

@@ -103,7 +103,25 @@ def validate_job(cfg: DictConfig, probe: bool = True) -> tuple[LayoutPlan, Valid
     plan = plan_layout(dataclasses.replace(declared, elastic_rollouts=shape.elastic_rollouts,
                                            elastic_trainers=shape.elastic_trainers))
     _check_loop(loop, plan, int(cfg.seed), probe)
+    check_max_rollouts(cfg.launcher, plan, shape)
     return plan, typed_job(cfg, loop, shape)
+
+
+def check_max_rollouts(launcher: Any, plan: LayoutPlan, shape: RunShape) -> None:
+    """``launcher.ray.max_rollouts``: for the Ray engine, with elastic rollout ranks, at least
+    the planned ones."""
+    wanted = launcher.ray.max_rollouts
+    if wanted is None:
+        return
+    key = f"launcher.ray.max_rollouts={wanted}"
+    if launcher.engine != "ray":
+        raise ConfigError(f"{key}: the Ray engine's (launcher.engine=ray); under "
+                          "launcher.engine=local, add rollout ranks with python -m app.join")
+    if not shape.elastic_rollouts:
+        raise ConfigError(f"{key}: needs elastic rollout ranks (layout.elastic_rollouts=true, "
+                          "rollout ranks apart from the trainers, on gloo)")
+    if wanted < len(plan.rollouts):
+        raise ConfigError(f"{key}: at least the layout's {len(plan.rollouts)} rollout ranks")
 
 
 def check_ray_settings(ray: Any) -> None:

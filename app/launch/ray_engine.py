@@ -19,7 +19,6 @@ driver of a Ray job that starts each rank as a Ray actor and waits for them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from app.launch import ray_cluster, ray_reaper, slots
 from app.launch.environment import ENGINE_VARIABLE, FORKSERVER_VARIABLE
 from app.launch.failures import read_records
 from app.launch.local import launcher_log, read_result
+from app.launch.ray_growth import Growth
 from app.output import timeline
 from rlcomm.net.env import (
     LOCAL_RANK,
@@ -130,6 +130,8 @@ class Driver:
         self.attempt = 0
         self.attempt_start = time.time()
         self.signalled: int | None = None
+        self.growth = Growth(self.actor_class, job.launcher.ray, len(plan.rollouts), run_dir,
+                             {"runtime_env": self.runtime_env}, self.log)
 
     def run(self) -> dict[str, Any]:
         previous = {s: signal.signal(s, self._on_stop) for s in _STOP_SIGNALS}
@@ -157,6 +159,7 @@ class Driver:
 
         self.attempt_start = time.time()
         self.replaced = {}  # every rank starts afresh: its restarts too, as a new slot's
+        self.growth.begin_attempt()
         self.actors = {rank: self._new_actor(rank) for rank in range(self.plan.world_size)}
         self.where = self._where_actors_are()
         self._write_placement()
@@ -166,6 +169,7 @@ class Driver:
             self._take_signal()
             if self._stragglers_ended():
                 return None
+            self.growth.tick()  # launcher.ray.max_rollouts: one more rollout rank, with room
             ready, _ = ray.wait(list(self.pending), num_returns=1, timeout=_POLL_S)
             for ref in ready:
                 rank = self.pending.pop(ref)
@@ -292,7 +296,7 @@ class Driver:
         self.replaced[rank] = self.replaced.get(rank, 0) + 1
         self.log.warning("rank %d (%s) lost: %s; starting a new actor for it (%d of "
                          "launcher.%s=%d)", rank, role, why, self.replaced[rank], setting, limit)
-        _kill(self.actors[rank])
+        ray_cluster.kill_actor(self.actors[rank])
         self.actors[rank] = self._new_actor(rank)
         self.pending[self._start(rank)] = rank
         return None
@@ -324,6 +328,7 @@ class Driver:
 
         for actor in self._live_actors():
             actor.signal.remote(signum)
+        self.growth.signal(signum)
         if self.pending:
             ray.wait(list(self.pending), num_returns=len(self.pending),
                      timeout=float(self.job.launcher.shutdown_timeout))
@@ -334,8 +339,9 @@ class Driver:
 
     def _kill_all(self) -> None:
         for actor in self.actors.values():
-            _kill(actor)
+            ray_cluster.kill_actor(actor)
         self.actors, self.pending = {}, {}
+        self.growth.kill_all()
 
     def _write_placement(self) -> None:
         """``placement.json``: each rank's role, Ray node id, IP and bundle, as Ray placed it."""
@@ -367,9 +373,3 @@ def _runtime_env() -> dict[str, Any] | None:
     path = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
     return {"env_vars": {"PYTHONPATH": path}}
 
-
-def _kill(actor: Any) -> None:
-    import ray
-
-    with contextlib.suppress(Exception):  # already gone
-        ray.kill(actor, no_restart=True)

@@ -80,7 +80,14 @@ def _main() -> None:
     die_with_parent()
     if str(os.getppid()) != os.environ.get(ACTOR_PID_VARIABLE):  # the actor died before the tie
         os.kill(os.getpid(), signal.SIGKILL)
-    job, plan, run_dir = pickle.load(sys.stdin.buffer)
+    from app.launch.ray_growth import JOIN
+
+    payload = pickle.load(sys.stdin.buffer)
+    if payload[0] == JOIN:  # a rollout rank beyond the plan (app/launch/ray_growth.py)
+        from app.join import main as join
+
+        sys.exit(join([payload[1], "role=rollout"]))
+    job, plan, run_dir = payload
     from app.launch.local import run_rank_here
 
     run_rank_here(job, plan, run_dir)

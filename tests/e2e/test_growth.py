@@ -270,3 +270,20 @@ def test_a_joiner_of_another_version_or_config_or_role_is_refused_in_one_line(
                         r"changed since the job started \(digest [0-9a-f]{16}, the job's "
                         r"0123456789abcdef\): a joiner would run another config",
                         edited.stderr.strip()), edited.stderr
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (("launcher.ray.max_rollouts=4",),
+     "error: launcher.ray.max_rollouts=4: the Ray engine's (launcher.engine=ray); under "
+     "launcher.engine=local, add rollout ranks with python -m app.join"),
+    (("launcher.engine=ray", "layout.elastic_rollouts=false", "launcher.ray.max_rollouts=4"),
+     "error: launcher.ray.max_rollouts=4: needs elastic rollout ranks "
+     "(layout.elastic_rollouts=true, rollout ranks apart from the trainers, on gloo)"),
+])
+def test_max_rollouts_out_of_place_is_one_line_before_anything_starts(
+    tmp_path: Path, overrides: tuple[str, ...], line: str,
+) -> None:
+    done = side_command("app", *overrides, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    errors = [text for text in done.stderr.splitlines() if text.startswith("error:")]
+    assert (done.returncode, errors) == (2, [line]), done.stderr[-3000:]
+    assert not (tmp_path / "run" / "logs").exists()  # no rank started

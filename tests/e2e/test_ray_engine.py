@@ -173,6 +173,37 @@ def test_a_killed_trainer_actor_is_replaced_and_heals_from_a_live_trainer(
     app.assert_all_ended()
 
 
+def test_with_max_rollouts_the_driver_adds_rollout_actors_as_the_cluster_gains_cpus(
+    cluster: Any, start_app: Callable[..., AppProcess],
+) -> None:
+    """3 nodes of 2 CPUs; 1t1r at 2 CPUs a rank takes 4 of the 6: room for one rollout rank
+    beyond the plan, then a node added makes room for another, up to
+    launcher.ray.max_rollouts=3 (1 planned, 2 grown)."""
+    app = start_app("grown", "launcher.engine=ray", f"launcher.ray.address={cluster.address}",
+                    "layout=1t1r", "launcher.ray.cpus_per_rank=2", "launcher.ray.max_rollouts=3",
+                    "loop.env.id=WaitingCartPole-v1", "loop.target_return=1e9",
+                    "loop.total_env_steps=51200", "loop.progress=false", "comm.timeout=60")
+
+    def members() -> list[int]:
+        return [int(float(r["members"])) for r in rows_so_far(app.run_dir)] or [0]
+
+    app.wait_until("2 rollout ranks", lambda: members()[-1] == 2)
+    node = cluster.add_node(num_cpus=NODE_CPUS)
+    try:
+        app.wait_until("3 rollout ranks", lambda: members()[-1] == 3)
+        assert app.wait() == 0, app.describe()
+    finally:
+        cluster.remove_node(node)
+    result = read_result(app.run_dir)
+    assert [(j["rank"], j["reason"]) for j in result["joins"]] == \
+        [(2, "beyond the plan"), (3, "beyond the plan")], result["joins"]
+    started = re.findall(r"^\[launcher\] the cluster has room for one more rollout rank: "
+                         r"starting a Ray actor for it beyond the plan", app.stderr, re.MULTILINE)
+    assert len(started) == 2, app.describe()
+    assert max(members()) == 3 and "grew to 4 ranks" in app.stdout, app.describe()
+    app.assert_all_ended()
+
+
 def test_a_lost_lead_ends_the_run_in_one_line_and_stops_every_rank(
     cluster: Any, start_app: Callable[..., AppProcess],
 ) -> None:
@@ -367,6 +398,9 @@ def _free_port() -> int:
     ("launcher.ray.address=127.0.0.1:{free_port}", "no Ray head answers there"),
     ("launcher.ray.cpus_per_rank=4096", "launcher.ray.cpus_per_rank=4096: the local Ray is "
                                          "this machine"),
+    ("launcher.ray.max_rollouts=1", "launcher.ray.max_rollouts=1: at least the layout's 2 "
+                                    "rollout ranks"),
+    ("launcher.ray.max_rollouts=many", "launcher.ray.max_rollouts"),
 ])
 def test_a_bad_ray_setting_is_one_line_and_exit_2(override: str, expected: str,
                                                    tmp_path: Path) -> None:

@@ -1,0 +1,62 @@
+"""The membership's records of growth and of leaves asked for, on a real store in this process
+(torch's HashStore): a joiner beyond the plan is admitted by the leader it asked, a leave request
+reaches the leader of that rank only, and a rank let go is told so; a plan takes a rollout rank
+beyond it."""
+
+from __future__ import annotations
+
+import pytest
+from torch import distributed as dist
+
+from rlcomm import LayoutSpec, plan_layout
+from rlcomm.elastic import (
+    EpochRecords,
+    ask_to_leave,
+    let_go_epoch,
+    new_rank,
+    request_join,
+    was_let_go,
+)
+from rlcomm.modes import ParallelMode
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_joiner_beyond_the_plan_is_admitted_by_the_leader_it_asked_and_no_other() -> None:
+    store = dist.HashStore()
+    first, second = EpochRecords(store, 0, [0, 2]), EpochRecords(store, 1, [1, 3])
+    assert new_rank(store, 4) == 4 and new_rank(store, 4) == 5  # never the same twice
+    request_join(store, 0, 4, beyond_plan=True)
+    request_join(store, 0, 7)  # not planned for rank 0, and not beyond the plan: refused
+    (join,) = first.pending_joins()
+    assert (join.rank, join.beyond_plan) == (4, True) and 4 in first.planned
+    assert second.pending_joins() == []  # joins are asked of one leader
+
+
+def test_a_leave_request_reaches_the_leader_of_that_rank_which_lets_it_go() -> None:
+    store = dist.HashStore()
+    first, second = EpochRecords(store, 0, [0, 2]), EpochRecords(store, 1, [1, 3])
+    ask_to_leave(store, 3, "asked")
+    assert first.pending_leaves() == {} and second.pending_leaves() == {3: "asked"}
+    assert second.pending_leaves() == {}  # each request once
+    assert let_go_epoch(store, 3) is None and not was_let_go(store, 3, 5)
+    second.let_go(3)
+    assert let_go_epoch(store, 3) == 1  # the next epoch is the first without it
+    assert was_let_go(store, 3, 1) and not was_let_go(store, 3, 0)
+    # A new process for rank 3, admitted later, is not the one that was let go.
+    request_join(store, 1, 3)
+    second.announce([3], second.pending_joins())
+    assert let_go_epoch(store, 3) is None
+
+
+def test_a_plan_takes_a_rollout_rank_beyond_it_in_its_leaders_weight_transfer_group() -> None:
+    plan = plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3],
+                                  elastic_rollouts=True))
+    grown = plan.with_rollout_rank(4, leader=1)
+    wt = ParallelMode.WEIGHT_TRANSFER.value
+    assert grown.world_size == 5 and grown.role(4) == "rollout" and grown.is_elastic_rank(4)
+    assert grown.groups_of(4)[wt][0] == 1 and grown.groups_of(3)[wt] == (*plan.groups_of(3)[wt], 4)
+    assert grown.groups_of(2)[wt] == plan.groups_of(2)[wt]  # the other leader's is untouched
+    assert plan.world_size == 4 and 4 not in plan.rollouts  # the plan itself is unchanged
+    with pytest.raises(ValueError, match="rank 5: a rollout rank beyond the plan needs"):
+        plan.with_rollout_rank(5, leader=2)
