@@ -31,7 +31,7 @@ from app.api import RankEnv
 from app.config import register_configs
 from app.config.help import help_text
 from app.config.provenance import job_choice
-from app.errors import LaunchInterruptedError
+from app.errors import LaunchInterruptedError, say_error
 from app.hydra.submitit import register_launcher_configs
 from app.launch import forkserver
 from app.launch.environment import mark_job_start, output_subdir, resolve_rank_env, run_id
@@ -191,7 +191,7 @@ def _main(cfg: DictConfig) -> dict[str, Any] | None:
         exit_code = getattr(err, "exit_code", 2)
         if hydra_cfg.mode == RunMode.MULTIRUN and exit_code == 2:
             raise  # Hydra records the job as failed and runs the rest of the sweep
-        print(f"error: {err}", file=sys.stderr)
+        say_error(str(err))
         sys.exit(exit_code)
 
 

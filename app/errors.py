@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ __all__ = [
     "RankFailedError",
     "WriteError",
     "naming",
+    "say_error",
 ]
 
 # The write errors a run names in one line (a full disk, a quota, a read-only or foreign dir).
@@ -61,3 +63,10 @@ def naming(path: Path) -> Iterator[None]:
         if err.filename is None:
             err.filename = str(path)
         raise
+
+
+def say_error(text: str) -> None:
+    """``error: <text>`` on stderr in one write: ranks that share a stderr (torchrun's, srun's)
+    and refuse at once never interleave their lines (print writes the newline apart)."""
+    sys.stderr.write(f"error: {text}\n")
+    sys.stderr.flush()

@@ -24,6 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from app.api import ConfigError, RankEnv
+from app.errors import say_error
 from app.launch.jobfile import (
     JobRecord,
     JobUnreachable,
@@ -132,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         join(parse(sys.argv[1:] if argv is None else argv))
     except (ValueError, ConfigError) as err:  # JobUnreachable is a ConfigError
-        print(f"error: {err}", file=sys.stderr)
+        say_error(str(err))
         return 2
     except Exception as err:  # the rank failed: its log has the traceback
-        print(f"error: the joiner failed: {type(err).__name__}: {err}", file=sys.stderr)
+        say_error(f"the joiner failed: {type(err).__name__}: {err}")
         return 1
     return 0
 

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from app.errors import say_error
 from app.launch.jobfile import JobUnreachable, reach_job
 from rlcomm.elastic import ask_to_leave, let_go_epoch
 
@@ -57,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir, rank = parse(sys.argv[1:] if argv is None else argv)
         print(leave(run_dir, rank))
     except (ValueError, JobUnreachable) as err:
-        print(f"error: {err}", file=sys.stderr)
+        say_error(str(err))
         return 2
     except TimeoutError as err:
-        print(f"error: {err}", file=sys.stderr)
+        say_error(str(err))
         return 1
     return 0
 

@@ -148,7 +148,9 @@ def one_line_override_errors() -> None:
                 line = override_error_line(err)
                 if line is None:
                     raise
-                print(f"error: {line}", file=sys.stderr)
+                from app.errors import say_error
+
+                say_error(line)
                 sys.exit(2)
 
         return reporting(guarded)

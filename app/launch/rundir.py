@@ -39,7 +39,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from app.api import RankEnv
-from app.errors import ConfigError
+from app.errors import ConfigError, say_error
 from app.launch.environment import resolve_rank_env
 
 LOCK_NAME = ".rlcomm-lock"
@@ -284,7 +284,7 @@ class RunDirLock(Callback):
             continued = claim(Path(directory), "hydra.run.dir", resumable=resumable,
                               plan_only=plan_only)
         except RunDirError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say_error(str(err))
             sys.exit(2)
         if continued is not None:
             print(f"hydra.run.dir: continuing {os.path.abspath(directory)} of run "
@@ -297,5 +297,5 @@ class RunDirLock(Callback):
         try:
             claim(Path(str(config.hydra.sweep.dir)), "hydra.sweep.dir", "sweep")
         except RunDirError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            say_error(str(err))
             sys.exit(2)

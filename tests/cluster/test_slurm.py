@@ -402,3 +402,55 @@ def _start_requeued_now(job: str, timeout: float = 120) -> None:
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+# --------------------------------------------------------------------------------------------
+# A job that grows: a new srun step runs python -m app.join (docs/growth.md)
+# --------------------------------------------------------------------------------------------
+
+GROW_SCRIPT = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --ntasks=3
+#SBATCH --cpus-per-task=1
+set -euo pipefail
+RUN_DIR="$PWD/outputs/runs/slurm-$SLURM_JOB_ID.0"
+srun -n2 --kill-on-bad-exit=1 "$PYTHON" -m app "$@" &
+for _ in $(seq 600); do
+    [ -f "$RUN_DIR/metrics.csv" ] && [ "$(wc -l < "$RUN_DIR/metrics.csv")" -ge 3 ] && break
+    sleep 0.2
+done
+srun -n1 --overlap "$PYTHON" -m app.join "$RUN_DIR" role=rollout
+wait
+"""
+
+
+@pytest.mark.cluster
+def test_an_srun_step_running_app_join_grows_the_job_of_another_step(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Step 0 runs the job (1t1r, 2 tasks); once it trains, step 1 runs ``python -m app.join``:
+    its rollout rank joins beyond the plan and ends with the job, which completes."""
+    script = tmp_path / "grow.sbatch"
+    script.write_text(GROW_SCRIPT)
+    marker = uuid.uuid4().hex
+    env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    out = tmp_path / "slurm.out"
+    overrides = ("layout=1t1r", "loop.env.id=WaitingCartPole-v1", "loop.progress=false",
+                 "loop.target_return=1e9", "loop.total_env_steps=30720", "comm.timeout=60")
+    try:
+        proc = subprocess.run(
+            ["sbatch", "--parsable", "-p", cluster.partition, "-o", str(out), "--chdir",
+             str(tmp_path), str(script), *overrides],
+            env=env, capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 0, describe(proc)
+        job = proc.stdout.strip().split(";")[0]
+        state = wait_for_job(job, timeout=300)
+    finally:
+        assert_no_survivors(marker)
+    text = out.read_text() if out.exists() else ""
+    assert state == "COMPLETED", text[-4000:]
+    result = read_result(tmp_path / "outputs" / "runs" / f"slurm-{job}.0")
+    (join,) = result["joins"]
+    assert (join["rank"], join["reason"]) == (2, "beyond the plan"), join
+    assert join["first_trained_s"] is not None, join
+    assert "rollout ranks: 0 left, 1 joined, grew to 3 ranks" in text, text[-4000:]

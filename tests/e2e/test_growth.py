@@ -159,6 +159,25 @@ def test_a_rollout_rank_sigtermed_leaves_asked_without_a_restart_and_a_joiner_ta
     app.assert_all_ended()
 
 
+def test_an_off_policy_joiner_feeds_the_replay_of_the_trainer_that_admitted_it(
+    start_app: Callable[..., AppProcess], start_joiner: Callable[[Path, str], subprocess.Popen[str]],
+    tmp_path: Path,
+) -> None:
+    """DQN, 1t1r: the joiner's transitions go to its trainer's replay, as every collector's."""
+    app = start_app("dqn-grown", "loop=dqn", "layout=1t1r", *WAITING, "loop.total_env_steps=40000")
+    app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
+    joiner = start_joiner(app.run_dir, "joiner")
+    wait_for_members(app, 2)
+    assert app.wait() == 0, app.describe()
+    assert joiner.wait(timeout=60) == 0, (tmp_path / "joiner.out").read_text()[-3000:]
+    result = read_result(app.run_dir)
+    (join,) = result["joins"]
+    assert (join["rank"], join["reason"]) == (2, "beyond the plan") and join["first_trained_s"]
+    reports = {r["rank"]: r for r in result["ranks"]}
+    assert reports[2]["result"]["segments_sent"] > 0
+    app.assert_all_ended()
+
+
 def test_app_leave_lets_one_rollout_rank_go_and_refuses_a_trainer_in_one_line(
     start_app: Callable[..., AppProcess],
 ) -> None:
