@@ -246,20 +246,33 @@ def sbatch_example(
     Polls sacct rather than ``sbatch --wait``, which checks the job 2, 10 and 42 s after it starts.
     """
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    env = job_env(marker)
     out = tmp_path / "slurm.out"
     try:
-        proc = subprocess.run(
-            ["sbatch", "--parsable", *sbatch_args, "-p", cluster.partition, "-o", str(out), "--chdir",
-             str(tmp_path), str(REPO / "examples" / "slurm_commcheck.sbatch"), *overrides],
-            env=env, capture_output=True, text=True, timeout=60, check=False,
-        )
-        assert proc.returncode == 0, describe(proc)
-        job = proc.stdout.strip().split(";")[0]
+        job = submit(cluster, tmp_path, REPO / "examples" / "slurm_commcheck.sbatch", overrides,
+                     env, sbatch_args)
         state = wait_for_job(job, timeout=180)
     finally:
         assert_no_survivors(marker)
     return job, state, out.read_text() if out.exists() else ""
+
+
+def job_env(marker: str) -> dict[str, str]:
+    """A job's environment: this one, the test's marker (no survivor escapes), the checkout."""
+    return {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+
+
+def submit(cluster: Cluster, tmp_path: Path, script: Path, overrides: tuple[str, ...],
+           env: dict[str, str], sbatch_args: tuple[str, ...] = ()) -> str:
+    """``sbatch`` of ``script`` with ``overrides``, run in ``tmp_path`` with its output in
+    ``tmp_path/slurm.out``; the job id."""
+    proc = subprocess.run(
+        ["sbatch", "--parsable", *sbatch_args, "-p", cluster.partition, "-o",
+         str(tmp_path / "slurm.out"), "--chdir", str(tmp_path), str(script), *overrides],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 0, describe(proc)
+    return proc.stdout.strip().split(";")[0]
 
 
 def wait_for_job(job: str, timeout: float) -> str:
@@ -327,20 +340,14 @@ def test_a_requeued_job_resumes_its_own_run_dir_from_its_newest_checkpoint(
     script = tmp_path / "requeue.sbatch"
     script.write_text(REQUEUE_SCRIPT)
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    env = job_env(marker)
     out = tmp_path / "slurm.out"
     overrides = ("layout=1t1r", "loop.hparams={num_envs:4,num_steps:64}", "loop.progress=false",
                  "loop.target_return=1e9", "loop.checkpoint_every=2",
                  f"loop.total_env_steps={updates * 256}", "comm.timeout=60")
     job = ""
     try:
-        proc = subprocess.run(
-            ["sbatch", "--parsable", "-p", cluster.partition, "-o", str(out), "--chdir",
-             str(tmp_path), str(script), *overrides],
-            env=env, capture_output=True, text=True, timeout=60, check=False,
-        )
-        assert proc.returncode == 0, describe(proc)
-        job = proc.stdout.strip().split(";")[0]
+        job = submit(cluster, tmp_path, script, overrides, env)
         run_dir = tmp_path / "outputs" / "runs" / f"slurm-{job}.0"
         deadline = time.monotonic() + 180
         while not list((run_dir / "checkpoints").glob("ckpt_*.pt")):
@@ -433,17 +440,12 @@ def test_an_srun_step_running_app_join_grows_the_job_of_another_step(
     script = tmp_path / "grow.sbatch"
     script.write_text(GROW_SCRIPT)
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER: marker, "PYTHONPATH": str(REPO), "PYTHON": sys.executable}
+    env = job_env(marker)
     out = tmp_path / "slurm.out"
     overrides = ("layout=1t1r", "loop.env.id=WaitingCartPole-v1", "loop.progress=false",
                  "loop.target_return=1e9", "loop.total_env_steps=30720", "comm.timeout=60")
     try:
-        proc = subprocess.run(
-            ["sbatch", "--parsable", "-p", cluster.partition, "-o", str(out), "--chdir",
-             str(tmp_path), str(script), *overrides],
-            env=env, capture_output=True, text=True, timeout=60, check=False)
-        assert proc.returncode == 0, describe(proc)
-        job = proc.stdout.strip().split(";")[0]
+        job = submit(cluster, tmp_path, script, overrides, env)
         state = wait_for_job(job, timeout=300)
     finally:
         assert_no_survivors(marker)

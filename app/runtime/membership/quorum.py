@@ -10,6 +10,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.errors import MembersLostError
 
 log = logging.getLogger(__name__)
@@ -48,8 +51,10 @@ class QuorumWait:
         self.quorum, self.patience_s, self.rank, self.on_wait = quorum, patience_s, rank, on_wait
         self.deadline: float | None = None
 
-    def check(self, live: int, lost: str, joinable: bool) -> None:
+    def check(self, live: int, lost: str | None, joinable: bool) -> None:
+        """``lost``: who this leader lost (None: none of its own; the others' groups lost them)."""
         q = self.quorum
+        lost = lost or f"by the other {q.leaders}' groups"
         short = f"{live} live {q.members} of {q.min_setting}={q.min_members}"
         if not joinable:
             raise MembersLostError(f"{short}, and none can join ({q.restarts_setting}="
@@ -63,3 +68,12 @@ class QuorumWait:
             self.deadline = time.monotonic() + self.patience_s
         elif time.monotonic() > self.deadline:
             raise MembersLostError(f"{short} for {self.patience_s:g} s; lost: {lost}")
+
+
+def job_counts(ctx: CommContext, leaders: ParallelMode, received: int,
+               can_rejoin: bool) -> tuple[list[int], bool]:
+    """Each leader's live members this update (``received``: this leader's), and whether a lost
+    one can still come back to any leader (``can_rejoin``: to this one), over ``leaders``."""
+    row = torch.tensor([[float(received), float(can_rejoin)]])
+    everyone = collectives.all_gather(ctx, leaders, row).reshape(-1, 2)
+    return [int(n) for n in everyone[:, 0].tolist()], bool(everyone[:, 1].max() > 0)

@@ -24,12 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from app.runtime.core import stopping
 from app.runtime.membership.base import Follower, Transfer
-from app.runtime.membership.quorum import Quorum, QuorumWait, rejoinable
-from rlcomm import CommContext, ParallelMode, collectives
+from app.runtime.membership.quorum import Quorum, QuorumWait, job_counts, rejoinable
+from rlcomm import CommContext, ParallelMode
 from rlcomm.diagnostics.watchdog import default_hang_timeout
 from rlcomm.elastic import (
     BEYOND_PLAN,
@@ -202,12 +200,12 @@ class EpochLeader:
         be diagnosed as hung): those with joiners admit them, the others wait with them."""
         wait = QuorumWait(self.quorum, self.patience_s, self.rank, self.on_wait)
         while True:
-            counts, joinable = self._job_counts(received)
+            counts, joinable = job_counts(self.ctx, self.leaders, received, self._can_rejoin())
             live = sum(counts)
             if live >= self.quorum.min_members:
                 self.counts = counts
                 return
-            wait.check(live, self._lost(), joinable)
+            wait.check(live, self.side.changes.lost(), joinable)
             joins = self.side.pending_joins()
             if self._agree(bool(joins)):
                 self.change(joins)
@@ -215,17 +213,9 @@ class EpochLeader:
                 continue
             time.sleep(0.05)
 
-    def _lost(self) -> str:
-        return self.side.changes.lost() or f"by the other {self.quorum.leaders}' groups"
-
-    def _job_counts(self, received: int) -> tuple[list[int], bool]:
-        """Each leader's live members this update, and whether a lost one can still come
-        back to any leader (a restart left, or a join by hand)."""
-        row = torch.tensor([[float(received), float(self._can_rejoin())]])
-        everyone = collectives.all_gather(self.ctx, self.leaders, row).reshape(-1, 2)
-        return [int(n) for n in everyone[:, 0].tolist()], bool(everyone[:, 1].max() > 0)
-
     def _can_rejoin(self) -> bool:
+        """Whether a member this leader lost can still come back (a restart left, or a join by
+        hand)."""
         losses = [c.rank for c in self.changes if c.event == "leave" and c.reason != REPLACED]
         return rejoinable(losses, self.live, self.quorum)
 
