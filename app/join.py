@@ -20,6 +20,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -38,7 +39,7 @@ from app.output.trackers.fanout import RUN_CONFIG
 from rlcomm import LayoutPlan
 from rlcomm.elastic import epoch_members, latest_epoch, new_rank
 
-USAGE = "usage: python -m app.join RUN_DIR role=rollout [loop.threads=N]"
+USAGE = "usage: python -m app.join RUN_DIR role=rollout|trainer [loop.threads=N]"
 ROLES = ("rollout", "trainer", "replica")
 MAY_DIFFER = ("loop.threads",)  # a host's own choice; everything else is the job's
 
@@ -75,9 +76,18 @@ def check_role(record: JobRecord, role: str) -> None:
     if not record.shape.elastic_trainers:
         raise JobUnreachable(f"role={role}: this job's trainers are not elastic "
                              "(layout.elastic_trainers=false): none can join while it runs")
-    raise JobUnreachable(f"role={role}: trainers beyond the plan cannot join yet; a lost "
-                         "trainer's replacement can (launcher.trainer_restarts, or RANK=N "
-                         "python -m app by hand)")
+    grouped = record.shape.replica_groups
+    if role == "trainer" and (grouped or record.shape.sharded):
+        raise JobUnreachable(f"role=trainer: this job's trainers are sharded"
+                             f"{' in replica groups' if grouped else ''}; one more trainer "
+                             "joins plain data-parallel trainers only")
+    if role == "replica" and not grouped:
+        raise JobUnreachable("role=replica: this job's trainers form no replica groups "
+                             "(layout.trainer_replicas=1): one more trainer joins with "
+                             "role=trainer")
+    if role == "replica":
+        raise JobUnreachable("role=replica: replica groups beyond the plan cannot join yet; a "
+                             "lost replica group's replacement can (launcher.trainer_restarts)")
 
 
 def check_same_job(run_dir: Path, record: JobRecord) -> None:
@@ -103,12 +113,31 @@ def job_config(request: Request) -> tuple[LayoutPlan, ValidatedJob]:
     return validate_job(cfg)  # type: ignore[arg-type]  # the run's own config
 
 
-def least_led(store: object, trainers: list[int]) -> int:
+def live_trainers(store: Any, record: JobRecord) -> list[int]:
+    """The job's trainers now, the lead first: with elastic trainers, the lead's latest epoch
+    of them (trainers beyond the plan included); else the planned ones."""
+    if not record.shape.elastic_trainers:
+        return list(record.trainers)
+    from app.runtime.membership.trainers import SPACE  # the trainers' series; torch, once checked
+
+    lead = record.trainers[0]
+    return epoch_members(store, lead, latest_epoch(store, lead, SPACE), SPACE)
+
+
+def least_led(store: Any, trainers: list[int]) -> int:
     """The trainer that leads the fewest rollout ranks now (the lowest rank of those)."""
     def led(trainer: int) -> int:
-        return len(epoch_members(store, trainer, latest_epoch(store, trainer)))  # type: ignore[arg-type]
+        return len(epoch_members(store, trainer, latest_epoch(store, trainer)))
 
     return min(trainers, key=lambda trainer: (led(trainer), trainer))
+
+
+def grown_plan(plan: LayoutPlan, trainers: list[int]) -> LayoutPlan:
+    """``plan`` with the live trainers that joined beyond it."""
+    for trainer in trainers:
+        if trainer not in plan.trainers:
+            plan = plan.with_trainer_rank(trainer)
+    return plan
 
 
 def join(request: Request) -> None:
@@ -118,15 +147,21 @@ def join(request: Request) -> None:
     check_same_job(request.run_dir, record)
     store = connect_job(request.run_dir, record)
     plan, job = job_config(request)
+    trainers = live_trainers(store, record)
+    plan = grown_plan(plan, trainers)
     rank = new_rank(store, record.world_size)
-    leader = least_led(store, record.trainers)
+    if request.role == "trainer":
+        plan, asks = plan.with_trainer_rank(rank), trainers[0]
+    else:
+        asks = least_led(store, trainers)
+        plan = plan.with_rollout_rank(rank, asks)
     env = RankEnv("join", rank=rank, world_size=record.world_size, node=socket.gethostname(),
                   master_addr=record.store.host, master_port=record.store.port)
-    print(f"rank {rank} (rollout, beyond the plan of {record.world_size}) asks rank {leader} "
-          "to admit it", file=sys.stderr, flush=True)
+    print(f"rank {rank} ({request.role}, beyond the plan of {record.world_size}) asks rank "
+          f"{asks} to admit it", file=sys.stderr, flush=True)
     from app.launch.rank import run_beyond_plan  # torch and the runtime: once the checks passed
 
-    run_beyond_plan(job, plan.with_rollout_rank(rank, leader), request.run_dir, store, env)
+    run_beyond_plan(job, plan, request.run_dir, store, env)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -288,19 +288,20 @@ def _summary(
 
 
 def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any]]) -> None:
-    """The joins and leaves of elastic rollout ranks, in time order, into ``summary``."""
-    changes = sorted((c for r in reports for c in (r.get("result") or {}).get("changes", [])),
-                     key=lambda c: c["time"])
-    summary["joins"] = [c for c in changes if c["event"] == "join"]
-    summary["leaves"] = [c for c in changes if c["event"] == "leave"]
-    if changes:
+    """The joins and leaves of elastic rollout ranks and trainers, in time order, into
+    ``summary``; where ranks beyond the plan joined, the most ranks the job had (``grew_to``)."""
+    def changes(key: str) -> list[dict[str, Any]]:
+        return sorted((c for r in reports for c in (r.get("result") or {}).get(key, [])),
+                      key=lambda c: c["time"])
+
+    rollouts, trainers = changes("changes"), changes("trainer_changes")
+    grown = {c["rank"] for c in rollouts + trainers
+             if c["event"] == "join" and c["reason"] == BEYOND_PLAN}
+    summary["joins"] = [c for c in rollouts if c["event"] == "join"]
+    summary["leaves"] = [c for c in rollouts if c["event"] == "leave"]
+    if rollouts:
         summary["summary"]["rollout_ranks"] = {"left": len(summary["leaves"]),
                                                "joined": len(summary["joins"])}
-        grown = {c["rank"] for c in summary["joins"] if c["reason"] == BEYOND_PLAN}
-        if grown:  # ranks the plan did not have joined: the most the job ever had
-            summary["summary"]["rollout_ranks"]["grew_to"] = max(grown) + 1
-    trainers = sorted((c for r in reports for c in (r.get("result") or {}).get(
-        "trainer_changes", [])), key=lambda c: c["time"])
     if any("trainer_changes" in (r.get("result") or {}) for r in reports):
         summary["trainer_joins"] = [c for c in trainers if c["event"] == "join"]
         summary["trainer_leaves"] = [c for c in trainers if c["event"] == "leave"]
@@ -309,6 +310,10 @@ def _add_membership_changes(summary: dict[str, Any], reports: list[dict[str, Any
             "left": len(summary["trainer_leaves"]), "joined": len(summary["trainer_joins"]),
             "transitions_lost": sum(c.get("lost_transitions") or 0
                                     for c in summary["trainer_leaves"])}
+    for part, joins in (("rollout_ranks", summary["joins"]),
+                        ("trainers", summary.get("trainer_joins", []))):
+        if any(c["rank"] in grown for c in joins):  # the most ranks the job ever had
+            summary["summary"][part]["grew_to"] = max(grown) + 1
 
 
 def run_beyond_plan(job: ValidatedJob, plan: LayoutPlan, run_dir: Path, store: Any,

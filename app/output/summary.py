@@ -72,7 +72,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     trainers = summary.get("trainers")
     if trainers:  # elastic trainers lost and healed (result.json: trainer_leaves, trainer_joins)
         lost = trainers.get("transitions_lost")
-        lines.append(f"trainers: {trainers['left']} left, {trainers['joined']} joined"
+        grew = f", grew to {trainers['grew_to']} ranks" if trainers.get("grew_to") else ""
+        lines.append(f"trainers: {trainers['left']} left, {trainers['joined']} joined{grew}"
                      f"{f', {lost:,} replay transitions lost with them' if lost else ''} "
                      "(result.json: trainer_leaves, trainer_joins)")
     width = max(len(name) for name in summary["files"])

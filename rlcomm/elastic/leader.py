@@ -40,7 +40,9 @@ class Leader:
         self.rank = ctx.get_global_rank()
         self.keys = Keys(self.rank, space)
         self.hosts = dict(hosts)
-        first = latest_epoch(ctx.store, self.rank, space) + 1 if replacing else 0
+        # A leader beyond the plan has no predecessor: its series starts at 0.
+        replaced = replacing and ctx.store.check([self.keys.latest()])
+        first = latest_epoch(ctx.store, self.rank, space) + 1 if replaced else 0
         self.records = EpochRecords(ctx.store, self.rank, planned, epoch=first, space=space,
                                     members=[] if replacing else members)
         self.changes = Changes()

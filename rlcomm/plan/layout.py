@@ -183,6 +183,24 @@ class LayoutPlan:
                        rollouts=(*self.rollouts, rank), groups=tuple(grown))
 
 
+    def with_trainer_rank(self, rank: int) -> LayoutPlan:
+        """This plan and one more elastic trainer beyond it, ``rank``: in TRAIN_DATA_PARALLEL,
+        leading a WEIGHT_TRANSFER group of its own that starts empty (rollout ranks that join
+        later may go to it). Plain data-parallel trainers only: a sharded grid's or a replica
+        group's shards cannot take one more rank."""
+        if not self.elastic_trainers or self.trainer_replicas != 1 or self.grid_sizes[1:] != (1, 1):
+            raise ValueError(f"rank {rank}: a trainer beyond the plan needs elastic data-parallel "
+                             "trainers, without replica groups or a sharded grid")
+        grown = []
+        for spec in self.groups:
+            if spec.mode in (ParallelMode.GLOBAL.value, ParallelMode.TRAIN_DATA_PARALLEL.value):
+                spec = replace(spec, rank_lists=((*spec.rank_lists[0], rank),))
+            elif spec.mode == ParallelMode.WEIGHT_TRANSFER.value:
+                spec = replace(spec, rank_lists=(*spec.rank_lists, (rank,)))
+            grown.append(spec)
+        return replace(self, world_size=max(self.world_size, rank + 1),
+                       trainers=(*self.trainers, rank), groups=tuple(grown))
+
 def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     """Validate ``spec`` and return every group to create, in creation order."""
     world = _check_positive_int("layout.world_size", spec.world_size)

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.apprun import AppProcess, read_result, rows_so_far
+from tests.helpers.apprun import AppProcess, collapse, column, read_result, rows_so_far
 
 pytestmark = pytest.mark.e2e
 
@@ -35,14 +35,10 @@ WAITING = ("loop.env.id=WaitingCartPole-v1", "loop.progress=false", "loop.target
 RUN = ("layout=1t3r", *WAITING, "loop.total_env_steps=40960")
 JOINER_S = 180  # a joiner's whole life, its imports on a loaded machine included
 
+Joiner = Callable[..., subprocess.Popen[str]]  # start_joiner(run_dir, name, role=...)
 
 def members_by_update(run_dir: Path) -> list[int]:
     return [int(float(row["members"])) for row in rows_so_far(run_dir)]
-
-
-def collapse(values: list[int]) -> list[int]:
-    """Runs of equal values as one: [2, 2, 3, 3, 4] -> [2, 3, 4]."""
-    return [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
 
 
 def side_command(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -51,15 +47,15 @@ def side_command(module: str, *args: str, timeout: float = 120) -> subprocess.Co
 
 
 @pytest.fixture
-def start_joiner(tmp_path: Path) -> Iterator[Callable[[Path, str], subprocess.Popen[str]]]:
-    """``start_joiner(run_dir, name)``: ``python -m app.join RUN_DIR role=rollout`` in the
-    background, its output in ``<tmp>/<name>.out``; any still running at teardown is killed and
+def start_joiner(tmp_path: Path) -> Iterator[Joiner]:
+    """``start_joiner(run_dir, name, role="rollout")``: ``python -m app.join RUN_DIR role=...``
+    in the background, its output in ``<tmp>/<name>.out``; any still running at teardown is killed and
     fails the test."""
     joiners: list[subprocess.Popen[str]] = []
 
-    def start(run_dir: Path, name: str) -> subprocess.Popen[str]:
+    def start(run_dir: Path, name: str, role: str = "rollout") -> subprocess.Popen[str]:
         out = (tmp_path / f"{name}.out").open("w")
-        joiner = subprocess.Popen([sys.executable, "-m", "app.join", str(run_dir), "role=rollout"],
+        joiner = subprocess.Popen([sys.executable, "-m", "app.join", str(run_dir), f"role={role}"],
                                   stdout=out, stderr=subprocess.STDOUT, text=True)
         joiners.append(joiner)
         return joiner
@@ -83,16 +79,16 @@ def joins_beyond_the_plan(result: dict[str, Any]) -> list[int]:
 
 
 def test_two_joiners_one_after_another_grow_a_default_run_from_2_to_3_to_4_rollout_ranks(
-    start_app: Callable[..., AppProcess], start_joiner: Callable[[Path, str], subprocess.Popen[str]],
+    start_app: Callable[..., AppProcess], start_joiner: Joiner,
     tmp_path: Path,
 ) -> None:
     """The default layout (2t2r); the job is untouched by refused joiners first."""
     app = start_app("grown", *WAITING, "loop.total_env_steps=90000")
     app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
-    trainer = side_command("app.join", str(app.run_dir), "role=trainer")
-    assert (trainer.returncode, trainer.stderr.strip()) == (2, (
-        "error: role=trainer: trainers beyond the plan cannot join yet; a lost trainer's "
-        "replacement can (launcher.trainer_restarts, or RANK=N python -m app by hand)")), trainer
+    replica = side_command("app.join", str(app.run_dir), "role=replica")
+    assert (replica.returncode, replica.stderr.strip()) == (2, (
+        "error: role=replica: this job's trainers form no replica groups "
+        "(layout.trainer_replicas=1): one more trainer joins with role=trainer")), replica
     other_env = side_command("app.join", str(app.run_dir), "role=rollout", "loop.env.id=Pong")
     assert (other_env.returncode, other_env.stderr.strip()) == (2, (
         "error: loop.env.id=Pong: a joiner runs the job's own config (.hydra/config.yaml); "
@@ -129,8 +125,45 @@ def test_two_joiners_one_after_another_grow_a_default_run_from_2_to_3_to_4_rollo
     app.assert_all_ended()
 
 
+
+def test_a_trainer_joins_beyond_the_plan_heals_and_leads_the_next_rollout_joiner(
+    start_app: Callable[..., AppProcess], start_joiner: Joiner, tmp_path: Path,
+) -> None:
+    """The default layout (2t2r, elastic trainers): ``role=trainer`` makes ``trainers`` go
+    2 -> 3; the joiner heals from the lead (checksums logged) and ends with the others'
+    weights; the rollout rank that joins next goes to it, the trainer leading the fewest."""
+    app = start_app("trainer-grown", *WAITING, "loop.total_env_steps=90000")
+    app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
+    trainer = start_joiner(app.run_dir, "trainer", "trainer")
+    app.wait_until("3 trainers", lambda: column(app.run_dir, "trainers")[-1:] == [3],
+                   timeout=JOINER_S)
+    rollout = start_joiner(app.run_dir, "rollout")
+    wait_for_members(app, 3)
+    assert app.wait() == 0, app.describe()
+    for joiner, name in ((trainer, "trainer"), (rollout, "rollout")):
+        assert joiner.wait(timeout=60) == 0, (tmp_path / f"{name}.out").read_text()[-3000:]
+    assert collapse(column(app.run_dir, "trainers")) == [2, 3], column(app.run_dir, "trainers")
+    assert collapse(members_by_update(app.run_dir)) == [2, 3], members_by_update(app.run_dir)
+    result = read_result(app.run_dir)
+    assert [(j["rank"], j["reason"]) for j in result["trainer_joins"]] == \
+        [(4, "beyond the plan")], result["trainer_joins"]
+    assert joins_beyond_the_plan(result) == [5], result["joins"]
+    healed = re.search(r"rank 4 \(trainer\) healed from rank 0 at update (\d+): \d+ bytes, "
+                       r"checksum [0-9a-f]{16} equal on the trainers \[0, 1, 4\]", app.log(0))
+    assert healed, app.log(0)[-3000:]
+    reports = {r["rank"]: r for r in result["ranks"]}
+    assert reports[4]["role"] == "trainer"
+    assert reports[4]["result"]["param_checksum"] == reports[0]["result"]["param_checksum"]
+    tdp, wt = "TRAIN_DATA_PARALLEL", "WEIGHT_TRANSFER"
+    assert reports[4]["groups"][tdp]["ranks"] == [0, 1, 4]
+    assert reports[5]["groups"][wt]["ranks"] == [4, 5]  # it went to the trainer that led none
+    assert "rank 4 (trainer, beyond the plan of 4) asks rank 0 to admit it" in \
+        (tmp_path / "trainer.out").read_text()
+    assert "trainers: 0 left, 1 joined, grew to 6 ranks" in app.stdout, app.describe()
+    app.assert_all_ended()
+
 def test_a_rollout_rank_sigtermed_leaves_asked_without_a_restart_and_a_joiner_takes_its_place(
-    start_app: Callable[..., AppProcess], start_joiner: Callable[[Path, str], subprocess.Popen[str]],
+    start_app: Callable[..., AppProcess], start_joiner: Joiner,
     tmp_path: Path,
 ) -> None:
     app = start_app("replaced", "layout=1t2r", *WAITING, "loop.total_env_steps=60000",
@@ -160,7 +193,7 @@ def test_a_rollout_rank_sigtermed_leaves_asked_without_a_restart_and_a_joiner_ta
 
 
 def test_an_off_policy_joiner_feeds_the_replay_of_the_trainer_that_admitted_it(
-    start_app: Callable[..., AppProcess], start_joiner: Callable[[Path, str], subprocess.Popen[str]],
+    start_app: Callable[..., AppProcess], start_joiner: Joiner,
     tmp_path: Path,
 ) -> None:
     """DQN, 1t1r: the joiner's transitions go to its trainer's replay, as every collector's."""
@@ -268,7 +301,7 @@ def test_a_job_whose_store_is_gone_is_one_line_within_its_timeout(
 def test_a_joiner_of_another_version_or_config_or_role_is_refused_in_one_line(
     tmp_path: Path,
 ) -> None:
-    for name in "abc":
+    for name in "abcd":
         (tmp_path / name).mkdir()
     write_job_record(tmp_path / "a", version="0.0.1")
     write_job_record(tmp_path / "b", config_digest="0123456789abcdef")
@@ -277,6 +310,17 @@ def test_a_joiner_of_another_version_or_config_or_role_is_refused_in_one_line(
     assert (static.returncode, static.stderr.strip()) == (2, (
         "error: role=replica: this job's trainers are not elastic "
         "(layout.elastic_trainers=false): none can join while it runs")), static
+    write_job_record(tmp_path / "d", shape={"elastic_rollouts": True, "elastic_trainers": True,
+                                            "sharded": True, "data_parallel": "fsdp",
+                                            "trainer_replicas": 2})
+    grouped = side_command("app.join", str(tmp_path / "d"), "role=trainer", timeout=60)
+    assert (grouped.returncode, grouped.stderr.strip()) == (2, (
+        "error: role=trainer: this job's trainers are sharded in replica groups; one more "
+        "trainer joins plain data-parallel trainers only")), grouped
+    replica = side_command("app.join", str(tmp_path / "d"), "role=replica", timeout=60)
+    assert (replica.returncode, replica.stderr.strip()) == (2, (
+        "error: role=replica: replica groups beyond the plan cannot join yet; a lost replica "
+        "group's replacement can (launcher.trainer_restarts)")), replica
     from app.launch.jobfile import package_version
 
     older = side_command("app.join", str(tmp_path / "a"), "role=rollout", timeout=60)

@@ -60,3 +60,19 @@ def test_a_plan_takes_a_rollout_rank_beyond_it_in_its_leaders_weight_transfer_gr
     assert plan.world_size == 4 and 4 not in plan.rollouts  # the plan itself is unchanged
     with pytest.raises(ValueError, match="rank 5: a rollout rank beyond the plan needs"):
         plan.with_rollout_rank(5, leader=2)
+
+
+def test_a_plan_takes_a_trainer_beyond_it_in_the_trainers_group_leading_none_yet() -> None:
+    plan = plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3],
+                                  elastic_rollouts=True, elastic_trainers=True))
+    grown = plan.with_trainer_rank(4)
+    tdp, wt = ParallelMode.TRAIN_DATA_PARALLEL.value, ParallelMode.WEIGHT_TRANSFER.value
+    assert grown.world_size == 5 and grown.role(4) == "trainer" and grown.is_elastic_rank(4)
+    assert grown.groups_of(4)[tdp] == (0, 1, 4) and grown.groups_of(4)[wt] == (4,)
+    assert grown.groups_of(2)[wt] == plan.groups_of(2)[wt]  # the planned leaders keep theirs
+    # A rollout rank that joins after it may go to it.
+    assert grown.with_rollout_rank(5, leader=4).groups_of(5)[wt] == (4, 5)
+    static = plan_layout(LayoutSpec(world_size=4, trainers=[0, 1], rollouts=[2, 3],
+                                    elastic_rollouts=True))
+    with pytest.raises(ValueError, match="rank 4: a trainer beyond the plan needs elastic"):
+        static.with_trainer_rank(4)

@@ -38,6 +38,7 @@ from app.runtime.membership.replicas import whole_replica_groups
 from app.runtime.membership.rollouts import JOIN_DETAILS
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.elastic import (
+    BEYOND_PLAN,
     CallCommit,
     Change,
     Join,
@@ -282,8 +283,9 @@ class Lead:
         group.ctx.store.set(group.keys.key(f"adopted/{epoch}"), "{}")
         group.register(epoch, [group.lead, *leader.members])
         joined = [r for r in joining if r not in missing]
+        beyond = {j.rank for j in joins if j.beyond_plan}
         for rank in joined:
-            self.record("join", rank, "joined", epoch)
+            self.record("join", rank, BEYOND_PLAN if rank in beyond else "joined", epoch)
         return joined
 
     def record(self, event: str, rank: int, reason: str, epoch: int) -> Change:
