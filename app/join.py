@@ -31,6 +31,7 @@ from app.launch.jobfile import (
     JobUnreachable,
     config_digest,
     connect_job,
+    live_trainers,
     package_version,
     read_job_record,
 )
@@ -111,17 +112,6 @@ def job_config(request: Request) -> tuple[LayoutPlan, ValidatedJob]:
         OmegaConf.update(cfg, key, value, force_add=True)  # the schema types it (validate_job)
     # Probed here: the job's rank 0 shares its spaces only with ranks that validated themselves.
     return validate_job(cfg)  # type: ignore[arg-type]  # the run's own config
-
-
-def live_trainers(store: Any, record: JobRecord) -> list[int]:
-    """The job's trainers now, the lead first: with elastic trainers, the lead's latest epoch
-    of them (trainers beyond the plan included); else the planned ones."""
-    if not record.shape.elastic_trainers:
-        return list(record.trainers)
-    from app.runtime.membership.trainers import SPACE  # the trainers' series; torch, once checked
-
-    lead = record.trainers[0]
-    return epoch_members(store, lead, latest_epoch(store, lead, SPACE), SPACE)
 
 
 def least_led(store: Any, trainers: list[int]) -> int:

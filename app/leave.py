@@ -1,8 +1,8 @@
-"""``python -m app.leave RUN_DIR rank=N``: asks rollout rank N of the job running in RUN_DIR to
-leave at its trainer's next update boundary, as a SIGTERM to that rank alone does; the others go
-on, and the leave is recorded with reason ``asked`` (docs/growth.md).
-It waits until the trainer let the rank go, up to the job's ``comm.timeout``. Bad input is one
-line, exit 2."""
+"""``python -m app.leave RUN_DIR rank=N``: asks rank N of the job running in RUN_DIR, a rollout
+rank or an elastic trainer other than the lead, to leave at the next update boundary, as a
+SIGTERM to that rank alone does; the others go on, and the leave is recorded with reason
+``asked`` (docs/growth.md). It waits until the rank's leader (its trainer; for a trainer, the
+lead trainer) let it go, up to the job's ``comm.timeout``. Bad input is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from app.errors import say_error
-from app.launch.jobfile import JobUnreachable, reach_job
+from app.launch.jobfile import JobRecord, JobUnreachable, live_trainers, reach_job
 from rlcomm.elastic import ask_to_leave, let_go_epoch
 
 USAGE = "usage: python -m app.leave RUN_DIR rank=N"
@@ -33,24 +33,39 @@ def parse(argv: list[str]) -> tuple[Path, int]:
 
 
 def leave(run_dir: Path, rank: int) -> str:
-    """Asks ``rank`` to leave and waits for its trainer to let it go; what happened, in a line."""
+    """Asks ``rank`` to leave and waits for its leader to let it go; what happened, in a line."""
     job, store = reach_job(run_dir)
-    if not job.shape.elastic_rollouts:
-        raise JobUnreachable(f"{run_dir}: its rollout ranks are not elastic "
-                             "(layout.elastic_rollouts=false): none can leave while it runs")
-    if rank in job.trainers:
-        raise JobUnreachable(f"rank={rank}: a trainer (trainers {job.trainers}); only rollout "
-                             "ranks leave when asked")
+    leader = check_may_leave(job, rank, live_trainers(store, job))
     before = let_go_epoch(store, rank)
     ask_to_leave(store, rank, "asked")
     deadline = time.monotonic() + job.timeout_s
     while time.monotonic() < deadline:
         epoch = let_go_epoch(store, rank)
         if epoch is not None and epoch != before:
-            return f"rank {rank} left the job: its trainer let it go from epoch {epoch}"
+            return f"rank {rank} left the job: {leader} let it go from epoch {epoch}"
         time.sleep(0.1)
     raise TimeoutError(f"rank {rank} was not let go within comm.timeout={job.timeout_s:g} s: "
-                       "it is not a live rollout rank of the job, or the job is stopping")
+                       "it is not a live rank of the job that may leave, or the job is stopping")
+
+
+def check_may_leave(job: JobRecord, rank: int, trainers: list[int]) -> str:
+    """Who lets ``rank`` go (its trainer, or the lead trainer); one line where it cannot leave."""
+    if rank == job.trainers[0]:
+        raise JobUnreachable(f"rank={rank}: the lead trainer holds the run's records and "
+                             "decisions and cannot leave; stop the run instead (SIGTERM to "
+                             "python -m app)")
+    if rank not in trainers and rank not in job.trainers:
+        if not job.shape.elastic_rollouts:
+            raise JobUnreachable(f"rank={rank}: this job's rollout ranks are not elastic "
+                                 "(layout.elastic_rollouts=false): none can leave while it runs")
+        return "its trainer"
+    if not job.shape.elastic_trainers:
+        raise JobUnreachable(f"rank={rank}: a trainer, and this job's trainers are not elastic "
+                             "(layout.elastic_trainers=false): none can leave while it runs")
+    if job.shape.replica_groups:
+        raise JobUnreachable(f"rank={rank}: a trainer of a replica group "
+                             "(layout.trainer_replicas): its shards leave only with its group")
+    return "the lead trainer"
 
 
 def main(argv: list[str] | None = None) -> int:

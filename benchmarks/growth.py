@@ -11,8 +11,9 @@ Rows:
   trained on (goal: every one within 2 s), and from ``python -m app.join`` to it (reported);
 - updates lost while the job grew (goal: none): gaps in the trainers' update count, restarts;
 - what growth does to learning: the same command to its target (return 475), as it is and
-  grown from 2 to 4 rollout ranks at its third update, the env steps and seconds each took
-  (reported), and both learning curves in ``<bench dir>/growth/learning.png``.
+  grown at its third update by one trainer (``role=trainer``) and two rollout ranks (2t2r to
+  3t4r), over seeds 0 and 1 (0 alone with ``--quick``): the env steps and seconds each took
+  (reported), and the learning curves in ``<bench dir>/growth/learning.png``.
 
 The run dirs are under ``<bench dir>/growth/``; each joiner's output is beside them.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .apprun import run_app
-from .core import NUMBER, PER_SECOND, SECONDS, Goal, Row, Settings, Stat
+from .core import NUMBER, PER_SECOND, SECONDS, Goal, Row, Settings, Stat, ratios
 from .procs import REPO_ROOT, users_environment
 
 NAME = "growth"
@@ -42,6 +43,8 @@ STEPS = (3, 4, 6)  # rollout ranks after each round of joins
 SETTLE = 1  # updates after a change left out of its rate (the joiner's first, partial one)
 MEASURE = {"full": 8, "quick": 4}  # updates each rate is taken over
 TIMEOUT_S = 600.0
+SEEDS = {"full": (0, 1), "quick": (0,)}  # the learning comparison's
+STATIC, GROWN = "2t2r throughout", "grown from 2t2r to 3t4r at update 3"
 
 
 def run(settings: Settings) -> list[Row]:
@@ -71,40 +74,55 @@ def run(settings: Settings) -> list[Row]:
         _end([app, *(j for j, _ in joiners)])
     result = json.loads((run_dir / "result.json").read_text())
     rows = _rows_of(_rows(run_dir), result, [started for _, started in joiners], measured)
-    return rows + _learning(base)
+    return rows + _learning(base, SEEDS["quick" if settings.quick else "full"])
 
 
-def _learning(base: Path) -> list[Row]:
-    """The command to its target as it is, then grown from 2 to 4 rollout ranks."""
-    static = base / "static"
-    run_app(list(COMMAND), static, TIMEOUT_S)
-    grown = base / "grown"
-    with (base / "grown.stdout").open("w") as sink, (base / "grown.stderr").open("w") as err:
-        app = subprocess.Popen([sys.executable, "-m", "app", *COMMAND, f"hydra.run.dir={grown}"],
-                               cwd=REPO_ROOT, env=users_environment(), stdout=sink, stderr=err,
-                               start_new_session=True)
-    joiners: list[subprocess.Popen[bytes]] = []
-    try:
-        _wait(grown, lambda rows: len(rows) >= 3, time.monotonic() + TIMEOUT_S, app)
-        joiners = [_join(grown, base / f"grown-joiner{i}.out")[0] for i in range(2)]
-        app.wait(timeout=TIMEOUT_S)
-    finally:
-        _end([app, *joiners])
-    curves = {"2 rollout ranks": _rows(static), "grown from 2 to 4 at update 3": _rows(grown)}
+def _learning(base: Path, seeds: tuple[int, ...]) -> list[Row]:
+    """The command to its target as it is, and grown at its third update by one trainer and
+    two rollout ranks (2t2r to 3t4r: the first rollout joiner goes to the new trainer), per
+    seed, run one after another."""
+    curves: dict[str, dict[int, list[dict[str, str]]]] = {STATIC: {}, GROWN: {}}
+    for seed in seeds:
+        static = base / f"static-seed{seed}"
+        run_app([*COMMAND, f"seed={seed}"], static, TIMEOUT_S)
+        curves[STATIC][seed] = _rows(static)
+        curves[GROWN][seed] = _grown_run(base, seed)
     _plot(curves, base / "learning.png")
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     out = []
     for what, column, unit in (("env steps", "env_steps", NUMBER), ("seconds", "wall_s", SECONDS)):
-        solved = {name: _solved_at(rows, column) for name, rows in curves.items()}
-        ours, theirs = solved["grown from 2 to 4 at update 3"], solved["2 rollout ranks"]
-        out.append(Row(NAME, f"{what} to return 475, grown from 2 to 4 rollout ranks", unit,
-                       Stat.single(ours) if ours else None,
-                       Stat.single(theirs) if theirs else None,
-                       Stat.single(ours / theirs) if ours and theirs else None,
-                       reference_name="2 rollout ranks throughout",
-                       note=f"one seed each, reported; learning.png; load {load}",
-                       status="ok" if ours and theirs else "failed"))
+        solved = {name: [_solved_at(rows, column) for rows in by_seed.values()]
+                  for name, by_seed in curves.items()}
+        ours, theirs = ([x for x in solved[name] if x] for name in (GROWN, STATIC))
+        both = all(solved[GROWN]) and all(solved[STATIC])
+        out.append(Row(NAME, f"{what} to return 475, {GROWN}", unit,
+                       Stat.of(ours) if ours else None, Stat.of(theirs) if theirs else None,
+                       ratios(ours, theirs) if both else None, reference_name=STATIC,
+                       note=f"seeds {list(seeds)}, reported; learning.png; load {load}",
+                       status="ok" if both else "failed"))
     return out
+
+
+def _grown_run(base: Path, seed: int) -> list[dict[str, str]]:
+    """One run of the command grown at its third update; its metrics rows."""
+    grown = base / f"grown-seed{seed}"
+    with (base / f"{grown.name}.stdout").open("w") as sink, \
+            (base / f"{grown.name}.stderr").open("w") as err:
+        app = subprocess.Popen([sys.executable, "-m", "app", *COMMAND, f"seed={seed}",
+                                f"hydra.run.dir={grown}"], cwd=REPO_ROOT,
+                               env=users_environment(), stdout=sink, stderr=err,
+                               start_new_session=True)
+    joiners: list[subprocess.Popen[bytes]] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        _wait(grown, lambda rows: len(rows) >= 3, deadline, app)
+        joiners.append(_join(grown, base / f"{grown.name}-trainer.out", "trainer")[0])
+        _wait(grown, lambda rows: _trainers(rows) == 3, deadline, app)
+        joiners += [_join(grown, base / f"{grown.name}-joiner{i}.out")[0] for i in range(2)]
+        app.wait(timeout=TIMEOUT_S)
+    finally:
+        _end([app, *joiners])
+    return _rows(grown)
 
 
 def _solved_at(rows: list[dict[str, str]], column: str) -> float | None:
@@ -113,30 +131,33 @@ def _solved_at(rows: list[dict[str, str]], column: str) -> float | None:
                  and float(r["return_window"]) >= 475), None)
 
 
-def _plot(curves: dict[str, list[dict[str, str]]], path: Path) -> None:
+def _plot(curves: dict[str, dict[int, list[dict[str, str]]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, rows in curves.items():
-        kept = [r for r in rows if r["return_window"] not in ("", "nan")]
-        ax.plot([float(r["env_steps"]) for r in kept], [float(r["return_window"]) for r in kept],
-                label=name)
+    for (name, by_seed), color in zip(curves.items(), ("tab:blue", "tab:orange")):
+        for seed, rows in by_seed.items():
+            kept = [r for r in rows if r["return_window"] not in ("", "nan")]
+            ax.plot([float(r["env_steps"]) for r in kept],
+                    [float(r["return_window"]) for r in kept], color=color,
+                    label=f"{name}, seed {seed}", linestyle="-" if seed == min(by_seed) else "--")
     ax.set_xlabel("env steps")
     ax.set_ylabel("mean return of the last window")
-    ax.set_title("PPO on WaitingCartPole-v1, 2t2r")
+    ax.set_title("PPO on WaitingCartPole-v1")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def _join(run_dir: Path, out: Path) -> tuple[subprocess.Popen[bytes], float]:
+def _join(run_dir: Path, out: Path,
+          role: str = "rollout") -> tuple[subprocess.Popen[bytes], float]:
     with out.open("w") as sink:
         started = time.time()
-        joiner = subprocess.Popen([sys.executable, "-m", "app.join", str(run_dir), "role=rollout"],
+        joiner = subprocess.Popen([sys.executable, "-m", "app.join", str(run_dir), f"role={role}"],
                                   cwd=REPO_ROOT, env=users_environment(), stdout=sink,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     return joiner, started
@@ -152,6 +173,10 @@ def _rows(run_dir: Path) -> list[dict[str, str]]:
 
 def _members(rows: list[dict[str, str]]) -> int:
     return int(float(rows[-1]["members"])) if rows else 0
+
+
+def _trainers(rows: list[dict[str, str]]) -> int:
+    return int(float(rows[-1]["trainers"])) if rows else 0
 
 
 def _wait(run_dir: Path, done: Any, deadline: float, app: subprocess.Popen[bytes]) -> None:

@@ -25,7 +25,7 @@ from torch import distributed as dist
 from app.api import RunShape
 from app.errors import ConfigError
 from app.output.trackers.fanout import RUN_CONFIG
-from rlcomm.elastic import is_running
+from rlcomm.elastic import epoch_members, is_running, latest_epoch
 from rlcomm.net.rendezvous import StoreLocation, connect_store, store_location
 from rlcomm.plan.layout import LayoutPlan
 
@@ -121,3 +121,15 @@ def connect_job(run_dir: Path, record: JobRecord) -> dist.Store:
     if not running:
         raise JobUnreachable(f"{run_dir}: the job at {where} does not admit joiners yet")
     return store
+
+
+def live_trainers(store: dist.Store, record: JobRecord) -> list[int]:
+    """The job's trainers now, the lead first: with elastic trainers, the lead's latest epoch
+    of them (trainers beyond the plan included, those let go or lost left out); else the
+    planned ones."""
+    if not record.shape.elastic_trainers:
+        return list(record.trainers)
+    from app.runtime.membership.trainers import SPACE  # the trainers' series (the RL runtime's)
+
+    lead = record.trainers[0]
+    return epoch_members(store, lead, latest_epoch(store, lead, SPACE), SPACE)

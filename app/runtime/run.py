@@ -9,6 +9,7 @@ it.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -24,12 +25,16 @@ from app.runtime.core import stopping
 from app.runtime.core.algorithm import Segment
 from app.runtime.handoff import Round
 from app.runtime.membership.healing import heal, settle
+from app.runtime.membership.rollouts import ASKED
+from app.runtime.membership.trainers import LeftWhenAsked
 from app.runtime.records.recorder import Recorder, RecordsMark
 from app.runtime.records.rows import Attempt, time_split
 from app.runtime.roles.decider import Decider
 from app.runtime.settings import RunSettings
 from app.runtime.settings.builders import stop_rule, target, tracking
 from rlcomm import CommContext
+
+log = logging.getLogger(__name__)
 
 
 def run_rank(loop: RunSettings, ctx: CommContext, job: JobInfo) -> dict[str, Any]:
@@ -68,22 +73,17 @@ class RankRun:
             self.decider = self._decider(resumed, (start, first_steps))
         try:
             self._loop()
+        except LeftWhenAsked as left:  # the others go on: nothing of the run's stop is ours
+            log.warning("%s; it ends here", left)
+            stopping.reached()
+            return self._left(start)
         except BaseException:
             if self.decider is not None:
                 self.decider.close()
             raise
         stopping.reached()  # a stop asked ends here like any other: no grace any more
         timeline.mark("stop")
-        timeout_s = rank.ctx.timeout.total_seconds()
-        if self.decider is not None:
-            self.decider.finish(timeout_s)
-        if rank.trainers is not None:
-            rank.trainers.stop()
-        self.hand_off.stop(self.state.update, self.state.env_steps)
-        rank.replay_link.close()  # layout.replay's ranks serve until every rank said STOP
-        if self.decider is not None:
-            self.decider.save_final()
-            self.decider.recorder.close(target(self.loop), self._title())
+        self._wind_down()
         elapsed = time.perf_counter() - start
         cpu_s = time.process_time() - cpu_start
         if rank.collector is not None:
@@ -95,6 +95,36 @@ class RankRun:
                           reached_at=self.state.reached_at,
                           recent=self.state.recent_return(self.loop.window))
         return self._result(attempt, cpu_s)
+
+    def _wind_down(self) -> None:
+        """The run stopped: the evaluation, the members and replay ranks told, the last
+        checkpoint and the records closed."""
+        rank = self.rank
+        if self.decider is not None:
+            self.decider.finish(rank.ctx.timeout.total_seconds())
+        if rank.trainers is not None:
+            rank.trainers.stop()
+        self.hand_off.stop(self.state.update, self.state.env_steps)
+        rank.replay_link.close()  # layout.replay's ranks serve until every rank said STOP
+        if self.decider is not None:
+            self.decider.save_final()
+            self.decider.recorder.close(target(self.loop), self._title())
+
+    def _left(self, start: float) -> dict[str, Any]:
+        """This trainer was let go at its request: it stops its heartbeats and ends, without
+        the job's figures (they are the others' now) or a word to its rollout ranks, which
+        the lead dealt to the others (they follow them as after a lost trainer)."""
+        rank = self.rank
+        assert rank.trainers is not None
+        rank.trainers.leave()
+        if self.decider is not None:
+            self.decider.close()
+        if rank.collector is not None:
+            rank.collector.close()
+        return {"role": rank.job.plan.role(rank.ctx.get_global_rank()),
+                "updates": self.state.update, "env_steps": self.state.env_steps,
+                "wall_s": round(time.perf_counter() - start, 2), "left": ASKED,
+                **rank.trainers.result()}
 
     def _loop(self) -> None:
         """Updates until the stop rule fires (or, on a rank that follows its trainer, until the
@@ -139,7 +169,8 @@ class RankRun:
         if recorder.view is not None:
             self.hand_off.on_wait = recorder.waiting
         return Decider(loop, self.state, rank.deciders, recorder, rank.checkpointer,
-                       rank.evaluations, started)
+                       rank.evaluations, started, votes_stop=rank.trainers.votes_stop
+                       if rank.trainers is not None else stopping.asked)
 
     def _trainers_changed(self) -> None:
         """After an update: if a trainer was lost during it, the survivors agree on the state

@@ -456,3 +456,53 @@ def test_an_srun_step_running_app_join_grows_the_job_of_another_step(
     assert (join["rank"], join["reason"]) == (2, "beyond the plan"), join
     assert join["first_trained_s"] is not None, join
     assert "rollout ranks: 0 left, 1 joined, grew to 3 ranks" in text, text[-4000:]
+
+
+JOB_SCRIPT = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --ntasks=2
+#SBATCH --cpus-per-task=1
+set -euo pipefail
+srun -n2 --kill-on-bad-exit=1 "$PYTHON" -m app "$@"
+"""
+
+JOINER_SCRIPT = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+set -euo pipefail
+srun -n1 "$PYTHON" -m app.join "$@"
+"""
+
+
+@pytest.mark.cluster
+def test_another_sbatch_job_running_app_join_grows_the_job(cluster: Cluster, tmp_path: Path) -> None:
+    """Job A runs the job (1t1r, 2 tasks); once it trains, job B, an sbatch job of its own, runs
+    ``python -m app.join A's run dir role=rollout`` where it reaches A's store: its rollout rank
+    joins beyond the plan, both jobs complete."""
+    (tmp_path / "job.sbatch").write_text(JOB_SCRIPT)
+    joiner_dir = tmp_path / "joiner"
+    joiner_dir.mkdir()
+    (joiner_dir / "join.sbatch").write_text(JOINER_SCRIPT)
+    marker = uuid.uuid4().hex
+    env = job_env(marker)
+    overrides = ("layout=1t1r", "loop.env.id=WaitingCartPole-v1", "loop.progress=false",
+                 "loop.target_return=1e9", "loop.total_env_steps=30720", "comm.timeout=60")
+    try:
+        job = submit(cluster, tmp_path, tmp_path / "job.sbatch", overrides, env)
+        run_dir = tmp_path / "outputs" / "runs" / f"slurm-{job}.0"
+        deadline = time.monotonic() + 240
+        while len(_read(run_dir / "metrics.csv").splitlines()) < 3:
+            assert time.monotonic() < deadline, _read(tmp_path / "slurm.out")[-4000:]
+            time.sleep(0.2)
+        joiner = submit(cluster, joiner_dir, joiner_dir / "join.sbatch",
+                        (str(run_dir), "role=rollout"), env)
+        states = (wait_for_job(job, timeout=300), wait_for_job(joiner, timeout=120))
+    finally:
+        assert_no_survivors(marker)
+    text, joined = _read(tmp_path / "slurm.out"), _read(joiner_dir / "slurm.out")
+    assert states == ("COMPLETED", "COMPLETED"), (text[-3000:], joined[-3000:])
+    (join,) = read_result(run_dir)["joins"]
+    assert (join["rank"], join["reason"]) == (2, "beyond the plan"), join
+    assert "rank 2 (rollout, beyond the plan of 2) asks rank 0 to admit it" in joined, joined
+    assert "rollout ranks: 0 left, 1 joined, grew to 3 ranks" in text, text[-4000:]

@@ -125,6 +125,19 @@ def test_two_joiners_one_after_another_grow_a_default_run_from_2_to_3_to_4_rollo
     app.assert_all_ended()
 
 
+def grow_by_a_trainer_and_a_rollout_rank(
+    app: AppProcess, start_joiner: Joiner,
+) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    """After 2 updates, ``role=trainer`` (rank 4) until there are 3 trainers, then
+    ``role=rollout`` (rank 5) until there are 3 rollout ranks; the two joiners."""
+    app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
+    trainer = start_joiner(app.run_dir, "trainer", "trainer")
+    app.wait_until("3 trainers", lambda: column(app.run_dir, "trainers")[-1:] == [3],
+                   timeout=JOINER_S)
+    rollout = start_joiner(app.run_dir, "rollout")
+    wait_for_members(app, 3)
+    return trainer, rollout
+
 
 def test_a_trainer_joins_beyond_the_plan_heals_and_leads_the_next_rollout_joiner(
     start_app: Callable[..., AppProcess], start_joiner: Joiner, tmp_path: Path,
@@ -133,12 +146,7 @@ def test_a_trainer_joins_beyond_the_plan_heals_and_leads_the_next_rollout_joiner
     2 -> 3; the joiner heals from the lead (checksums logged) and ends with the others'
     weights; the rollout rank that joins next goes to it, the trainer leading the fewest."""
     app = start_app("trainer-grown", *WAITING, "loop.total_env_steps=90000")
-    app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
-    trainer = start_joiner(app.run_dir, "trainer", "trainer")
-    app.wait_until("3 trainers", lambda: column(app.run_dir, "trainers")[-1:] == [3],
-                   timeout=JOINER_S)
-    rollout = start_joiner(app.run_dir, "rollout")
-    wait_for_members(app, 3)
+    trainer, rollout = grow_by_a_trainer_and_a_rollout_rank(app, start_joiner)
     assert app.wait() == 0, app.describe()
     for joiner, name in ((trainer, "trainer"), (rollout, "rollout")):
         assert joiner.wait(timeout=60) == 0, (tmp_path / f"{name}.out").read_text()[-3000:]
@@ -160,6 +168,38 @@ def test_a_trainer_joins_beyond_the_plan_heals_and_leads_the_next_rollout_joiner
     assert "rank 4 (trainer, beyond the plan of 4) asks rank 0 to admit it" in \
         (tmp_path / "trainer.out").read_text()
     assert "trainers: 0 left, 1 joined, grew to 6 ranks" in app.stdout, app.describe()
+    app.assert_all_ended()
+
+
+def test_a_trainer_sigtermed_alone_leaves_asked_its_rollout_ranks_go_on_and_app_leave_lets_another_go(
+    start_app: Callable[..., AppProcess], start_joiner: Joiner, tmp_path: Path,
+) -> None:
+    """2t2r grown by a trainer (rank 4) and a rollout rank it leads (rank 5): SIGTERM to rank 4
+    alone lets it go at the next boundary, exit 0, no restart; rank 5 moves to a trainer that
+    goes on. Then ``python -m app.leave RUN_DIR rank=1`` lets the planned trainer 1 go: the
+    lead trains on alone with every rollout rank, to the budget."""
+    app = start_app("trainer-leaves", *WAITING, "loop.total_env_steps=120000",
+                    "launcher.trainer_restarts=1")
+    trainer, rollout = grow_by_a_trainer_and_a_rollout_rank(app, start_joiner)
+    trainer.send_signal(signal.SIGTERM)  # the joiner's process is rank 4
+    app.wait_until("2 trainers", lambda: column(app.run_dir, "trainers")[-1:] == [2],
+                   timeout=JOINER_S)
+    assert trainer.wait(timeout=60) == 0, (tmp_path / "trainer.out").read_text()[-3000:]
+    asked = side_command("app.leave", str(app.run_dir), "rank=1")
+    assert asked.returncode == 0, asked
+    assert re.fullmatch(r"rank 1 left the job: the lead trainer let it go from epoch \d+\n",
+                        asked.stdout), asked.stdout
+    assert app.wait() == 0, app.describe()
+    assert rollout.wait(timeout=60) == 0, (tmp_path / "rollout.out").read_text()[-3000:]
+    assert collapse(column(app.run_dir, "trainers")) == [2, 3, 2, 1], column(app.run_dir, "trainers")
+    assert members_by_update(app.run_dir)[-1] == 3  # no rollout rank left with its trainer
+    result = read_result(app.run_dir)
+    assert [(c["rank"], c["reason"]) for c in result["trainer_leaves"]] == \
+        [(4, "asked"), (1, "asked")], result["trainer_leaves"]
+    assert result["summary"]["restarts"] == 0 and "starting it again" not in app.stderr
+    assert "rank 4 (trainer): the lead, rank 0, let it go at its request" in app.log(4)
+    assert sorted(r["rank"] for r in result["ranks"]) == [0, 2, 3, 5]
+    assert "trainers: 2 left, 1 joined, grew to 6 ranks" in app.stdout, app.describe()
     app.assert_all_ended()
 
 def test_a_rollout_rank_sigtermed_leaves_asked_without_a_restart_and_a_joiner_takes_its_place(
@@ -211,15 +251,16 @@ def test_an_off_policy_joiner_feeds_the_replay_of_the_trainer_that_admitted_it(
     app.assert_all_ended()
 
 
-def test_app_leave_lets_one_rollout_rank_go_and_refuses_a_trainer_in_one_line(
+def test_app_leave_lets_one_rollout_rank_go_and_refuses_the_lead_in_one_line(
     start_app: Callable[..., AppProcess],
 ) -> None:
     app = start_app("leave-cli", *RUN)
     app.wait_until("3 updates", lambda: len(rows_so_far(app.run_dir)) >= 3)
     trainer = side_command("app.leave", str(app.run_dir), "rank=0")
     assert trainer.returncode == 2, trainer
-    assert trainer.stderr.strip() == ("error: rank=0: a trainer (trainers [0]); only rollout "
-                                      "ranks leave when asked"), trainer.stderr
+    assert trainer.stderr.strip() == (
+        "error: rank=0: the lead trainer holds the run's records and decisions and cannot leave; "
+        "stop the run instead (SIGTERM to python -m app)"), trainer.stderr
     asked = side_command("app.leave", str(app.run_dir), "rank=2")
     assert asked.returncode == 0, asked
     assert re.fullmatch(r"rank 2 left the job: its trainer let it go from epoch \d+\n",
@@ -247,7 +288,7 @@ NO_JOB = "error: {empty}: no running job there (job.json is written once a job w
     (("app.leave", "{missing}", "rank=1"), "error: {missing}: no such run dir"),
     (("app.leave", "{empty}", "rank=one"), "error: rank=one: a rank number (an integer >= 0)"),
     (("app.leave", "{empty}", "rank=1"), NO_JOB),
-    (("app.join", "{empty}"), "error: usage: python -m app.join RUN_DIR role=rollout "
+    (("app.join", "{empty}"), "error: usage: python -m app.join RUN_DIR role=rollout|trainer "
                               "[loop.threads=N]"),
     (("app.join", "{empty}", "role=learner"), "error: role=learner: one of rollout, trainer, "
                                               "replica"),

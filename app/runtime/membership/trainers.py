@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
+from app.runtime.core import stopping
 from app.runtime.membership.replicas import whole_replica_groups
-from app.runtime.membership.rollouts import JOIN_DETAILS
+from app.runtime.membership.rollouts import ASKED, JOIN_DETAILS
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.elastic import (
     BEYOND_PLAN,
@@ -46,11 +47,13 @@ from rlcomm.elastic import (
     Leader,
     Liveness,
     Member,
+    ask_to_leave,
     close_membership,
     closing_members,
     epoch_members,
     latest_epoch,
     moved,
+    was_let_go,
 )
 from rlcomm.errors import MembersLostError, PeerLostError
 from rlcomm.net.gloo_words import describe_loss
@@ -64,6 +67,11 @@ SPACE = "trainers/"
 
 
 Adopt = Callable[[list[int]], None]  # this trainer takes these rollout ranks
+
+
+class LeftWhenAsked(Exception):
+    """This trainer was let go at its request (SIGTERM to it alone, ``python -m app.leave``):
+    its run ends here, cleanly, and the others go on."""
 
 
 class TrainerGroup:
@@ -95,6 +103,7 @@ class TrainerGroup:
                                   lambda: self.epoch, lambda: self.members)
         self.side: Lead | Following | None = None  # begin
         self.stopped = False
+        self.leaving = False  # it asked to leave (SIGTERM to it alone)
 
     @property
     def leads(self) -> bool:
@@ -153,17 +162,40 @@ class TrainerGroup:
             self.side.follow_lead(err)
         return True
 
+    @property
+    def may_leave(self) -> bool:
+        """Whether this trainer can leave when asked: not the lead (it holds the run's records
+        and decisions), nor a rank of a replica group (its shards go only with the group)."""
+        return not self.leads and not self.replicas
+
+    def votes_stop(self) -> bool:
+        """Whether this trainer asks the others to stop the run (SIGTERM): a trainer that can
+        leave asks to leave instead, and the run stops only if the lead was asked too."""
+        return stopping.asked() and not self.may_leave
+
     def boundary(self, heal: Callable[[list[int]], None]) -> None:
-        """At an update boundary, on every trainer: admits the processes that asked to join
-        (every trainer agrees first) and heals them (``heal(joined)``, over the new group)."""
+        """At an update boundary, on every trainer: lets go those that asked to leave, then
+        admits the processes that asked to join (every trainer agrees first) and heals them
+        (``heal(joined)``, over the new group). Raises :class:`LeftWhenAsked` on a trainer
+        let go."""
         side = self.side
+        if self.may_leave and stopping.asked() and not self.leaving:
+            self.leaving = True
+            ask_to_leave(self.ctx.store, self.rank, ASKED)
+            log.warning("rank %d (trainer): asked to stop (%s); it leaves the trainers at the "
+                        "next update boundary", self.rank, stopping.reason())
         joins = side.pending_joins() if isinstance(side, Lead) else []
-        flag = collectives.all_reduce(self.ctx, TDP, torch.tensor([float(len(joins))]))
-        if not flag.item():
-            return
+        leaves = side.pending_leaves() if isinstance(side, Lead) else []
+        flag = collectives.all_reduce(self.ctx, TDP,
+                                      torch.tensor([float(len(joins)), float(len(leaves))]))
         assert side is not None
-        joined = side.admit(joins) if isinstance(side, Lead) else side.follow_admission()
-        heal(joined)
+        if flag[1].item():
+            if isinstance(side, Lead):
+                side.let_go(leaves)
+            else:
+                side.follow(ASKED)
+        if flag[0].item():
+            heal(side.admit(joins) if isinstance(side, Lead) else side.follow("admitted"))
 
     def start_update(self, update: int) -> None:
         self.update, self.epoch_at_start = update, self.epoch
@@ -181,9 +213,13 @@ class TrainerGroup:
     def stop(self) -> None:
         """The run stopped: the live trainers, for the reports and any member in recovery."""
         self.stopped = True
-        self.liveness.stop()
         if self.leads:
             close_membership(self.ctx.store, self.lead, self.members, SPACE)
+        self.leave()
+
+    def leave(self) -> None:
+        """This trainer is done with the others: no heartbeats, no recovery over its group."""
+        self.liveness.stop()
         self.ctx.recovery.set(TDP, None)
         self.ctx.recovery.commit_with(TDP, None)
 
@@ -223,6 +259,24 @@ class Lead:
         ready = whole_replica_groups(self.asked, replicas, self.group.members)
         return [self.asked.pop(rank) for rank in ready]
 
+    def pending_leaves(self) -> list[int]:
+        """The trainers that asked to leave, to let go now: none while the lead itself was
+        asked to stop (a SIGTERM to every rank stops the run instead) or with replica groups."""
+        asked = sorted(self.leader.pending_leaves())
+        return [] if stopping.asked() or self.group.replicas else asked
+
+    def let_go(self, ranks: list[int]) -> None:
+        """The next epoch without ``ranks``, which asked to leave; their rollout ranks go to
+        the others, as a lost trainer's do."""
+        group, leader = self.group, self.leader
+        tick = time.perf_counter()
+        for rank in ranks:
+            leader.let_go(rank)
+        epoch = leader.propose([r for r in group.members[1:] if r not in ranks], [])
+        late = leader.settle(group.patience_s)  # a trainer that did not answer is lost
+        self.hand_over({**dict.fromkeys(ranks, ASKED), **dict.fromkeys(late, "timed out")},
+                       "asked to leave", epoch, tick)
+
     def drop_lost(self, why: str) -> None:
         """The next epoch with the trainers that answer; ``why``: what the first trainer to
         see the group fail saw ("connection closed": a process ended)."""
@@ -239,15 +293,24 @@ class Lead:
         if own:  # its shards cannot go on without them, and it holds the run's records
             raise MembersLostError(f"rank(s) {own} of the lead trainer's replica group were "
                                    f"lost ({why}): that group is not elastic")
-        survivors = [group.lead, *leader.members]
         reason = "killed" if "closed" in why else "timed out"
         if along:
             store.set(keys.key(f"along/{epoch}"), json.dumps(along))
-        adopted = deal([m for rank in lost for m in rollout_ranks(store, rank)], survivors)
+        self.hand_over({r: "with its replica group" if r in along else reason for r in lost},
+                       why, epoch, tick)
+        if not lost:
+            log.warning("rank %d: the trainers' group failed (%s) but every trainer answered; "
+                        "epoch %d formed", group.rank, why, epoch)
+
+    def hand_over(self, gone: dict[int, str], why: str, epoch: int, tick: float) -> None:
+        """``epoch`` settled without the trainers ``gone`` (rank -> the reason recorded): their
+        rollout ranks are dealt to the survivors, the leaves recorded, the epoch registered."""
+        group, store, keys = self.group, self.group.ctx.store, self.group.keys
+        survivors = [group.lead, *self.leader.members]
+        adopted = deal([m for rank in gone for m in rollout_ranks(store, rank)], survivors)
         store.set(keys.key(f"adopted/{epoch}"), json.dumps(adopted))
-        for rank in lost:
-            change = self.record("leave", rank, "with its replica group" if rank in along
-                                 else reason, epoch)
+        for rank, reason in gone.items():
+            change = self.record("leave", rank, reason, epoch)
             held = keys.key(f"held/{rank}")
             if store.check([held]):
                 change.details["lost_transitions"] = int(store.get(held))
@@ -258,15 +321,12 @@ class Lead:
         group.adopt(adopted.get(str(group.lead), []))
         serving = sorted({r for ranks in adopted.values() for r in ranks}
                          | {r for s in survivors for r in rollout_ranks(store, s)})
-        for rank in lost:
+        for rank in gone:
             log.warning("rank %d (trainer) left: %s; %d trainer%s go%s on, serving rollout "
                         "ranks %s (epoch %d, formed in %.3f s)", rank, why, len(survivors),
                         "" if len(survivors) == 1 else "s", "es" if len(survivors) == 1 else "",
                         ", ".join(map(str, serving)) or "none", epoch,
                         time.perf_counter() - tick)
-        if not lost:
-            log.warning("rank %d: the trainers' group failed (%s) but every trainer answered; "
-                        "epoch %d formed", group.rank, why, epoch)
 
     def replica_mates(self, lost: list[int]) -> list[int]:
         """The other ranks of the replica groups that hold ``lost`` ranks (none without)."""
@@ -345,18 +405,25 @@ class Following:
         log.warning("rank %d: the trainers' group failed (%s); in epoch %d with %s",
                     group.rank, describe_loss(err), epoch, members)
 
-    def follow_admission(self) -> list[int]:
-        """The lead admits a trainer: into its epoch; returns the ranks admitted."""
-        group, before = self.group, list(self.group.members)
+    def follow(self, why: str) -> list[int]:
+        """The lead formed an epoch at the boundary (``why``: it admitted a trainer, or let one
+        go that asked): into it, taking any rollout ranks dealt to this trainer; returns the
+        ranks that came in. Raises :class:`LeftWhenAsked` where it let this trainer go."""
+        group, before, store = self.group, list(self.group.members), self.group.ctx.store
         epoch = self.member.newer_epoch(group.patience_s)
         assert epoch is not None  # nothing stops the wait
         if epoch <= group.epoch:
             raise MembersLostError(f"rank {group.rank} (trainer): the lead formed no epoch "
-                                   f"within {group.patience_s:g} s to admit a trainer")
+                                   f"within {group.patience_s:g} s ({why})")
         members = self.member.acknowledge(epoch)
+        if members is None and was_let_go(store, group.rank, epoch):
+            raise LeftWhenAsked(f"rank {group.rank} (trainer): the lead, rank {group.lead}, let "
+                                f"it go at its request (epoch {epoch} goes on without it)")
         if members is None:
             raise PeerLostError(f"rank {group.rank} (trainer): left out of epoch {epoch}")
+        adopted = json.loads(store.get(group.keys.key(f"adopted/{epoch}")))
         group.register(epoch, members)
+        group.adopt(adopted.get(str(group.rank), []))
         return [r for r in members if r not in before]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from app.runtime.checkpoints.checkpointer import Checkpointer
@@ -33,12 +34,16 @@ _CLOSING_WRITE_S = 10.0  # a failed run waits this long, at most, for a checkpoi
 class Decider:
     """Records, checks the target and checkpoints after each update; ``over``: the deciding
     ranks' mode (GLOBAL, or TRAIN_DATA_PARALLEL on an elastic run). ``started``: when this
-    attempt's loop started (perf_counter) and the env steps it started at."""
+    attempt's loop started (perf_counter) and the env steps it started at; ``votes_stop``:
+    whether this rank asks the others to stop (SIGTERM to it; an elastic trainer other than the
+    lead leaves instead)."""
 
     def __init__(self, loop: RunSettings, state: RunState, over: ParallelMode,
                  recorder: Recorder, checkpointer: Checkpointer | None,
-                 evaluations: Evaluations | None, started: tuple[float, int]) -> None:
+                 evaluations: Evaluations | None, started: tuple[float, int],
+                 votes_stop: Callable[[], bool] = stopping.asked) -> None:
         self.loop, self.state, self.over = loop, state, over
+        self.votes_stop = votes_stop  # whether this rank asks the others to stop (SIGTERM)
         self.recorder, self.checkpointer, self.evaluations = recorder, checkpointer, evaluations
         self.start, self.first_steps = started
         self.target = target(loop)  # with loop.stop_at_target=false: noted, not the end
@@ -68,7 +73,7 @@ class Decider:
             shared=shared, losses=losses, episodes_done=state.episodes_done)
         checkpointer = self.checkpointer
         due = checkpointer is not None and checkpointer.due(state)
-        row = self.recorder.record(record, {"checkpoint": due, "stop": stopping.asked()})
+        row = self.recorder.record(record, {"checkpoint": due, "stop": self.votes_stop()})
         agreed = self.recorder.agreed
         if self.over is not ParallelMode.GLOBAL:
             asked = agreed["stop"]
