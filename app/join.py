@@ -114,12 +114,17 @@ def job_config(request: Request) -> tuple[LayoutPlan, ValidatedJob]:
     return validate_job(cfg)  # type: ignore[arg-type]  # the run's own config
 
 
-def least_led(store: Any, trainers: list[int]) -> int:
-    """The trainer that leads the fewest rollout ranks now (the lowest rank of those)."""
+def least_led(store: Any, trainers: list[int], rank: int) -> int:
+    """The trainer that leads the fewest rollout ranks now; on a tie, the one ``rank`` falls to
+    round robin, so joiners started together (each reads the counts before either is
+    admitted) spread over the tied trainers."""
     def led(trainer: int) -> int:
         return len(epoch_members(store, trainer, latest_epoch(store, trainer)))
 
-    return min(trainers, key=lambda trainer: (led(trainer), trainer))
+    def turn(trainer: int) -> int:
+        return (trainers.index(trainer) - rank) % len(trainers)
+
+    return min(trainers, key=lambda trainer: (led(trainer), turn(trainer)))
 
 
 def grown_plan(plan: LayoutPlan, trainers: list[int]) -> LayoutPlan:
@@ -143,7 +148,7 @@ def join(request: Request) -> None:
     if request.role == "trainer":
         plan, asks = plan.with_trainer_rank(rank), trainers[0]
     else:
-        asks = least_led(store, trainers)
+        asks = least_led(store, trainers, rank)
         plan = plan.with_rollout_rank(rank, asks)
     env = RankEnv("join", rank=rank, world_size=record.world_size, node=socket.gethostname(),
                   master_addr=record.store.host, master_port=record.store.port)

@@ -232,23 +232,64 @@ def test_a_rollout_rank_sigtermed_leaves_asked_without_a_restart_and_a_joiner_ta
     app.assert_all_ended()
 
 
+# The joiner's transitions reach the replay through the trainer that admitted it: its own
+# replay (1t1r), or the replay rank it writes its collectors' segments on (issue 60's layout).
+OFF_POLICY = {
+    "own-replay": ("layout=1t1r", "loop.total_env_steps=40000"),
+    "replay-rank": ("layout=replay_server", "layout.world_size=5", "layout.trainers=[0,1]",
+                    "layout.replay=[2]", "layout.rollouts=[3,4]", "layout.elastic_rollouts=true",
+                    "loop.total_env_steps=50000"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(OFF_POLICY))
 def test_an_off_policy_joiner_feeds_the_replay_of_the_trainer_that_admitted_it(
-    start_app: Callable[..., AppProcess], start_joiner: Joiner,
-    tmp_path: Path,
+    start_app: Callable[..., AppProcess], start_joiner: Joiner, tmp_path: Path, layout: str,
 ) -> None:
-    """DQN, 1t1r: the joiner's transitions go to its trainer's replay, as every collector's."""
-    app = start_app("dqn-grown", "loop=dqn", "layout=1t1r", *WAITING, "loop.total_env_steps=40000")
+    """DQN: the joiner's transitions go to its trainer's replay, as every collector's: every
+    env step of the job, the joiner's included, was inserted."""
+    app = start_app("dqn-grown", "loop=dqn", *WAITING, *OFF_POLICY[layout])
     app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
+    planned = len(read_job_rollouts(app.run_dir))
     joiner = start_joiner(app.run_dir, "joiner")
-    wait_for_members(app, 2)
+    wait_for_members(app, planned + 1)
     assert app.wait() == 0, app.describe()
     assert joiner.wait(timeout=60) == 0, (tmp_path / "joiner.out").read_text()[-3000:]
     result = read_result(app.run_dir)
     (join,) = result["joins"]
-    assert (join["rank"], join["reason"]) == (2, "beyond the plan") and join["first_trained_s"]
+    rank = join["rank"]
+    assert join["reason"] == "beyond the plan" and join["first_trained_s"], join
     reports = {r["rank"]: r for r in result["ranks"]}
-    assert reports[2]["result"]["segments_sent"] > 0
+    assert reports[rank]["result"]["segments_sent"] > 0
+    summary = result["summary"]
+    assert summary["replay"]["replay_inserts"] == summary["env_steps"], summary
     app.assert_all_ended()
+
+
+def test_a_dqn_trainer_joins_beyond_the_plan_and_trains_with_the_others(
+    start_app: Callable[..., AppProcess], start_joiner: Joiner, tmp_path: Path,
+) -> None:
+    """``loop=dqn`` on 2t2r (a replay shard per trainer): the trainer that joins heals from the
+    lead and ends with its weights; its shard fills from the segments dealt to it."""
+    app = start_app("dqn-trainer", "loop=dqn", "layout=2t2r", *WAITING,
+                    "loop.total_env_steps=40000")
+    app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
+    trainer = start_joiner(app.run_dir, "trainer", "trainer")
+    app.wait_until("3 trainers", lambda: column(app.run_dir, "trainers")[-1:] == [3],
+                   timeout=JOINER_S)
+    assert app.wait() == 0, app.describe()
+    assert trainer.wait(timeout=60) == 0, (tmp_path / "trainer.out").read_text()[-3000:]
+    result = read_result(app.run_dir)
+    assert [(j["rank"], j["reason"]) for j in result["trainer_joins"]] == [(4, "beyond the plan")]
+    assert re.search(r"rank 4 \(trainer\) healed from rank 0 at update \d+: \d+ bytes, "
+                     r"checksum [0-9a-f]{16} equal on the trainers \[0, 1, 4\]", app.log(0))
+    reports = {r["rank"]: r["result"] for r in result["ranks"]}
+    assert reports[4]["param_checksum"] == reports[0]["param_checksum"]
+    app.assert_all_ended()
+
+
+def read_job_rollouts(run_dir: Path) -> list[int]:
+    return list(json.loads((run_dir / "job.json").read_text())["rollouts"])
 
 
 def test_app_leave_lets_one_rollout_rank_go_and_refuses_the_lead_in_one_line(

@@ -76,3 +76,15 @@ def test_a_plan_takes_a_trainer_beyond_it_in_the_trainers_group_leading_none_yet
                                     elastic_rollouts=True))
     with pytest.raises(ValueError, match="rank 4: a trainer beyond the plan needs elastic"):
         static.with_trainer_rank(4)
+
+
+def test_a_joiner_asks_the_trainer_leading_the_fewest_and_tied_joiners_spread() -> None:
+    from app.join import least_led
+
+    store = dist.HashStore()
+    EpochRecords(store, 0, [0, 2, 4]), EpochRecords(store, 1, [1, 3]), EpochRecords(store, 5, [5])
+    assert least_led(store, [0, 1, 5], 6) == 5 and least_led(store, [0, 1, 5], 7) == 5
+    tied = dist.HashStore()
+    EpochRecords(tied, 0, [0, 2]), EpochRecords(tied, 1, [1, 3])
+    # Two trainers leading as many: joiners 4 and 5, started together, ask one each.
+    assert [least_led(tied, [0, 1], rank) for rank in (4, 5)] == [0, 1]
