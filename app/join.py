@@ -17,14 +17,16 @@ import os
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 import socket
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from app.api import ConfigError, RankEnv
+from app.api import ConfigError, RankEnv, RunShape
 from app.errors import say_error
 from app.launch.jobfile import (
     JobRecord,
@@ -35,14 +37,17 @@ from app.launch.jobfile import (
     package_version,
     read_job_record,
 )
+from app.launch.lifeline import die_with_parent
 from app.launch.planning import ValidatedJob, validate_job
 from app.output.trackers.fanout import RUN_CONFIG
 from rlcomm import LayoutPlan
-from rlcomm.elastic import epoch_members, latest_epoch, new_rank
+from rlcomm.elastic import Keys, epoch_members, latest_epoch, new_rank, new_ranks
 
-USAGE = "usage: python -m app.join RUN_DIR role=rollout|trainer [loop.threads=N]"
+USAGE = "usage: python -m app.join RUN_DIR role=rollout|trainer|replica [loop.threads=N]"
 ROLES = ("rollout", "trainer", "replica")
 MAY_DIFFER = ("loop.threads",)  # a host's own choice; everything else is the job's
+# What a replica group's command tells each process it starts: the group's ranks, and its own.
+REPLICA_RANKS, REPLICA_RANK = "RLCOMM_REPLICA_RANKS", "RLCOMM_REPLICA_RANK"
 
 
 @dataclass(frozen=True)
@@ -78,17 +83,16 @@ def check_role(record: JobRecord, role: str) -> None:
         raise JobUnreachable(f"role={role}: this job's trainers are not elastic "
                              "(layout.elastic_trainers=false): none can join while it runs")
     grouped = record.shape.replica_groups
-    if role == "trainer" and (grouped or record.shape.sharded):
-        raise JobUnreachable(f"role=trainer: this job's trainers are sharded"
-                             f"{' in replica groups' if grouped else ''}; one more trainer "
-                             "joins plain data-parallel trainers only")
+    if role == "trainer" and grouped:
+        raise JobUnreachable("role=trainer: this job's trainers are sharded in replica groups: "
+                             "they grow by a whole replica group (role=replica)")
+    if role == "trainer" and record.shape.sharded:
+        raise JobUnreachable("role=trainer: this job's trainers are sharded in one grid; one "
+                             "more trainer joins plain data-parallel trainers only")
     if role == "replica" and not grouped:
         raise JobUnreachable("role=replica: this job's trainers form no replica groups "
                              "(layout.trainer_replicas=1): one more trainer joins with "
                              "role=trainer")
-    if role == "replica":
-        raise JobUnreachable("role=replica: replica groups beyond the plan cannot join yet; a "
-                             "lost replica group's replacement can (launcher.trainer_restarts)")
 
 
 def check_same_job(run_dir: Path, record: JobRecord) -> None:
@@ -127,36 +131,84 @@ def least_led(store: Any, trainers: list[int], rank: int) -> int:
     return min(trainers, key=lambda trainer: (led(trainer), turn(trainer)))
 
 
-def grown_plan(plan: LayoutPlan, trainers: list[int]) -> LayoutPlan:
-    """``plan`` with the live trainers that joined beyond it."""
-    for trainer in trainers:
-        if trainer not in plan.trainers:
-            plan = plan.with_trainer_rank(trainer)
+def grown_plan(plan: LayoutPlan, trainers: list[int], shape: RunShape) -> LayoutPlan:
+    """``plan`` with the live trainers that joined beyond it (with replica groups: theirs)."""
+    extra = sorted(t for t in trainers if t not in plan.trainers)
+    if shape.replica_groups:
+        size = len(plan.replicas[0])
+        for i in range(0, len(extra), size):
+            plan = plan.with_replica_group(extra[i : i + size])
+        return plan
+    for trainer in extra:
+        plan = plan.with_trainer_rank(trainer)
     return plan
 
 
 def join(request: Request) -> None:
-    """Runs one rank beyond the job's plan until the job ends."""
+    """Runs one rank beyond the job's plan until the job ends (a replica group: one process per
+    rank, started here, :func:`start_replica_group`)."""
     record = read_job_record(request.run_dir)
     check_role(record, request.role)
     check_same_job(request.run_dir, record)
     store = connect_job(request.run_dir, record)
     plan, job = job_config(request)
     trainers = live_trainers(store, record)
-    plan = grown_plan(plan, trainers)
-    rank = new_rank(store, record.world_size)
-    if request.role == "trainer":
+    plan = grown_plan(plan, trainers, record.shape)
+    local = 1
+    if request.role == "replica":
+        if REPLICA_RANKS not in os.environ:  # the command itself: it starts the group
+            start_replica_group(request, store, record, len(plan.replicas[0]), trainers[0])
+            return
+        ranks = [int(r) for r in os.environ[REPLICA_RANKS].split(",")]
+        rank, local = int(os.environ[REPLICA_RANK]), len(ranks)
+        plan, asks = plan.with_replica_group(ranks), trainers[0]
+    elif request.role == "trainer":
+        rank = new_rank(store, record.world_size)
         plan, asks = plan.with_trainer_rank(rank), trainers[0]
     else:
+        rank = new_rank(store, record.world_size)
         asks = least_led(store, trainers, rank)
         plan = plan.with_rollout_rank(rank, asks)
-    env = RankEnv("join", rank=rank, world_size=record.world_size, node=socket.gethostname(),
-                  master_addr=record.store.host, master_port=record.store.port)
+    env = RankEnv("join", rank=rank, world_size=record.world_size, local_world_size=local,
+                  node=socket.gethostname(), master_addr=record.store.host,
+                  master_port=record.store.port)
     print(f"rank {rank} ({request.role}, beyond the plan of {record.world_size}) asks rank "
           f"{asks} to admit it", file=sys.stderr, flush=True)
     from app.launch.rank import run_beyond_plan  # torch and the runtime: once the checks passed
 
     run_beyond_plan(job, plan, request.run_dir, store, env)
+
+
+def start_replica_group(request: Request, store: Any, record: JobRecord, size: int,
+                        lead: int) -> None:
+    """A replica group beyond the plan: ``size`` consecutive new ranks, announced to the lead,
+    each run by a process of its own (this command again, told its rank), all waited for; the
+    first to fail ends the others."""
+    from app.runtime.membership.replicas import announce_replica
+    from app.runtime.membership.trainers import SPACE
+
+    ranks = new_ranks(store, record.world_size, size)
+    announce_replica(store, Keys(lead, SPACE), ranks)
+    print(f"ranks {ranks} (a replica group, beyond the plan of {record.world_size}) ask rank "
+          f"{lead} to admit them", file=sys.stderr, flush=True)
+    argv = [sys.executable, "-m", "app.join", str(request.run_dir), "role=replica",
+            *request.overrides]
+    procs = {rank: subprocess.Popen(argv, env={**os.environ, REPLICA_RANKS: ",".join(map(str, ranks)),
+                                               REPLICA_RANK: str(rank)},
+                                    preexec_fn=die_with_parent)
+             for rank in ranks}
+    failed = None
+    while procs and failed is None:
+        for rank, proc in list(procs.items()):
+            if proc.poll() is not None:
+                del procs[rank]
+                failed = rank if proc.returncode else None
+        time.sleep(0.2)
+    for proc in procs.values():  # the group cannot go on without a rank
+        proc.kill()
+        proc.wait()
+    if failed is not None:
+        raise RuntimeError(f"rank {failed} of the replica group {ranks} failed; the group ended")
 
 
 def main(argv: list[str] | None = None) -> int:

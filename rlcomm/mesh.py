@@ -9,15 +9,8 @@ import math
 import torch
 
 from rlcomm.errors import LayoutError, ModeNotRegisteredError
-from rlcomm.modes import ParallelMode
-from rlcomm.plan.layout import LayoutPlan
+from rlcomm.plan.layout import GRID_MODES, LayoutPlan
 from rlcomm.utils import format_ranks
-
-GRID_MODES = (
-    ParallelMode.DATA_PARALLEL.value,
-    ParallelMode.SEQUENCE_PARALLEL.value,
-    ParallelMode.TENSOR_PARALLEL.value,
-)
 
 
 def default_mesh_modes(plan: LayoutPlan) -> list[str]:

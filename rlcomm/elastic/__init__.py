@@ -41,6 +41,7 @@ from rlcomm.elastic.epochs import (
     let_go_epoch,
     mark_running,
     new_rank,
+    new_ranks,
     request_join,
     was_let_go,
 )
@@ -64,7 +65,7 @@ __all__ = [
     "EpochGroups", "EpochRecords", "Join", "Keys", "Leader", "Liveness", "Member",
     "MembershipError", "ShardKeys", "acknowledge", "ask_to_leave", "await_admission",
     "build_epoch_group", "close_membership", "closing_members", "drain", "epoch_members",
-    "graveyard", "is_running", "latest_epoch", "let_go_epoch", "mark_running", "moved", "new_rank",
+    "graveyard", "is_running", "latest_epoch", "let_go_epoch", "mark_running", "moved", "new_rank", "new_ranks",
     "patience_s", "process_ended", "receive_from_members", "request_join", "send_to_leader",
     "subworld", "was_let_go",
 ]

@@ -212,7 +212,14 @@ def request_join(store: dist.Store, leader: int, rank: int, space: str = "",
 
 def new_rank(store: dist.Store, world_size: int) -> int:
     """A rank number beyond the plan of ``world_size`` ranks, never given before in the job."""
-    return world_size + int(store.add(grown(), 1)) - 1
+    return new_ranks(store, world_size, 1)[0]
+
+
+def new_ranks(store: dist.Store, world_size: int, count: int) -> list[int]:
+    """``count`` consecutive rank numbers beyond the plan (a replica group's), never given
+    before in the job."""
+    end = world_size + int(store.add(grown(), count))
+    return list(range(end - count, end))
 
 
 def ask_to_leave(store: dist.Store, rank: int, reason: str) -> None:

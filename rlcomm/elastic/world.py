@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 from torch import distributed as dist
 
 from rlcomm.errors import RlcommError
-from rlcomm.mesh import GRID_MODES
 from rlcomm.modes import CommMode
+from rlcomm.plan.layout import GRID_MODES
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -17,6 +17,13 @@ from rlcomm.plan.ranks import RankLists, is_int, resolve_roles, validate_rank_li
 from rlcomm.plan.spec import LayoutSpec, RankSelection
 from rlcomm.utils import format_ranks
 
+# The modes of a trainer grid (a device mesh's dimensions; rlcomm/mesh.py).
+GRID_MODES = (
+    ParallelMode.DATA_PARALLEL.value,
+    ParallelMode.SEQUENCE_PARALLEL.value,
+    ParallelMode.TENSOR_PARALLEL.value,
+)
+
 __all__ = [
     "GroupSpec",
     "LayoutPlan",
@@ -200,6 +207,31 @@ class LayoutPlan:
             grown.append(spec)
         return replace(self, world_size=max(self.world_size, rank + 1),
                        trainers=(*self.trainers, rank), groups=tuple(grown))
+
+    def with_replica_group(self, ranks: Sequence[int]) -> LayoutPlan:
+        """This plan and one more replica group of elastic sharded trainers beyond it, on the
+        consecutive ``ranks``: the grid of the first replica group laid over them (its DATA,
+        TENSOR and SEQUENCE parallel groups, position for position), each rank leading a
+        WEIGHT_TRANSFER group of its own that starts empty."""
+        first = self.replicas[0]
+        if not self.elastic_trainers or self.trainer_replicas == 1 or len(ranks) != len(first):
+            raise ValueError(f"ranks {list(ranks)}: a replica group beyond the plan needs elastic "
+                             f"trainers in replica groups, and {len(first)} ranks")
+        place = dict(zip(first, ranks))
+        grown = []
+        for spec in self.groups:
+            if spec.mode in (ParallelMode.GLOBAL.value, ParallelMode.TRAIN_DATA_PARALLEL.value):
+                spec = replace(spec, rank_lists=((*spec.rank_lists[0], *ranks),))
+            elif spec.mode == ParallelMode.WEIGHT_TRANSFER.value:
+                spec = replace(spec, rank_lists=(*spec.rank_lists, *((r,) for r in ranks)))
+            elif spec.mode in GRID_MODES:
+                laid = [tuple(place[r] for r in group) for group in spec.rank_lists
+                        if set(group) <= set(first)]
+                spec = replace(spec, rank_lists=(*spec.rank_lists, *laid))
+            grown.append(spec)
+        return replace(self, world_size=max(self.world_size, max(ranks) + 1),
+                       trainers=(*self.trainers, *ranks), groups=tuple(grown),
+                       trainer_replicas=self.trainer_replicas + 1)
 
 def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     """Validate ``spec`` and return every group to create, in creation order."""

@@ -17,13 +17,23 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers.apprun import AppProcess, collapse, column, read_result, rows_so_far
+from tests.helpers.apprun import (
+    HANG_S,
+    AppProcess,
+    app_env,
+    collapse,
+    column,
+    processes_with_marker,
+    read_result,
+    rows_so_far,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -124,6 +134,42 @@ def test_two_joiners_one_after_another_grow_a_default_run_from_2_to_3_to_4_rollo
         f"error: {app.run_dir}: the run finished (result.json); nothing runs there")), finished
     app.assert_all_ended()
 
+
+def test_a_joiner_grows_a_job_that_torchrun_started(tmp_path: Path) -> None:
+    """``torchrun --standalone --nproc-per-node 2 -m app layout=1t1r``: ``python -m app.join``
+    finds the job's store (torchrun's) through ``job.json`` and joins beyond the plan."""
+    marker, run_dir = uuid.uuid4().hex, tmp_path / "torchrun-grown"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "app", "layout=1t1r", *WAITING, "loop.total_env_steps=30720",
+           f"hydra.run.dir={run_dir}"]
+    with (tmp_path / "torchrun.out").open("w") as out:
+        job = subprocess.Popen(cmd, cwd=tmp_path, env=app_env(marker), stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    joiner: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + JOINER_S
+        while len(rows_so_far(run_dir)) < 2:
+            assert job.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "torchrun.out").read_text()[-3000:]
+            time.sleep(0.1)
+        with (tmp_path / "joiner.out").open("w") as out:
+            joiner = subprocess.Popen([sys.executable, "-m", "app.join", str(run_dir),
+                                       "role=rollout"], cwd=tmp_path, env=app_env(marker),
+                                      stdout=out, stderr=subprocess.STDOUT, text=True)
+        assert job.wait(timeout=HANG_S) == 0, (tmp_path / "torchrun.out").read_text()[-3000:]
+        assert joiner.wait(timeout=60) == 0, (tmp_path / "joiner.out").read_text()[-3000:]
+    finally:
+        for proc in (job, joiner):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    (join,) = read_result(run_dir)["joins"]
+    assert (join["rank"], join["reason"]) == (2, "beyond the plan") and join["first_trained_s"]
+    assert collapse(members_by_update(run_dir)) == [1, 2], members_by_update(run_dir)
+    deadline = time.monotonic() + 15  # the agent's workers end just after it
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_with_marker(marker), processes_with_marker(marker)
 
 def grow_by_a_trainer_and_a_rollout_rank(
     app: AppProcess, start_joiner: Joiner,
@@ -329,8 +375,8 @@ NO_JOB = "error: {empty}: no running job there (job.json is written once a job w
     (("app.leave", "{missing}", "rank=1"), "error: {missing}: no such run dir"),
     (("app.leave", "{empty}", "rank=one"), "error: rank=one: a rank number (an integer >= 0)"),
     (("app.leave", "{empty}", "rank=1"), NO_JOB),
-    (("app.join", "{empty}"), "error: usage: python -m app.join RUN_DIR role=rollout|trainer "
-                              "[loop.threads=N]"),
+    (("app.join", "{empty}"), "error: usage: python -m app.join RUN_DIR "
+                              "role=rollout|trainer|replica [loop.threads=N]"),
     (("app.join", "{empty}", "role=learner"), "error: role=learner: one of rollout, trainer, "
                                               "replica"),
     (("app.join", "{missing}", "role=rollout"), "error: {missing}: no such run dir"),
@@ -397,12 +443,8 @@ def test_a_joiner_of_another_version_or_config_or_role_is_refused_in_one_line(
                                             "trainer_replicas": 2})
     grouped = side_command("app.join", str(tmp_path / "d"), "role=trainer", timeout=60)
     assert (grouped.returncode, grouped.stderr.strip()) == (2, (
-        "error: role=trainer: this job's trainers are sharded in replica groups; one more "
-        "trainer joins plain data-parallel trainers only")), grouped
-    replica = side_command("app.join", str(tmp_path / "d"), "role=replica", timeout=60)
-    assert (replica.returncode, replica.stderr.strip()) == (2, (
-        "error: role=replica: replica groups beyond the plan cannot join yet; a lost replica "
-        "group's replacement can (launcher.trainer_restarts)")), replica
+        "error: role=trainer: this job's trainers are sharded in replica groups: they grow by "
+        "a whole replica group (role=replica)")), grouped
     from app.launch.jobfile import package_version
 
     older = side_command("app.join", str(tmp_path / "a"), "role=rollout", timeout=60)

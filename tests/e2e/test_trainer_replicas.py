@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,6 +177,41 @@ def test_with_restarts_the_lost_replica_group_is_rebuilt_and_heals_from_a_live_o
     assert "trainers: 2 left, 2 joined" in app.stdout, app.describe()
     app.assert_all_ended()
 
+
+def test_app_join_role_replica_brings_a_whole_replica_group_that_heals_from_a_live_one(
+    start_app: Callable[..., AppProcess], tmp_path: Path,
+) -> None:
+    """``python -m app.join RUN_DIR role=replica``, one command: ranks 8 and 9, a third replica
+    group beyond the plan, start together, form their grid, are admitted whole and heal from
+    the lead's group (equal checksums logged); each rank of it ends with the weights of the
+    rank at its place in the lead's group, and every process exits 0."""
+    app = start_app("replica-grown", *SMALL, *REPLICAS, "loop.total_env_steps=30000")
+    app.wait_until("3 updates", lambda: len(rows_so_far(app.run_dir)) >= 3)
+    out = tmp_path / "joiner.out"
+    with out.open("w") as sink:
+        joiner = subprocess.Popen([sys.executable, "-m", "app.join", str(app.run_dir),
+                                   "role=replica"], stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        assert app.wait() == 0, app.describe()
+        assert joiner.wait(timeout=120) == 0, out.read_text()[-3000:]
+    finally:
+        if joiner.poll() is None:
+            joiner.kill()
+            joiner.wait()
+    assert collapse(column(app.run_dir, "trainers")) == [4, 6], column(app.run_dir, "trainers")
+    result = read_result(app.run_dir)
+    assert [(j["rank"], j["reason"]) for j in result["trainer_joins"]] == \
+        [(8, "beyond the plan"), (9, "beyond the plan")], result["trainer_joins"]
+    assert re.search(r"ranks 8, 9 \(trainer\) healed from rank 0 at update \d+: \d+ bytes, "
+                     r"checksum [0-9a-f]{16} equal on the trainers \[0, 1, 2, 3, 8, 9\]",
+                     app.log(0)), app.log(0)[-3000:]
+    reports = _reports(result)
+    assert (reports[8]["param_checksum"], reports[9]["param_checksum"]) == \
+        (reports[0]["param_checksum"], reports[1]["param_checksum"])
+    assert "ranks [8, 9] (a replica group, beyond the plan of 8) ask rank 0 to admit them" in \
+        out.read_text()
+    assert "trainers: 0 left, 2 joined, grew to 10 ranks" in app.stdout, app.describe()
+    app.assert_all_ended()
 
 @pytest.mark.parametrize(("overrides", "line"), [
     (("layout.trainer_replicas=3",),

@@ -14,6 +14,7 @@ from rlcomm.elastic import (
     ask_to_leave,
     let_go_epoch,
     new_rank,
+    new_ranks,
     request_join,
     was_let_go,
 )
@@ -88,3 +89,19 @@ def test_a_joiner_asks_the_trainer_leading_the_fewest_and_tied_joiners_spread() 
     EpochRecords(tied, 0, [0, 2]), EpochRecords(tied, 1, [1, 3])
     # Two trainers leading as many: joiners 4 and 5, started together, ask one each.
     assert [least_led(tied, [0, 1], rank) for rank in (4, 5)] == [0, 1]
+
+
+
+def test_a_plan_takes_a_replica_group_beyond_it_with_the_first_groups_grid_laid_over_it() -> None:
+    store = dist.HashStore()
+    assert new_rank(store, 8) == 8 and new_ranks(store, 8, 2) == [9, 10]  # consecutive, fresh
+    plan = plan_layout(LayoutSpec(world_size=8, trainers=4, tensor_parallel_size=2,
+                                  trainer_replicas=2, elastic_rollouts=True,
+                                  elastic_trainers=True))
+    grown = plan.with_replica_group([9, 10])
+    tp, tdp = ParallelMode.TENSOR_PARALLEL.value, ParallelMode.TRAIN_DATA_PARALLEL.value
+    assert grown.replicas == (*plan.replicas, (9, 10)) and grown.trainer_replicas == 3
+    assert grown.groups_of(9)[tp] == (9, 10) and grown.groups_of(9)[tdp][-2:] == (9, 10)
+    assert grown.groups_of(0)[tp] == plan.groups_of(0)[tp]
+    with pytest.raises(ValueError, match=r"ranks \[9\]: a replica group beyond the plan needs"):
+        plan.with_replica_group([9])

@@ -1,7 +1,8 @@
 """A lost replica group of sharded trainers rebuilt (``layout.trainer_replicas``, docs/failures.md).
 
 Each of its ranks starts again (``launcher.trainer_restarts``, or by hand) and joins the running
-job without a default group, as any replacement does. A tensor-parallel or FSDP grid needs one:
+job without a default group, as any replacement does; so do the ranks of a replica group beyond
+the plan (``python -m app.join RUN_DIR role=replica``), announced to the lead first. A tensor-parallel or FSDP grid needs one:
 the group's new processes form a world of their own over a fresh store prefix (one per rebuild,
 counted by their arrivals), with the plan's grid groups inside it (``CommContext.form_subworld``).
 The lead admits the group only once every rank of it asked (app/runtime/membership/trainers.py), and
@@ -10,11 +11,13 @@ each then heals from the lead's replica group (app/runtime/membership/healing.py
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rlcomm import CommContext, LayoutPlan
-from rlcomm.elastic import subworld
+from rlcomm.elastic import Keys, subworld
 from rlcomm.errors import PeerLostError
 
 log = logging.getLogger(__name__)
@@ -45,3 +48,16 @@ def whole_replica_groups(asked: Mapping[int, object], replicas: tuple[tuple[int,
     return [rank for replica in replicas
             if not set(replica) & set(members) and set(replica) <= set(asked)
             for rank in replica]
+
+
+def announce_replica(store: Any, keys: Keys, ranks: Sequence[int]) -> None:
+    """A replica group beyond the plan (``python -m app.join RUN_DIR role=replica``), before its
+    processes ask to join: where the lead (``keys``: its trainers' series) reads its ranks."""
+    for rank in ranks:
+        store.set(keys.key(f"replica/{rank}"), json.dumps(list(ranks)))
+
+
+def announced_replica(store: Any, keys: Keys, rank: int) -> tuple[int, ...] | None:
+    """The replica group beyond the plan that ``rank`` was announced in, if any."""
+    key = keys.key(f"replica/{rank}")
+    return tuple(json.loads(store.get(key))) if store.check([key]) else None

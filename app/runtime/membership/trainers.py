@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from app.runtime.core import stopping
-from app.runtime.membership.replicas import whole_replica_groups
+from app.runtime.membership.replicas import announced_replica, whole_replica_groups
 from app.runtime.membership.rollouts import ASKED, JOIN_DETAILS
 from rlcomm import CommContext, ParallelMode, collectives
 from rlcomm.elastic import (
@@ -251,12 +251,15 @@ class Lead:
     def pending_joins(self) -> list[Join]:
         """The joins to admit now: every one, or with replica groups those whose whole group
         asked (app/runtime/membership/replicas.py)."""
-        joins = self.leader.pending_joins()
-        replicas = self.group.replicas
-        if not replicas:
+        group, joins = self.group, self.leader.pending_joins()
+        if not group.replicas:
             return joins
+        for join in joins:  # a replica group beyond the plan: the lead learns its ranks
+            block = announced_replica(group.ctx.store, group.keys, join.rank)
+            if join.beyond_plan and block and block not in group.replicas:
+                group.replicas = (*group.replicas, block)
         self.asked.update({join.rank: join for join in joins})
-        ready = whole_replica_groups(self.asked, replicas, self.group.members)
+        ready = whole_replica_groups(self.asked, group.replicas, group.members)
         return [self.asked.pop(rank) for rank in ready]
 
     def pending_leaves(self) -> list[int]:
