@@ -185,14 +185,19 @@ def test_app_join_role_replica_brings_a_whole_replica_group_that_heals_from_a_li
     group beyond the plan, start together, form their grid, are admitted whole and heal from
     the lead's group (equal checksums logged); each rank of it ends with the weights of the
     rank at its place in the lead's group, and every process exits 0."""
-    app = start_app("replica-grown", *SMALL, *REPLICAS, "loop.total_env_steps=30000")
+    # Run until stopped: the group's two processes start, import and form their grid at the
+    # pace of a loaded machine, which a run to a budget could outlast.
+    app = start_app("replica-grown", *SMALL, *REPLICAS, f"loop.total_env_steps={10**9}")
     app.wait_until("3 updates", lambda: len(rows_so_far(app.run_dir)) >= 3)
     out = tmp_path / "joiner.out"
     with out.open("w") as sink:
         joiner = subprocess.Popen([sys.executable, "-m", "app.join", str(app.run_dir),
                                    "role=replica"], stdout=sink, stderr=subprocess.STDOUT)
     try:
-        assert app.wait() == 0, app.describe()
+        app.wait_until("6 trainers for 2 updates",
+                       lambda: column(app.run_dir, "trainers")[-2:] == [6, 6])
+        app.proc.send_signal(signal.SIGTERM)  # a stop at an update, with result.json
+        assert app.wait() == 128 + signal.SIGTERM, app.describe()
         assert joiner.wait(timeout=120) == 0, out.read_text()[-3000:]
     finally:
         if joiner.poll() is None:
@@ -200,6 +205,7 @@ def test_app_join_role_replica_brings_a_whole_replica_group_that_heals_from_a_li
             joiner.wait()
     assert collapse(column(app.run_dir, "trainers")) == [4, 6], column(app.run_dir, "trainers")
     result = read_result(app.run_dir)
+    assert result["summary"]["stopped_by"] == "SIGTERM", result["summary"]
     assert [(j["rank"], j["reason"]) for j in result["trainer_joins"]] == \
         [(8, "beyond the plan"), (9, "beyond the plan")], result["trainer_joins"]
     assert re.search(r"ranks 8, 9 \(trainer\) healed from rank 0 at update \d+: \d+ bytes, "
@@ -210,7 +216,8 @@ def test_app_join_role_replica_brings_a_whole_replica_group_that_heals_from_a_li
         (reports[0]["param_checksum"], reports[1]["param_checksum"])
     assert "ranks [8, 9] (a replica group, beyond the plan of 8) ask rank 0 to admit them" in \
         out.read_text()
-    assert "trainers: 0 left, 2 joined, grew to 10 ranks" in app.stdout, app.describe()
+    assert result["summary"]["trainers"] == {"left": 0, "joined": 2, "transitions_lost": 0,
+                                             "grew_to": 10}, result["summary"]
     app.assert_all_ended()
 
 @pytest.mark.parametrize(("overrides", "line"), [
