@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from app.api import ConfigError, RankEnv, RunShape
 from app.errors import say_error
 from app.launch.jobfile import (
+    FINISHED,
     JobRecord,
     JobUnreachable,
     config_digest,
@@ -211,14 +212,25 @@ def start_replica_group(request: Request, store: Any, record: JobRecord, size: i
         raise RuntimeError(f"rank {failed} of the replica group {ranks} failed; the group ended")
 
 
+def failure_line(run_dir: Path, err: BaseException) -> str:
+    """What a joiner that failed says: a job that finished meanwhile took its store with it
+    (a joiner admitted in time ends with the job, exit 0); else the rank's own failure (its log
+    has the traceback)."""
+    if (run_dir / FINISHED).exists():
+        return (f"{run_dir}: the job ended ({FINISHED}) while this joiner was joining it "
+                f"({type(err).__name__}: {err})")
+    return f"the joiner failed: {type(err).__name__}: {err}"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        join(parse(sys.argv[1:] if argv is None else argv))
+        request = parse(sys.argv[1:] if argv is None else argv)
+        join(request)
     except (ValueError, ConfigError) as err:  # JobUnreachable is a ConfigError
         say_error(str(err))
         return 2
-    except Exception as err:  # the rank failed: its log has the traceback
-        say_error(f"the joiner failed: {type(err).__name__}: {err}")
+    except Exception as err:  # the rank failed, or the job ended first
+        say_error(failure_line(request.run_dir, err))
         return 1
     return 0
 
