@@ -198,15 +198,7 @@ class LayoutPlan:
         if not self.elastic_trainers or self.trainer_replicas != 1 or self.grid_sizes[1:] != (1, 1):
             raise ValueError(f"rank {rank}: a trainer beyond the plan needs elastic data-parallel "
                              "trainers, without replica groups or a sharded grid")
-        grown = []
-        for spec in self.groups:
-            if spec.mode in (ParallelMode.GLOBAL.value, ParallelMode.TRAIN_DATA_PARALLEL.value):
-                spec = replace(spec, rank_lists=((*spec.rank_lists[0], rank),))
-            elif spec.mode == ParallelMode.WEIGHT_TRANSFER.value:
-                spec = replace(spec, rank_lists=(*spec.rank_lists, (rank,)))
-            grown.append(spec)
-        return replace(self, world_size=max(self.world_size, rank + 1),
-                       trainers=(*self.trainers, rank), groups=tuple(grown))
+        return self._with_trainers([rank], {})
 
     def with_replica_group(self, ranks: Sequence[int]) -> LayoutPlan:
         """This plan and one more replica group of elastic sharded trainers beyond it, on the
@@ -217,21 +209,28 @@ class LayoutPlan:
         if not self.elastic_trainers or self.trainer_replicas == 1 or len(ranks) != len(first):
             raise ValueError(f"ranks {list(ranks)}: a replica group beyond the plan needs elastic "
                              f"trainers in replica groups, and {len(first)} ranks")
-        place = dict(zip(first, ranks))
+        grown = self._with_trainers(ranks, dict(zip(first, ranks)))
+        return replace(grown, trainer_replicas=self.trainer_replicas + 1)
+
+    def _with_trainers(self, ranks: Sequence[int], place: dict[int, int]) -> LayoutPlan:
+        """This plan and the trainers ``ranks`` beyond it: in GLOBAL and TRAIN_DATA_PARALLEL,
+        each leading a WEIGHT_TRANSFER group of its own that starts empty; ``place`` maps the
+        first replica group's ranks onto them, whose grid groups (DATA, TENSOR, SEQUENCE
+        parallel) are laid over them (none for plain data-parallel trainers)."""
         grown = []
         for spec in self.groups:
             if spec.mode in (ParallelMode.GLOBAL.value, ParallelMode.TRAIN_DATA_PARALLEL.value):
                 spec = replace(spec, rank_lists=((*spec.rank_lists[0], *ranks),))
             elif spec.mode == ParallelMode.WEIGHT_TRANSFER.value:
                 spec = replace(spec, rank_lists=(*spec.rank_lists, *((r,) for r in ranks)))
-            elif spec.mode in GRID_MODES:
+            elif spec.mode in GRID_MODES and place:
                 laid = [tuple(place[r] for r in group) for group in spec.rank_lists
-                        if set(group) <= set(first)]
+                        if set(group) <= set(place)]
                 spec = replace(spec, rank_lists=(*spec.rank_lists, *laid))
             grown.append(spec)
         return replace(self, world_size=max(self.world_size, max(ranks) + 1),
-                       trainers=(*self.trainers, *ranks), groups=tuple(grown),
-                       trainer_replicas=self.trainer_replicas + 1)
+                       trainers=(*self.trainers, *ranks), groups=tuple(grown))
+
 
 def plan_layout(spec: LayoutSpec) -> LayoutPlan:
     """Validate ``spec`` and return every group to create, in creation order."""

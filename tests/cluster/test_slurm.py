@@ -415,6 +415,10 @@ def _read(path: Path) -> str:
 # A job that grows: a new srun step runs python -m app.join (docs/growth.md)
 # --------------------------------------------------------------------------------------------
 
+# The job that grows: 1t1r on the waiting CartPole, long enough for a joiner to come.
+GROWN = ("layout=1t1r", "loop.env.id=WaitingCartPole-v1", "loop.progress=false",
+         "loop.target_return=1e9", "loop.total_env_steps=30720", "comm.timeout=60")
+
 GROW_SCRIPT = """#!/bin/bash
 #SBATCH --nodes=1
 #SBATCH --ntasks=3
@@ -442,10 +446,8 @@ def test_an_srun_step_running_app_join_grows_the_job_of_another_step(
     marker = uuid.uuid4().hex
     env = job_env(marker)
     out = tmp_path / "slurm.out"
-    overrides = ("layout=1t1r", "loop.env.id=WaitingCartPole-v1", "loop.progress=false",
-                 "loop.target_return=1e9", "loop.total_env_steps=30720", "comm.timeout=60")
     try:
-        job = submit(cluster, tmp_path, script, overrides, env)
+        job = submit(cluster, tmp_path, script, GROWN, env)
         state = wait_for_job(job, timeout=300)
     finally:
         assert_no_survivors(marker)
@@ -486,10 +488,8 @@ def test_another_sbatch_job_running_app_join_grows_the_job(cluster: Cluster, tmp
     (joiner_dir / "join.sbatch").write_text(JOINER_SCRIPT)
     marker = uuid.uuid4().hex
     env = job_env(marker)
-    overrides = ("layout=1t1r", "loop.env.id=WaitingCartPole-v1", "loop.progress=false",
-                 "loop.target_return=1e9", "loop.total_env_steps=30720", "comm.timeout=60")
     try:
-        job = submit(cluster, tmp_path, tmp_path / "job.sbatch", overrides, env)
+        job = submit(cluster, tmp_path, tmp_path / "job.sbatch", GROWN, env)
         run_dir = tmp_path / "outputs" / "runs" / f"slurm-{job}.0"
         deadline = time.monotonic() + 240
         while len(_read(run_dir / "metrics.csv").splitlines()) < 3:
