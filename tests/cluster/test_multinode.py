@@ -619,9 +619,11 @@ def test_a_rollout_host_whose_link_goes_down_is_dropped_within_comm_timeout_and_
     not by torchrun: torch's agents meet in an exit barrier once their workers are done, and
     the agent of a host cut off for good never comes, so the others' torchrun would wait
     torch's fixed 300 s in it (LocalElasticAgent's exit_barrier_timeout) before exiting 0."""
-    timeout_s, before, after = 15, 10, 40
+    # The cable is pulled after 5 updates; `before` leaves the run room for ~100 more with both
+    # rollout ranks, so that a slow pull on a loaded machine still finds the run going.
+    timeout_s, before, after = 15, 100, 40
     marker, port = uuid.uuid4().hex, 29490
-    budget = (before * 2 + after) * STEPS_PER_ROLLOUT  # ~`after` updates with one rollout rank
+    budget = (before * 2 + after) * STEPS_PER_ROLLOUT  # the rest after the drop: one rollout rank
     app_args = ["layout=1t1r", "layout.world_size=3", "layout.rollouts=[1,2]",
                 f"loop.total_env_steps={budget}", *SMALL_UPDATES, f"comm.timeout={timeout_s}"]
     run_id = f"byhand-{marker[:8]}"
