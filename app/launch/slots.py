@@ -18,7 +18,8 @@ the agent's worker process for such a rank does not run the rank: it forks a chi
   waits, idle, until the run ends (``result.json``: it returns) or the agent stops it (exit 0).
 
 Signals: SIGTERM and SIGINT from the agent are forwarded to the child, and the slot then exits as
-the child did; SIGUSR1 (the launcher's request for stack dumps) is forwarded. A SIGINT from the
+the child did (a stop that finds the child already lost ends the slot with exit 0: the loss was not
+the run's cause); SIGUSR1 (the launcher's request for stack dumps) is forwarded. A SIGINT from the
 terminal (Ctrl-C) reached the child already and is not sent twice. The child dies with the slot
 (app/launch/lifeline.py): a slot SIGKILLed after ``launcher.shutdown_timeout`` leaves nothing.
 
@@ -180,6 +181,15 @@ def _wait(child: multiprocessing.process.BaseProcess) -> tuple[int, bool]:
         if info is None or info.si_signo == signal.SIGCHLD:
             continue
         signum = info.si_signo
+        ended = child.exitcode if signum in _STOPS else None
+        if ended is not None:
+            # The child ended before the stop came (a busy slot finds both pending, and takes
+            # SIGTERM before SIGCHLD). A lost child's end is judged as any other, the stop left
+            # pending for _take_stop: passed on as the slot's end, it would make a loss the
+            # run's cause.
+            if ended != 0:
+                signal.pthread_kill(threading.get_ident(), signum)
+            return ended, stopped or ended == 0
         if not (signum == signal.SIGINT and info.si_code == _SI_KERNEL):  # Ctrl-C: got it too
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid or 0, signum)

@@ -188,6 +188,28 @@ def test_a_slot_without_its_rank_ends_when_stopped(tmp_path: Path) -> None:
     assert not (tmp_path / "returned").exists()
 
 
+def test_a_stop_found_beside_the_rank_s_death_ends_the_slot_as_stopped(tmp_path: Path) -> None:
+    """The rank was killed and the agent stopped the group (a peer failed over the loss) before
+    the slot looked: both signals pending, SIGTERM taken first. The slot must end as stopped
+    (exit 0), not as its dead rank (SIGKILL), which would name the loss as the run's cause."""
+    slot = _start_slot(tmp_path, _sleeps(tmp_path), restarts=0)
+    _wait_for(tmp_path / "child0.pid")
+    (child,) = _child_pids(tmp_path)
+    assert slot.pid is not None
+    os.kill(slot.pid, signal.SIGSTOP)  # a busy machine: the slot does not run for a while
+    try:
+        os.kill(child, signal.SIGKILL)
+        end = time.monotonic() + DONE_S
+        while _alive(child):  # dead, a zombie until the slot reaps it
+            assert time.monotonic() < end, "the rank did not die"
+            time.sleep(0.02)
+        os.kill(slot.pid, signal.SIGTERM)
+    finally:
+        os.kill(slot.pid, signal.SIGCONT)
+    assert _finish(slot, tmp_path) == 0
+    assert not (tmp_path / "returned").exists()
+
+
 def test_a_rank_that_raises_fails_the_run(tmp_path: Path) -> None:
     slot = _start_slot(tmp_path, _raises(tmp_path, ValueError("a bug")), restarts=2)
     assert _finish(slot, tmp_path) == 1
