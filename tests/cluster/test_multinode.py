@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.apprun import assert_commcheck_passed, read_result
+from tests.helpers.apprun import assert_commcheck_passed, checkpointed, read_result
 from tests.helpers.multihost import (
     SCRIPTS,
     describe_runs,
@@ -255,14 +255,14 @@ def start_long_ppo(hosts: list[str], tmp_path: Path) -> tuple[list, str, Path]:
     marker, rdzv_id = uuid.uuid4().hex, f"mn{uuid.uuid4().hex[:8]}"
     args = [*torchrun(2, 2, f"{hosts[0]}:29410", rdzv_id), *LONG_PPO, f"comm.timeout={TIMEOUT_S}"]
     runs = [start_on_host(h, args, tmp_path, marker) for h in hosts]
-    checkpoint = tmp_path / "outputs" / "runs" / f"torchrun-{rdzv_id}" / "checkpoints" / "ckpt_000004.pt"
+    run_dir = tmp_path / "outputs" / "runs" / f"torchrun-{rdzv_id}"
     deadline = time.monotonic() + 150
-    while not checkpoint.exists():
+    while not checkpointed(run_dir / "checkpoints", 4):
         if time.monotonic() > deadline or any(r.proc.poll() is not None for r in runs):
             finish(runs, marker, 5)
             pytest.fail(f"the run did not reach update 4\n{describe_runs(runs)}")
         time.sleep(0.5)
-    return runs, marker, checkpoint.parent.parent
+    return runs, marker, run_dir
 
 
 def assert_survivor_names_the_lost_host(run, lost: str, lost_ranks: str, ended_s: float) -> None:
@@ -327,7 +327,7 @@ def test_a_restarted_host_rejoins_and_the_run_resumes_from_its_checkpoint(
     included) and is started again by hand, as a requeued node would be: host1's agent restarts
     its ranks, host2's new torchrun rejoins the rendezvous, and every rank resumes from the
     newest checkpoint and finishes the run."""
-    updates = 16
+    updates = 48  # room, on a fast machine, for host2 to be killed after update 4 and before the end
     marker, rdzv_id = uuid.uuid4().hex, f"mn{uuid.uuid4().hex[:8]}"
     launcher = torchrun(2, 2, f"{hosts[0]}:29450", rdzv_id)
     launcher[3:3] = ["--max-restarts", "1"]
@@ -342,7 +342,7 @@ def test_a_restarted_host_rejoins_and_the_run_resumes_from_its_checkpoint(
     checkpoints = run_dir / "checkpoints"
     deadline = time.monotonic() + 150
     try:
-        while not (checkpoints / "ckpt_000004.pt").exists():
+        while not checkpointed(checkpoints, 4):
             assert time.monotonic() < deadline and runs[1].proc.poll() is None, "no checkpoint"
             time.sleep(0.2)
         kill_host("host2")

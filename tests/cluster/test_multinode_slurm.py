@@ -25,6 +25,7 @@ from tests.helpers.apprun import (
     REPO,
     assert_commcheck_passed,
     assert_no_survivors,
+    checkpointed,
     read_result,
 )
 from tests.helpers.multihost import _skip_or_fail, kill_host, netns_list, set_link
@@ -199,7 +200,7 @@ def kill_host2_mid_run(partition: str, cwd: Path, *command: str,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 150
-        while not list(cwd.rglob("ckpt_000004.pt")):
+        while not checkpointed(cwd, 4):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         if link_down:

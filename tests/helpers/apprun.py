@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import fcntl
 import json
@@ -24,6 +25,7 @@ from typing import Any
 import psutil
 
 from app.launch.environment import without_launcher_variables
+from app.runtime.checkpoints.checkpoint import is_checkpoint, update_of
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER = "RLCOMM_TEST_MARKER"
@@ -158,6 +160,15 @@ def rows_so_far(run_dir: Path) -> list[dict[str, str]]:
         return []
     with path.open() as handle:
         return list(csv.DictReader(handle))
+
+
+def checkpointed(root: Path, update: int) -> bool:
+    """Whether a checkpoint of ``update`` or later is under ``root`` (a run's checkpoints, or a
+    folder above). A poll must not wait for one update's file: retention removes it once newer
+    ones are written (``loop.checkpoint_keep``), within a poll's sleep on a fast machine."""
+    with contextlib.suppress(OSError):  # a checkpoint retired while the folder is read
+        return any(update_of(p) >= update for p in root.rglob("ckpt_*") if is_checkpoint(p))
+    return False
 
 
 def column(run_dir: Path, name: str) -> list[int]:
