@@ -186,7 +186,8 @@ def test_a_trainer_started_again_by_hand_joins_the_running_job_and_heals(
     is killed, and one more process for it, started by hand, joins the running job and heals
     from the lead."""
     marker = uuid.uuid4().hex
-    run_dir, start = start_by_hand(tmp_path, marker, "loop.total_env_steps=163840",
+    # 120 updates: room for a new process (imports, rendezvous, healing) on a loaded machine.
+    run_dir, start = start_by_hand(tmp_path, marker, "loop.total_env_steps=245760",
                                    "comm.timeout=60", layout="2t2r", world_size=4)
     procs = [start(rank, f"rank{rank}") for rank in range(4)]
     try:

@@ -42,8 +42,11 @@ pytestmark = pytest.mark.e2e
 # itself would be done in seconds.
 WAITING = ("loop.env.id=WaitingCartPole-v1", "loop.progress=false", "loop.target_return=1e9",
            "comm.timeout=60")
-RUN = ("layout=1t3r", *WAITING, "loop.total_env_steps=40960")
+RUN = ("layout=1t3r", *WAITING, "loop.total_env_steps=61440")
 JOINER_S = 180  # a joiner's whole life, its imports on a loaded machine included
+# Budgets: a run on the waiting env lasts about as long on a loaded machine, while a joiner (a new
+# interpreter, its imports) takes several times longer there. A run that must outlast joiners
+# leaves them a minute or more.
 
 Joiner = Callable[..., subprocess.Popen[str]]  # start_joiner(run_dir, name, role=...)
 
@@ -93,7 +96,7 @@ def test_two_joiners_one_after_another_grow_a_default_run_from_2_to_3_to_4_rollo
     tmp_path: Path,
 ) -> None:
     """The default layout (2t2r); the job is untouched by refused joiners first."""
-    app = start_app("grown", *WAITING, "loop.total_env_steps=90000")
+    app = start_app("grown", *WAITING, "loop.total_env_steps=135000")
     app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
     replica = side_command("app.join", str(app.run_dir), "role=replica")
     assert (replica.returncode, replica.stderr.strip()) == (2, (
@@ -140,7 +143,7 @@ def test_a_joiner_grows_a_job_that_torchrun_started(tmp_path: Path) -> None:
     finds the job's store (torchrun's) through ``job.json`` and joins beyond the plan."""
     marker, run_dir = uuid.uuid4().hex, tmp_path / "torchrun-grown"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "app", "layout=1t1r", *WAITING, "loop.total_env_steps=30720",
+           "-m", "app", "layout=1t1r", *WAITING, "loop.total_env_steps=46080",
            f"hydra.run.dir={run_dir}"]
     with (tmp_path / "torchrun.out").open("w") as out:
         job = subprocess.Popen(cmd, cwd=tmp_path, env=app_env(marker), stdout=out,
@@ -191,7 +194,7 @@ def test_a_trainer_joins_beyond_the_plan_heals_and_leads_the_next_rollout_joiner
     """The default layout (2t2r, elastic trainers): ``role=trainer`` makes ``trainers`` go
     2 -> 3; the joiner heals from the lead (checksums logged) and ends with the others'
     weights; the rollout rank that joins next goes to it, the trainer leading the fewest."""
-    app = start_app("trainer-grown", *WAITING, "loop.total_env_steps=90000")
+    app = start_app("trainer-grown", *WAITING, "loop.total_env_steps=135000")
     trainer, rollout = grow_by_a_trainer_and_a_rollout_rank(app, start_joiner)
     assert app.wait() == 0, app.describe()
     for joiner, name in ((trainer, "trainer"), (rollout, "rollout")):
@@ -290,7 +293,7 @@ OFF_POLICY = {
     "own-replay": ("layout=1t1r", "loop.total_env_steps=40000"),
     "replay-rank": ("layout=replay_server", "layout.world_size=5", "layout.trainers=[0,1]",
                     "layout.replay=[2]", "layout.rollouts=[3,4]", "layout.elastic_rollouts=true",
-                    "loop.total_env_steps=50000"),
+                    "loop.total_env_steps=75000"),
 }
 
 
@@ -324,7 +327,7 @@ def test_a_dqn_trainer_joins_beyond_the_plan_and_trains_with_the_others(
     """``loop=dqn`` on 2t2r (a replay shard per trainer): the trainer that joins heals from the
     lead and ends with its weights; its shard fills from the segments dealt to it."""
     app = start_app("dqn-trainer", "loop=dqn", "layout=2t2r", *WAITING,
-                    "loop.total_env_steps=40000")
+                    "loop.total_env_steps=60000")
     app.wait_until("2 updates", lambda: len(rows_so_far(app.run_dir)) >= 2)
     trainer = start_joiner(app.run_dir, "trainer", "trainer")
     app.wait_until("3 trainers", lambda: column(app.run_dir, "trainers")[-1:] == [3],

@@ -200,7 +200,7 @@ def test_with_max_rollouts_the_driver_adds_rollout_actors_as_the_cluster_gains_c
     app = start_app("grown", "launcher.engine=ray", f"launcher.ray.address={cluster.address}",
                     "layout=1t1r", "launcher.ray.cpus_per_rank=2", "launcher.ray.max_rollouts=3",
                     "loop.env.id=WaitingCartPole-v1", "loop.target_return=1e9",
-                    "loop.total_env_steps=51200", "loop.progress=false", "comm.timeout=60")
+                    "loop.total_env_steps=76800", "loop.progress=false", "comm.timeout=60")
 
     def members() -> list[int]:
         return [int(float(r["members"])) for r in rows_so_far(app.run_dir)] or [0]

@@ -245,6 +245,8 @@ class AppProcess:
         deadline = time.monotonic() + timeout
         while not condition():
             if self.proc.poll() is not None:
+                if condition():  # it came true as the app ended
+                    return
                 raise AssertionError(f"the app ended before {what}\n{self.describe()}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {what} after {timeout:.0f}s\n{self.describe()}")
