@@ -223,6 +223,7 @@ def failure_line(run_dir: Path, err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    request: Request | None = None
     try:
         request = parse(sys.argv[1:] if argv is None else argv)
         join(request)
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         say_error(str(err))
         return 2
     except Exception as err:  # the rank failed, or the job ended first
+        if request is None:  # not a joiner's failure: parse itself broke
+            raise
         say_error(failure_line(request.run_dir, err))
         return 1
     return 0
